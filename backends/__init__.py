@@ -1,0 +1,1 @@
+"""Backends: one folder each, registered in layerbench.common.registry."""

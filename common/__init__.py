@@ -1,0 +1,1 @@
+"""Shared pieces of layerbench: interface, registry, contract, shapes and host utilities."""

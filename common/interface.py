@@ -1,0 +1,127 @@
+"""The backend interface: what a backend declares, how it builds a layer, how a layer is called."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from .config import LayerConfig
+from .errors import Unsupported
+from .memory import MemoryPlan, check_fits
+from .validation import validate_inputs
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can run. None in a field means 'no limit'."""
+
+    devices: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    head_dims: tuple[int, ...] | None = None
+    padding: bool = True
+    max_tokens: int | None = None
+    # What the backend does for a query row whose keys are all masked: "zero" (attention
+    # output 0, the project's definition) or "nan" (the baseline's behaviour).
+    all_masked_rows: str = "zero"
+    notes: str = ""
+
+    def describe(self) -> dict:
+        """JSON-friendly description, for listings."""
+        return {
+            "devices": list(self.devices),
+            "dtypes": [str(d).replace("torch.", "") for d in self.dtypes],
+            "head_dims": "any" if self.head_dims is None else list(self.head_dims),
+            "padding": self.padding,
+            "max_tokens": self.max_tokens,
+            "all_masked_rows": self.all_masked_rows,
+            "notes": self.notes,
+        }
+
+
+class Backend(ABC):
+    """One implementation of the stack. Subclasses set name/summary/capabilities and _build."""
+
+    name: str = ""
+    summary: str = ""
+    capabilities: Capabilities = Capabilities()
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        """Why this backend cannot run at all on device (missing toolchain...), or None."""
+        return None
+
+    def memory_plan(self, config: LayerConfig, dtype: torch.dtype) -> MemoryPlan | None:
+        """Device bytes a forward of config needs beyond its input and output, or None if unknown."""
+        return None
+
+    def check(self, config: LayerConfig, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Raise Unsupported with a clear reason if this backend cannot run the case."""
+        device = torch.device(device)
+        caps = self.capabilities
+        if device.type not in caps.devices:
+            raise Unsupported(f"{self.name} runs on {'/'.join(caps.devices)}, not {device.type}")
+        reason = self.unavailable_reason(device)
+        if reason:
+            raise Unsupported(f"{self.name}: {reason}")
+        if dtype not in caps.dtypes:
+            raise Unsupported(f"{self.name} does not take {dtype} inputs")
+        if caps.head_dims is not None and config.head_dim not in caps.head_dims:
+            raise Unsupported(
+                f"{self.name} supports head dims {list(caps.head_dims)}, not {config.head_dim}"
+            )
+        if caps.max_tokens is not None and config.tokens > caps.max_tokens:
+            raise Unsupported(
+                f"{self.name} handles at most {caps.max_tokens} tokens, not {config.tokens}"
+            )
+        plan = self.memory_plan(config, dtype)
+        if plan is not None:
+            check_fits(plan, device, what=f"{self.name} on {config}")
+
+    def build(self, config: LayerConfig, state_dict: Mapping[str, torch.Tensor], *,
+              device: torch.device | str = "cuda", dtype: torch.dtype = torch.float32
+              ) -> "BuiltLayer":
+        """Check the case, then build a callable layer from a reference state_dict."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.check(config, device, dtype)
+        return self._build(config, state_dict, device, dtype)
+
+    @abstractmethod
+    def _build(self, config: LayerConfig, state_dict: Mapping[str, torch.Tensor],
+               device: torch.device, dtype: torch.dtype) -> "BuiltLayer":
+        """Build the layer; the case has already been checked."""
+
+    def describe(self) -> dict:
+        """Name, summary and capabilities as a dict."""
+        return {"name": self.name, "summary": self.summary, **self.capabilities.describe()}
+
+
+class BuiltLayer(ABC):
+    """A layer built by a backend, called like the baseline: layer(x, valid_token_mask) -> out."""
+
+    def __init__(self, backend: Backend, config: LayerConfig, device: torch.device,
+                 dtype: torch.dtype):
+        self.backend = backend
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """Validate the inputs, then run the forward; an empty batch gives an empty output."""
+        validate_inputs(x, valid_token_mask, config=self.config, device=self.device,
+                        dtype=self.dtype, padding=self.backend.capabilities.padding,
+                        who=self.backend.name)
+        if x.shape[0] == 0:
+            return torch.empty_like(x)
+        if x.shape[0] != self.config.batch_size:
+            plan = self.backend.memory_plan(self.config.with_batch(x.shape[0]), self.dtype)
+            if plan is not None:
+                check_fits(plan, self.device, what=f"{self.backend.name} on batch {x.shape[0]}")
+        return self.forward(x, valid_token_mask)
+
+    @abstractmethod
+    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None) -> torch.Tensor:
+        """Compute the stack on validated inputs."""

@@ -1,0 +1,35 @@
+"""Float32 matmul precision (strict IEEE or TF32) as a context manager."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_NEW_API = hasattr(torch.backends.cuda.matmul, "fp32_precision")
+
+
+def _get() -> object:
+    if _NEW_API:
+        return torch.backends.cuda.matmul.fp32_precision
+    return torch.backends.cuda.matmul.allow_tf32
+
+
+def _set(value: object) -> None:
+    if _NEW_API:
+        torch.backends.cuda.matmul.fp32_precision = value
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = value
+
+
+@contextlib.contextmanager
+def fp32_matmul(mode: str):
+    """Run CUDA float32 matmuls as 'ieee' (strict) or 'tf32' inside the block, then restore."""
+    if mode not in ("ieee", "tf32"):
+        raise ValueError(f"mode must be 'ieee' or 'tf32', got {mode!r}")
+    value = mode if _NEW_API else (mode == "tf32")
+    old = _get()
+    _set(value)
+    try:
+        yield
+    finally:
+        _set(old)

@@ -1,0 +1,5 @@
+"""The baseline stack of SPEC.md and its exact oracles."""
+from .model import BaselineStack, make_reference, reference_forward
+from .oracle import streaming_forward
+
+__all__ = ["BaselineStack", "make_reference", "reference_forward", "streaming_forward"]

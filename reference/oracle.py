@@ -1,0 +1,95 @@
+"""The streaming oracle: the baseline's function in strict fp32, query block by query block.
+
+It never forms an [S, S] tensor, so it gives the true output of chosen sequences of any
+shape, shape 14 included. A query row whose keys are all masked gets attention output 0
+(the project's definition; the baseline gives NaN there).
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+from torch.nn import functional as F
+
+from layerbench.common.config import LayerConfig
+from layerbench.common.precision import fp32_matmul
+
+from .model import LN_EPS
+
+
+def _param(sd: Mapping[str, torch.Tensor], name: str, device) -> torch.Tensor:
+    return sd[name].detach().to(device=device, dtype=torch.float32)
+
+
+def _attention_one(q, k, v, valid_keys, causal: bool, query_block: int) -> torch.Tensor:
+    """ctx [S, D] for one sequence; q, k, v are [H, S, hd]."""
+    heads, s, hd = q.shape
+    scale = hd ** -0.5
+    out = torch.empty(s, heads * hd, device=q.device, dtype=torch.float32)
+    for i0 in range(0, s, query_block):
+        i1 = min(s, i0 + query_block)
+        kend = i1 if causal else s
+        scores = torch.matmul(q[:, i0:i1], k[:, :kend].transpose(-1, -2)) * scale
+        allowed = torch.ones(i1 - i0, kend, dtype=torch.bool, device=q.device)
+        if causal:
+            rows = torch.arange(i0, i1, device=q.device)[:, None]
+            allowed &= torch.arange(kend, device=q.device)[None, :] <= rows
+        if valid_keys is not None:
+            allowed &= valid_keys[None, :kend]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        p = torch.softmax(scores, dim=-1)
+        p = torch.where(allowed.any(-1)[None, :, None], p, torch.zeros((), device=q.device))
+        del scores
+        ctx = torch.matmul(p, v[:, :kend])  # [H, Q, hd]
+        out[i0:i1] = ctx.transpose(0, 1).reshape(i1 - i0, heads * hd)
+    return out
+
+
+@torch.no_grad()
+def streaming_forward(state_dict: Mapping[str, torch.Tensor], config: LayerConfig,
+                      x: torch.Tensor, valid_token_mask: torch.Tensor | None = None,
+                      batch_indices: Sequence[int] | None = None, device=None,
+                      query_block: int | None = None) -> torch.Tensor:
+    """Strict-fp32 output [len(batch_indices), S, D] of the chosen sequences (default: all)."""
+    device = torch.device(device) if device is not None else x.device
+    if batch_indices is None:
+        batch_indices = range(x.shape[0])
+    s, d, heads = x.shape[1], config.d_model, config.num_heads
+    if query_block is None:
+        # Keep one [H, Q, S] score block near 2 GiB.
+        query_block = max(16, min(s, (2 << 30) // max(1, 4 * heads * s)))
+    outs = []
+    with fp32_matmul("ieee"):
+        for b in batch_indices:
+            h_x = x[b].to(device=device, dtype=torch.float32)
+            valid = None if valid_token_mask is None else valid_token_mask[b].to(device)
+            for i in range(config.num_layers):
+                p = f"layers.{i}."
+
+                def lin(t, name):
+                    return F.linear(t, _param(state_dict, p + name + ".weight", device),
+                                    _param(state_dict, p + name + ".bias", device))
+
+                def ln(t, name):
+                    return F.layer_norm(t, (d,), _param(state_dict, p + name + ".weight", device),
+                                        _param(state_dict, p + name + ".bias", device), LN_EPS)
+
+                h = ln(h_x, "norm1")
+                q, k, v = (lin(h, f"attention.{n}").view(s, heads, -1).transpose(0, 1)
+                           for n in ("q_proj", "k_proj", "v_proj"))
+                ctx = _attention_one(q, k, v, valid, config.causal, query_block)
+                del q, k, v, h
+                a = lin(ctx, "attention.out_proj")
+                if valid is not None:
+                    a = a.masked_fill(~valid[:, None], 0.0)
+                h_x = h_x + a
+                h_x = h_x + lin(F.gelu(lin(ln(h_x, "norm2"), "ffn_in")), "ffn_out")
+                if valid is not None:
+                    h_x = h_x.masked_fill(~valid[:, None], 0.0)
+            out = F.layer_norm(h_x, (d,), _param(state_dict, "final_norm.weight", device),
+                               _param(state_dict, "final_norm.bias", device), LN_EPS)
+            if valid is not None:
+                out = out.masked_fill(~valid[:, None], 0.0)
+            outs.append(out)
+    return torch.stack(outs) if outs else x.new_empty((0, s, d), dtype=torch.float32)
