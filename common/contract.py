@@ -75,7 +75,7 @@ def compare(output: torch.Tensor, reference: torch.Tensor,
     # the output must be non-finite there too.
     ref_nan = ~torch.isfinite(r)
     ok = torch.where(ref_nan, ~torch.isfinite(u), ok)
-    ratio = torch.where(ok, err / allowed, torch.full_like(err, float("inf")))
+    ratio = torch.where(torch.isfinite(u), err / allowed, torch.full_like(err, float("inf")))
     ratio = torch.where(ref_nan & ok, torch.zeros_like(ratio), ratio)
     failed = int((~ok).sum())
     finite_err = torch.where(torch.isfinite(err), err, torch.full_like(err, float("inf")))

@@ -22,9 +22,6 @@ class Capabilities:
     head_dims: tuple[int, ...] | None = None
     padding: bool = True
     max_tokens: int | None = None
-    # What the backend does for a query row whose keys are all masked: "zero" (attention
-    # output 0, the project's definition) or "nan" (the baseline's behaviour).
-    all_masked_rows: str = "zero"
     notes: str = ""
 
     def describe(self) -> dict:
@@ -35,7 +32,6 @@ class Capabilities:
             "head_dims": "any" if self.head_dims is None else list(self.head_dims),
             "padding": self.padding,
             "max_tokens": self.max_tokens,
-            "all_masked_rows": self.all_masked_rows,
             "notes": self.notes,
         }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from importlib.metadata import entry_points
 
+from .errors import Unsupported  # noqa: F401  (re-exported for users)
 from .interface import Backend
 
 ENTRY_POINT_GROUP = "layerbench.backends"

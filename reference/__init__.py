@@ -1,5 +1,7 @@
 """The baseline stack of SPEC.md and its exact oracles."""
 from .model import BaselineStack, make_reference, reference_forward
+from .exact import exact_output
 from .oracle import streaming_forward
 
-__all__ = ["BaselineStack", "make_reference", "reference_forward", "streaming_forward"]
+__all__ = ["BaselineStack", "exact_output", "make_reference", "reference_forward",
+           "streaming_forward"]

@@ -19,7 +19,6 @@ class TorchBaselineBackend(Backend):
     capabilities = Capabilities(
         devices=("cuda", "cpu"),
         dtypes=(torch.float32,),
-        all_masked_rows="nan",
         notes="fp32 only: the harness's configuration; forms [B,H,S,S] scores",
     )
 

@@ -1,0 +1,124 @@
+"""One case end to end: build a backend from the reference, run it, check it, time it.
+
+The conformance suite, the benchmark suite and the compare command all go through here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .contract import ContractReport, compare
+from .flops import throughput
+from .inputs import make_inputs
+from .interface import BuiltLayer
+from .registry import get_backend
+from .shapes import Shape
+from .timing import alternating_medians_ms, peak_memory_bytes
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32, and so on."""
+    return str(dtype).replace("torch.", "")
+
+
+def poison_cached_memory(device: torch.device, nbytes: int) -> None:
+    """Fill nbytes of the CUDA caching allocator with NaN and free them, so that output
+    buffers a backend allocates next start as NaN and unwritten elements fail the contract."""
+    if device.type != "cuda" or nbytes <= 0:
+        return
+    block = torch.full((nbytes // 4 + 1,), float("nan"), device=device)
+    del block
+
+
+@dataclass
+class Prepared:
+    """A case's reference model and inputs."""
+
+    shape: Shape
+    model: torch.nn.Module
+    x: torch.Tensor
+    mask: torch.Tensor | None
+    padding: float
+    seed: int
+
+
+def prepare(shape: Shape, *, padding: float, dtype: torch.dtype, seed: int, device
+            ) -> Prepared:
+    """The reference (LayerNorm parameters randomised) and fresh inputs for one case."""
+    from layerbench.reference import make_reference
+
+    model = make_reference(shape.config, seed=seed, randomize_norms=True)
+    x, mask = make_inputs(shape.config, padding_ratio=padding, seed=seed + 1, device=device,
+                          dtype=dtype)
+    return Prepared(shape, model, x, mask, padding, seed)
+
+
+def build(backend_name: str, prepared: Prepared) -> BuiltLayer:
+    """Build backend_name for the case from the reference's state_dict."""
+    backend = get_backend(backend_name)
+    return backend.build(prepared.shape.config, prepared.model.state_dict(),
+                         device=prepared.x.device, dtype=prepared.x.dtype)
+
+
+def check(layer: BuiltLayer, prepared: Prepared, reference=None
+          ) -> tuple[ContractReport, tuple[torch.Tensor, list[int] | None]]:
+    """Run layer on the case (memory poisoned first) and apply the official contract.
+
+    reference is (output, batch indices) from a previous call, or None to compute it.
+    """
+    from layerbench.reference import exact_output
+
+    if reference is None:
+        gen = torch.Generator().manual_seed(prepared.seed)
+        reference = exact_output(prepared.model, prepared.x, prepared.mask, generator=gen)
+    ref, indices = reference
+    poison_cached_memory(prepared.x.device, 2 * prepared.x.numel() * prepared.x.element_size())
+    with torch.no_grad():
+        out = layer(prepared.x, prepared.mask)
+    if indices is not None:
+        out = out[indices]
+    return compare(out, ref, "official"), reference
+
+
+@dataclass
+class Timing:
+    """Median latency of a backend and of torch-baseline timed in alternating rounds."""
+
+    median_ms: float
+    baseline_ms: float | None
+    peak_memory_bytes: int | None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float | None:
+        """torch-baseline median over this median, or None where the baseline cannot run."""
+        return None if self.baseline_ms is None else self.baseline_ms / self.median_ms
+
+
+def time_against_baseline(layer: BuiltLayer, prepared: Prepared, baseline: BuiltLayer | None,
+                          *, rounds: int = 20, max_seconds: float = 20.0) -> Timing:
+    """Median ms of layer, and of baseline in alternating rounds when given, plus throughput."""
+    x, mask, device = prepared.x, prepared.mask, prepared.x.device
+
+    def run(target):
+        def call():
+            with torch.no_grad():
+                target(x, mask)
+        return call
+
+    fns = [run(layer)] + ([run(baseline)] if baseline is not None else [])
+    medians = alternating_medians_ms(fns, device, rounds=rounds, max_seconds=max_seconds)
+    peak = peak_memory_bytes(run(layer), device)
+    extra = throughput(prepared.shape.config, medians[0], device)
+    return Timing(medians[0], medians[1] if baseline is not None else None, peak, extra)
+
+
+def fmt_ms(value: float | None) -> str:
+    """A latency for tables."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.3f}" if value < 10 else f"{value:.1f}"

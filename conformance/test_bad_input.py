@@ -1,0 +1,99 @@
+"""Bad input is refused the same way by every backend (the checks live in common/)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerbench.common.config import LayerConfig
+from layerbench.common.errors import MemoryPlanError, Unsupported
+from layerbench.common.inputs import make_inputs
+from layerbench.common.registry import get_backend
+from layerbench.common.shapes import CI
+from layerbench.reference import make_reference, reference_forward
+
+CFG = CI[3].config
+
+
+@pytest.fixture
+def built(backend_name, device, seed):
+    """(layer, model, x, mask) for a small fp32 case, or a skip with the backend's reason."""
+    model = make_reference(CFG, seed=seed)
+    try:
+        layer = get_backend(backend_name).build(CFG, model.state_dict(), device=device)
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+    x, mask = make_inputs(CFG, seed=seed, device=device, padding_ratio=0.25)
+    return layer, model, x, mask
+
+
+def _other_device(device):
+    return torch.device("cpu") if device.type == "cuda" else torch.device("meta")
+
+
+BAD_CASES = {
+    "dtype": (lambda x, m, dev: (x.double(), m), TypeError, "dtype"),
+    "device": (lambda x, m, dev: (x.to(_other_device(dev)), m), ValueError, "is on"),
+    "rank": (lambda x, m, dev: (x[0], m), ValueError, "rank"),
+    "d_model": (lambda x, m, dev: (x[..., :-1].contiguous(), m), ValueError, "d_model"),
+    "mask_shape": (lambda x, m, dev: (x, m[:, :-1].contiguous()), ValueError, "mask has shape"),
+    "mask_dtype": (lambda x, m, dev: (x, m.float()), TypeError, "bool"),
+    "non_contiguous": (lambda x, m, dev: (x.transpose(0, 1).contiguous().transpose(0, 1), m),
+                       ValueError, "contiguous"),
+    "not_a_tensor": (lambda x, m, dev: (x.tolist(), m), TypeError, "torch.Tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CASES))
+def test_bad_input_is_refused(built, case, device):
+    """Each malformed call raises a TypeError/ValueError naming the problem."""
+    layer, _, x, mask = built
+    mutate, error, words = BAD_CASES[case]
+    bad_x, bad_mask = mutate(x, mask, device)
+    with pytest.raises(error, match=words):
+        layer(bad_x, bad_mask)
+
+
+def test_empty_batch(built):
+    """A batch of zero sequences gives an empty output of the right shape and dtype."""
+    layer, _, x, mask = built
+    out = layer(x[:0], mask[:0])
+    assert out.shape == (0, CFG.seq_len, CFG.d_model) and out.dtype == x.dtype
+
+
+def test_nan_propagates_like_the_reference(built, device):
+    """A NaN in one valid token poisons exactly the outputs it poisons in the reference."""
+    layer, model, x, mask = built
+    x = x.clone()
+    x[0, 5, 3] = float("nan")
+    mask = mask.clone()
+    mask[0, :8] = True
+    with torch.no_grad():
+        out = layer(x, mask)
+    expected = reference_forward(model.to(device), x, mask)
+    model.to("cpu")
+    got_bad = ~torch.isfinite(out).all(-1)
+    want_bad = ~torch.isfinite(expected).all(-1)
+    assert want_bad.any(), "the reference should have non-finite rows here"
+    assert torch.equal(got_bad, want_bad), (
+        f"non-finite rows differ: got {got_bad.nonzero().tolist()[:6]}, "
+        f"reference {want_bad.nonzero().tolist()[:6]}")
+
+
+def test_heads_must_divide_d_model():
+    """A config with d_model % num_heads != 0 is refused before any backend sees it."""
+    with pytest.raises(ValueError, match="divisible"):
+        LayerConfig(2, 16, 130, 4, 64, 1)
+
+
+def test_memory_plan_refuses_before_allocating(backend_name, device):
+    """A case far larger than the device is refused by the memory plan, allocating nothing."""
+    huge = LayerConfig(1, 20_000_000, 1024, 16, 4096, 1)
+    backend = get_backend(backend_name)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    with pytest.raises(Unsupported) as info:
+        backend.check(huge, device, torch.float32)
+    if not isinstance(info.value, MemoryPlanError):
+        pytest.skip(f"refused earlier: {info.value}")
+    assert "GiB" in str(info.value)
+    if before is not None:
+        assert torch.cuda.memory_allocated(device) == before
