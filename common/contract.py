@@ -25,6 +25,7 @@ class ContractReport:
     atol: float
     rtol: float
     reason: str = ""
+    peak_memory_bytes: int | None = None  # of the forward that produced the output, if known
 
     def summary(self) -> str:
         """One paragraph naming the counts, the errors and the worst element."""

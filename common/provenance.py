@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 from importlib import metadata
@@ -32,16 +33,17 @@ def gpu_slug(device=None) -> str:
 
 
 def collect() -> dict:
-    """A dict naming what produced a set of results."""
+    """A dict naming what produced a set of results (LAYERBENCH_COMMIT names the commit where
+    the tree has no .git, as on a machine that received a copy of it)."""
     versions = {}
     for pkg in PACKAGES:
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             pass
+    commit = os.environ.get("LAYERBENCH_COMMIT") or _run(["git", "rev-parse", "HEAD"])
     info = {
-        "commit": _run(["git", "rev-parse", "HEAD"]),
-        "commit_dirty": bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
+        "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "versions": versions,

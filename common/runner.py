@@ -15,7 +15,7 @@ from .inputs import make_inputs
 from .interface import BuiltLayer
 from .registry import get_backend
 from .shapes import Shape
-from .timing import alternating_medians_ms, peak_memory_bytes
+from .timing import alternating_medians_ms
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -76,12 +76,19 @@ def check(layer: BuiltLayer, prepared: Prepared, reference=None
         gen = torch.Generator().manual_seed(prepared.seed)
         reference = exact_output(prepared.model, prepared.x, prepared.mask, generator=gen)
     ref, indices = reference
-    poison_cached_memory(prepared.x.device, 2 * prepared.x.numel() * prepared.x.element_size())
+    device = prepared.x.device
+    poison_cached_memory(device, 2 * prepared.x.numel() * prepared.x.element_size())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
         out = layer(prepared.x, prepared.mask)
     if indices is not None:
         out = out[indices]
-    return compare(out, ref, "official"), reference
+    report = compare(out, ref, "official")
+    if device.type == "cuda":
+        report.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
+    return report, reference
 
 
 @dataclass
@@ -90,7 +97,6 @@ class Timing:
 
     median_ms: float
     baseline_ms: float | None
-    peak_memory_bytes: int | None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -100,7 +106,8 @@ class Timing:
 
 
 def time_against_baseline(layer: BuiltLayer, prepared: Prepared, baseline: BuiltLayer | None,
-                          *, rounds: int = 20, max_seconds: float = 20.0) -> Timing:
+                          *, rounds: int = 20, max_seconds: float = 20.0, warmup: int = 3
+                          ) -> Timing:
     """Median ms of layer, and of baseline in alternating rounds when given, plus throughput."""
     x, mask, device = prepared.x, prepared.mask, prepared.x.device
 
@@ -111,10 +118,10 @@ def time_against_baseline(layer: BuiltLayer, prepared: Prepared, baseline: Built
         return call
 
     fns = [run(layer)] + ([run(baseline)] if baseline is not None else [])
-    medians = alternating_medians_ms(fns, device, rounds=rounds, max_seconds=max_seconds)
-    peak = peak_memory_bytes(run(layer), device)
+    medians = alternating_medians_ms(fns, device, rounds=rounds, max_seconds=max_seconds,
+                                     warmup=warmup)
     extra = throughput(prepared.shape.config, medians[0], device)
-    return Timing(medians[0], medians[1] if baseline is not None else None, peak, extra)
+    return Timing(medians[0], medians[1] if baseline is not None else None, extra)
 
 
 def fmt_ms(value: float | None) -> str:

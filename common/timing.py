@@ -53,15 +53,3 @@ def alternating_medians_ms(fns: Sequence[Callable[[], object]], device, *, warmu
 def median_ms(fn: Callable[[], object], device, **kwargs) -> float:
     """Median ms of fn alone (see alternating_medians_ms)."""
     return alternating_medians_ms([fn], device, **kwargs)[0]
-
-
-def peak_memory_bytes(fn: Callable[[], object], device) -> int | None:
-    """Peak bytes the torch allocator held during one call of fn (None on CPU)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return int(torch.cuda.max_memory_allocated(device))

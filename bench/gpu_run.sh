@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# On a CUDA machine: install layerbench, run the conformance suite and the benchmark on the
+# official shapes, and write results/<gpu>/ (results.json, results.md, speedup.png).
+# Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
+#
+#   bash bench/gpu_run.sh [all|conformance|bench|collect]
+#   BACKENDS="torch-sdpa triton" SHAPES=official bash bench/gpu_run.sh
+set -uo pipefail
+stage=${1:-all}
+OUT=${OUT:-out/gpu}
+BACKENDS=${BACKENDS:-all}
+SHAPES=${SHAPES:-official}
+EXTRA=${EXTRA:-}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+    || { cat "$OUT/install.log"; exit 1; }
+backend_args=()
+for b in $BACKENDS; do backend_args+=(--backend "$b"); done
+python3 -c "import json; from layerbench.common import provenance as p; \
+json.dump(p.collect(), open('$OUT/provenance.json', 'w'), indent=1)"
+gpu=$(python3 -c "from layerbench.common.provenance import gpu_slug; print(gpu_slug())")
+status=0
+if [[ $stage == all || $stage == conformance ]]; then
+    python3 -m pytest conformance "${backend_args[@]}" --shapes "$SHAPES" -q -p no:cacheprovider \
+        --results-file "$OUT/conformance.jsonl" $EXTRA 2>&1 | tee -a "$OUT/conformance.log"
+    status=$((status | ${PIPESTATUS[0]}))
+fi
+if [[ $stage == all || $stage == bench ]]; then
+    python3 -m pytest bench "${backend_args[@]}" --shapes "$SHAPES" -q -p no:cacheprovider \
+        --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds \
+        --benchmark-sort=fullname $EXTRA 2>&1 | tee -a "$OUT/bench.log"
+    status=$((status | ${PIPESTATUS[0]}))
+fi
+if [[ $stage == all || $stage == collect ]] && [[ -f $OUT/conformance.jsonl && -f $OUT/bench.json ]]; then
+    python3 -m layerbench.common.cli collect --conformance "$OUT/conformance.jsonl" --bench "$OUT/bench.json" \
+        --provenance "$OUT/provenance.json" --out "results/$gpu"
+fi
+exit $status
