@@ -4,7 +4,8 @@
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
 #   bash bench/gpu_run.sh [all|conformance|bench|collect]
-#   BACKENDS="torch-sdpa triton" SHAPES=official bash bench/gpu_run.sh
+#   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
+# KEXPR is a pytest -k expression; EXTRA adds more pytest arguments.
 set -uo pipefail
 stage=${1:-all}
 OUT=${OUT:-out/gpu}
@@ -23,13 +24,13 @@ gpu=$(python3 -c "from layerbench.common.provenance import gpu_slug; print(gpu_s
 status=0
 if [[ $stage == all || $stage == conformance ]]; then
     python3 -m pytest conformance "${backend_args[@]}" --shapes "$SHAPES" -q -p no:cacheprovider \
-        --results-file "$OUT/conformance.jsonl" $EXTRA 2>&1 | tee -a "$OUT/conformance.log"
+        --results-file "$OUT/conformance.jsonl" ${KEXPR:+-k "$KEXPR"} $EXTRA 2>&1 | tee -a "$OUT/conformance.log"
     status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $stage == all || $stage == bench ]]; then
     python3 -m pytest bench "${backend_args[@]}" --shapes "$SHAPES" -q -p no:cacheprovider \
         --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds \
-        --benchmark-sort=fullname $EXTRA 2>&1 | tee -a "$OUT/bench.log"
+        --benchmark-sort=fullname ${KEXPR:+-k "$KEXPR"} $EXTRA 2>&1 | tee -a "$OUT/bench.log"
     status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $stage == all || $stage == collect ]] && [[ -f $OUT/conformance.jsonl && -f $OUT/bench.json ]]; then
