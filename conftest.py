@@ -1,10 +1,15 @@
 """Command-line options shared by the conformance and benchmark suites."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (set before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):

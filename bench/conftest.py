@@ -28,6 +28,7 @@ class ShapeState:
         self.shape = None
         self.prepared = self.reference = self.baseline = None
         self.baseline_reason = ""
+        self.baseline_bench_ms = None
 
     def enter(self, shape):
         """Make shape current, preparing its inputs and torch-baseline on first use."""
@@ -36,7 +37,7 @@ class ShapeState:
 
         if shape is self.shape:
             return self
-        self.prepared = self.reference = self.baseline = None
+        self.prepared = self.reference = self.baseline = self.baseline_bench_ms = None
         import torch
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -15,9 +15,12 @@ class GraphedForward:
     """
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
-                 max_graphs: int = 2):
+                 max_graphs: int = 2, max_elements: int = 1 << 26):
         self.forward = forward
         self.max_graphs = max_graphs
+        # Inputs larger than this run eagerly: launches are a negligible part of their time,
+        # and a graph's private memory pool would hold a second copy of the workspace.
+        self.max_elements = max_elements
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.seen: set[tuple] = set()
 
@@ -28,7 +31,8 @@ class GraphedForward:
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Forward of (x, mask), through a graph once these buffers have been seen twice."""
-        if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        if (x.device.type != "cuda" or x.numel() > self.max_elements
+                or torch.cuda.is_current_stream_capturing()):
             return self.forward(x, mask)
         key = self._key(x, mask)
         if key in self.graphs:

@@ -22,6 +22,7 @@ BUILTIN = {
     "torch-baseline": "layerbench.backends.torch_baseline:TorchBaselineBackend",
     "torch-sdpa": "layerbench.backends.torch_sdpa:TorchSdpaBackend",
     "torch-compile": "layerbench.backends.torch_compile:TorchCompileBackend",
+    "triton": "layerbench.backends.triton:TritonBackend",
 }
 
 PEERS = ("torch-baseline", "torch-sdpa", "torch-compile")

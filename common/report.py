@@ -33,10 +33,11 @@ def rows_from_benchmark_json(data: dict) -> list[dict]:
 
 
 def _order(rows: list[dict]) -> tuple[list[str], list[int]]:
-    backends: list[str] = []
-    for row in rows:
-        if row["backend"] not in backends:
-            backends.append(row["backend"])
+    from .registry import backend_names
+
+    known = backend_names()
+    backends = sorted({row["backend"] for row in rows},
+                      key=lambda b: (known.index(b) if b in known else len(known), b))
     shapes = sorted({row["shape"] for row in rows})
     return backends, shapes
 
@@ -57,7 +58,7 @@ def _cell(row: dict | None) -> str:
     if row.get("median_ms") is None:
         return "-"
     ms = row["median_ms"]
-    text = f"{ms:.3f} ms" if ms < 10 else f"{ms:.1f} ms"
+    text = f"{ms:.3f} ms" if ms < 10 else f"{ms:.1f} ms" if ms < 10000 else f"{ms / 1e3:.2f} s"
     if row.get("speedup") is not None:
         text += f" ({row['speedup']:.2f}x)"
     return text

@@ -30,6 +30,7 @@ def collect_results(conformance_log: Path, bench_json: Path, out_dir: Path,
             "backend": backend,
             "shape": shape,
             "passed": (all(c["passed"] for c in runs) if runs else timed.get("passed")),
+            "bench_check_passed": timed.get("passed"),
             "failed_elements": sum(c["failed_elements"] for c in runs) if runs else None,
             "max_abs_error": max((c["max_abs_error"] for c in runs), default=timed.get(
                 "max_abs_error")),

@@ -52,7 +52,8 @@ def prepare(shape: Shape, *, padding: float, dtype: torch.dtype, seed: int, devi
     from layerbench.reference import make_reference
 
     model = make_reference(shape.config, seed=seed, randomize_norms=True)
-    x, mask = make_inputs(shape.config, padding_ratio=padding, seed=seed + 1, device=device,
+    input_seed = seed + 1 + int(round(padding * 1000))
+    x, mask = make_inputs(shape.config, padding_ratio=padding, seed=input_seed, device=device,
                           dtype=dtype)
     return Prepared(shape, model, x, mask, padding, seed)
 
@@ -122,6 +123,14 @@ def time_against_baseline(layer: BuiltLayer, prepared: Prepared, baseline: Built
                                      warmup=warmup)
     extra = throughput(prepared.shape.config, medians[0], device)
     return Timing(medians[0], medians[1] if baseline is not None else None, extra)
+
+
+def median_forward_ms(layer: BuiltLayer, prepared: Prepared, rounds: int = 3) -> float:
+    """Median ms of a few forwards of layer on the case (for sizing longer measurements)."""
+    def call():
+        with torch.no_grad():
+            layer(prepared.x, prepared.mask)
+    return alternating_medians_ms([call], prepared.x.device, warmup=0, rounds=rounds)[0]
 
 
 def fmt_ms(value: float | None) -> str:

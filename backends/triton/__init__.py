@@ -1,1 +1,47 @@
-"""backends/triton"""
+"""triton: the whole stack in Triton kernels (fused LayerNorm-GEMMs, flash attention)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from layerbench.common.interface import Backend, Capabilities
+from layerbench.common.memory import MemoryPlan
+from layerbench.common.params import param_bytes
+
+from .layer import DEFAULT_PRECISION, Precision, TritonLayer, working_bytes_per_sequence
+
+
+class TritonBackend(Backend):
+    """Five Triton kernels per block plus a final LayerNorm, replayed as one CUDA graph."""
+
+    name = "triton"
+    summary = "Triton: LayerNorm-fused GEMMs, flash attention, fused epilogues, CUDA graph"
+    capabilities = Capabilities(
+        devices=("cuda", "cpu"),
+        head_dims=(8, 16, 32, 64, 128, 256),
+        notes="cpu runs the Triton interpreter (TRITON_INTERPRET=1); fp32 residual stream",
+    )
+
+    def __init__(self, precision: Precision = DEFAULT_PRECISION):
+        self.precision = precision
+
+    def unavailable_reason(self, device):
+        """Triton must import; on a CPU the interpreter must be switched on."""
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return f"triton is not installed ({exc})"
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "on a CPU, Triton kernels need TRITON_INTERPRET=1"
+        return None
+
+    def memory_plan(self, config, dtype):
+        """One sequence's workspace (the layer streams the batch) plus the packed weights."""
+        return MemoryPlan({
+            "one sequence": working_bytes_per_sequence(config, self.precision),
+            "parameters": param_bytes(config),
+        })
+
+    def _build(self, config, state_dict, device, dtype):
+        return TritonLayer(self, config, state_dict, device, dtype, self.precision)

@@ -1,0 +1,87 @@
+"""Causal flash attention forward over the packed [tokens, 3*d_model] QKV buffer.
+
+Online softmax in fp32 (base 2), key blocks above the diagonal are never visited, the key
+padding mask is applied per key block, and a query row with no visible key gets output 0.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .precision import mma
+
+
+@triton.jit
+def flash_attention_kernel(
+    qkv_ptr, ctx_ptr, valid_ptr, S, H, D, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One block of BLOCK_M queries of one (sequence, head)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_PAD)
+    d_ok = offs_d < HEAD_DIM
+    row_stride = 3 * D
+    base = qkv_ptr + b.to(tl.int64) * S * row_stride
+    q_cols = h * HEAD_DIM + offs_d
+    q = tl.load(base + offs_m[:, None].to(tl.int64) * row_stride + q_cols[None, :],
+                mask=(offs_m < S)[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    hi = tl.minimum((pid_m + 1) * BLOCK_M, S)
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < S
+        rows_n = offs_n.to(tl.int64) * row_stride
+        k_t = tl.load(base + rows_n[None, :] + (D + q_cols)[:, None],
+                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        s = mma(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION) * qk_scale
+        allowed = (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :]
+        if HAS_VALID:
+            key_ok = tl.load(valid_ptr + b * S + offs_n, mask=n_ok, other=0) != 0
+            allowed = allowed & key_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(base + rows_n[:, None] + (2 * D + q_cols)[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = mma(p, v, acc * alpha[:, None], PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    ctx_rows = (b.to(tl.int64) * S + offs_m) * D
+    tl.store(ctx_ptr + ctx_rows[:, None] + q_cols[None, :], out.to(ctx_ptr.dtype.element_ty),
+             mask=(offs_m < S)[:, None] & d_ok[None, :])
+
+
+def flash_attention(qkv: torch.Tensor, ctx: torch.Tensor, valid: torch.Tensor | None, *,
+                    batch: int, seq_len: int, num_heads: int, precision: str) -> torch.Tensor:
+    """ctx[B*S, D] = causal softmax(q k^T / sqrt(hd)) v for every head, from qkv[B*S, 3D]."""
+    d = ctx.shape[1]
+    head_dim = d // num_heads
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    wide = head_pad * (2 if precision == "fp16" else 4) > 256
+    block_m, block_n = 64, (32 if wide else 64)
+    num_warps = 8 if head_pad >= 256 else 4
+    num_stages = 1 if head_pad >= 256 and precision != "fp16" else 2
+    grid = (triton.cdiv(seq_len, block_m), batch * num_heads)
+    flash_attention_kernel[grid](
+        qkv, ctx, valid if valid is not None else qkv, seq_len, num_heads, d,
+        head_dim ** -0.5 * math.log2(math.e),
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad, HAS_VALID=valid is not None,
+        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return ctx

@@ -1,0 +1,99 @@
+"""The Triton layer: packs weights, plans workspace, launches the kernels block by block."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from layerbench.common.graphs import GraphedForward
+from layerbench.common.interface import BuiltLayer
+from layerbench.common.memory import sequences_per_chunk
+from layerbench.common.params import pack_params, param_bytes
+
+from .attention import flash_attention
+from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear
+from .norm import final_norm
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Matmul precision of the linear layers and of attention (see precision.MODES)."""
+
+    linear: str = "tf32x3"
+    attention: str = "tf32x3"
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """Storage of QKV, context and FFN hidden: fp16 where every consumer rounds to fp16."""
+        if self.linear == "fp16" and self.attention == "fp16":
+            return torch.float16
+        return torch.float32
+
+
+DEFAULT_PRECISION = Precision()
+
+
+def working_bytes_per_sequence(config, precision: Precision) -> int:
+    """Workspace bytes per sequence: fp32 residual, QKV, context and FFN hidden rows."""
+    act = torch.empty((), dtype=precision.activation_dtype).element_size()
+    s, d, f = config.seq_len, config.d_model, config.ffn_dim
+    return s * (4 * d + act * (4 * d + f))
+
+
+class TritonLayer(BuiltLayer):
+    """Streams the batch in chunks that fit; each chunk runs 5 kernels per block + final norm."""
+
+    def __init__(self, backend, config, state_dict, device, dtype, precision: Precision):
+        super().__init__(backend, config, device, dtype)
+        self.precision = precision
+        weight_dtype = torch.float16 if precision.linear == "fp16" else torch.float32
+        self.params = pack_params(config, state_dict, device=device, dtype=torch.float32,
+                                  weight_dtype=weight_dtype)
+        self.graphed = GraphedForward(self._forward)
+
+    def forward(self, x, valid_token_mask):
+        return self.graphed(x, valid_token_mask)
+
+    def _forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, d = x.shape
+        cfg = replace(self.config, batch_size=1, seq_len=s)
+        per_seq = working_bytes_per_sequence(cfg, self.precision)
+        chunk = sequences_per_chunk(per_seq, param_bytes(cfg), b, self.device)
+        rows = min(chunk, b) * s
+        act = self.precision.activation_dtype
+        work = {
+            "residual": torch.empty(rows, d, device=x.device, dtype=torch.float32),
+            "qkv": torch.empty(rows, 3 * d, device=x.device, dtype=act),
+            "ctx": torch.empty(rows, d, device=x.device, dtype=act),
+            "hidden": torch.empty(rows, cfg.ffn_dim, device=x.device, dtype=act),
+        }
+        valid = None
+        if valid_token_mask is not None:
+            valid = valid_token_mask.view(torch.uint8)
+        out = torch.empty_like(x)
+        for b0 in range(0, b, chunk):
+            b1 = min(b, b0 + chunk)
+            self._run_chunk(x[b0:b1].view(-1, d), None if valid is None else valid[b0:b1],
+                            out[b0:b1].view(-1, d), b1 - b0, s, work)
+        return out
+
+    def _run_chunk(self, x2, valid, out2, batch, s, work):
+        t = x2.shape[0]
+        lin, att = self.precision.linear, self.precision.attention
+        res, qkv = work["residual"][:t], work["qkv"][:t]
+        ctx, hidden = work["ctx"][:t], work["hidden"][:t]
+        valid_rows = None if valid is None else valid.reshape(-1)
+        src = x2
+        for p in self.params.layers:
+            fused_linear(src, p.qkv_weight, p.qkv_bias, qkv, precision=lin,
+                         ln=(p.norm1_weight, p.norm1_bias))
+            flash_attention(qkv, ctx, valid, batch=batch, seq_len=s,
+                            num_heads=self.config.num_heads, precision=att)
+            fused_linear(ctx, p.out_weight, p.out_bias, res, precision=lin, residual=src,
+                         zero_mode=ZERO_UPDATE, valid=valid_rows)
+            fused_linear(res, p.ffn_in_weight, p.ffn_in_bias, hidden, precision=lin,
+                         ln=(p.norm2_weight, p.norm2_bias), gelu=True)
+            fused_linear(hidden, p.ffn_out_weight, p.ffn_out_bias, res, precision=lin,
+                         residual=res, zero_mode=ZERO_SUM, valid=valid_rows)
+            src = res
+        final_norm(src, self.params.final_weight, self.params.final_bias, out2, valid_rows)

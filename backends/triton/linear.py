@@ -1,0 +1,104 @@
+"""Linear layers as one Triton GEMM kernel with a fused LayerNorm prologue and epilogues.
+
+y = [LN](a) @ W^T + bias, then optionally exact GELU, or a residual add with invalid-row
+zeroing. The LayerNorm statistics of each row block are computed inside the kernel (two
+passes over K), so normalised rows never reach memory.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .precision import mma
+
+# Where invalid rows are zeroed in the residual epilogue.
+ZERO_NONE, ZERO_UPDATE, ZERO_SUM = 0, 1, 2
+
+
+@triton.jit
+def fused_linear_kernel(
+    a_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, valid_ptr, ln_w_ptr, ln_b_ptr,
+    M, N, K, eps,
+    LN: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr, ZERO_MODE: tl.constexpr,
+    HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of out = epilogue(prologue(a) @ w^T + bias)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+
+    if LN:
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            tile_ok = row_ok[:, None] & (ks < K)[None, :]
+            x = tl.load(a_ptr + rows[:, None] * K + ks[None, :], mask=tile_ok, other=0.0)
+            total += tl.sum(x.to(tl.float32), axis=1)
+        mean = total / K
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            tile_ok = row_ok[:, None] & (ks < K)[None, :]
+            x = tl.load(a_ptr + rows[:, None] * K + ks[None, :], mask=tile_ok, other=0.0)
+            d = tl.where(tile_ok, x.to(tl.float32) - mean[:, None], 0.0)
+            sq += tl.sum(d * d, axis=1)
+        rstd = 1.0 / tl.sqrt(sq / K + eps)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        tile_ok = row_ok[:, None] & k_ok[None, :]
+        a = tl.load(a_ptr + rows[:, None] * K + ks[None, :], mask=tile_ok, other=0.0)
+        a = a.to(tl.float32)
+        if LN:
+            g = tl.load(ln_w_ptr + ks, mask=k_ok, other=0.0)
+            b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0)
+            a = (a - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
+            a = tl.where(tile_ok, a, 0.0)
+        w = tl.load(w_ptr + cols[None, :] * K + ks[:, None],
+                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = mma(a, w, acc, PRECISION)
+
+    acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if GELU:
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * N + cols[None, :]
+    if RESIDUAL:
+        if HAS_VALID:
+            valid = tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0
+        if ZERO_MODE == 1 and HAS_VALID:
+            acc = tl.where(valid[:, None], acc, 0.0)
+        acc += tl.load(res_ptr + offsets, mask=out_ok, other=0.0).to(tl.float32)
+        if ZERO_MODE == 2 and HAS_VALID:
+            acc = tl.where(valid[:, None], acc, 0.0)
+    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def fused_linear(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
+                 *, precision: str, ln: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 gelu: bool = False, residual: torch.Tensor | None = None,
+                 zero_mode: int = ZERO_NONE, valid: torch.Tensor | None = None,
+                 eps: float = 1e-5) -> torch.Tensor:
+    """out[M, N] = epilogue(LN?(a[M, K]) @ weight[N, K]^T + bias); see the kernel's flags."""
+    m, k = a.shape
+    n = weight.shape[0]
+    block_m, block_n = 64, 64
+    block_k = 32 if k <= 32 or precision != "fp16" else 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    ln_w, ln_b = ln if ln is not None else (bias, bias)
+    fused_linear_kernel[grid](
+        a, weight, bias, out, residual if residual is not None else out,
+        valid if valid is not None else bias, ln_w, ln_b,
+        m, n, k, eps,
+        LN=ln is not None, GELU=gelu, RESIDUAL=residual is not None, ZERO_MODE=zero_mode,
+        HAS_VALID=valid is not None, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+    )
+    return out
