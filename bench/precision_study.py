@@ -29,6 +29,7 @@ def main() -> int:
     parser.add_argument("--attention", default="fp16,tf32,tf32x3")
     parser.add_argument("--padding", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,7 +42,7 @@ def main() -> int:
             backend = TritonBackend(Precision(lin, att))
             layer = backend.build(shape.config, prepared.model.state_dict(), device=device)
             report, reference = runner.check(layer, prepared, reference)
-            ms = runner.median_forward_ms(layer, prepared, rounds=10)
+            ms = runner.median_forward_ms(layer, prepared, rounds=args.rounds)
             row = {"shape": shape.number, "linear": lin, "attention": att,
                    "worst_ratio": report.worst_ratio, "max_abs_error": report.max_abs_error,
                    "failed": report.failed_elements, "median_ms": ms}
