@@ -1,6 +1,7 @@
 """CUDA-graph capture and replay of a built layer's forward, keyed by its input buffers."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -23,6 +24,7 @@ class GraphedForward:
         self.max_elements = max_elements
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.seen: set[tuple] = set()
+        self.uncapturable: set[tuple] = set()
 
     @staticmethod
     def _key(x, mask):
@@ -35,6 +37,8 @@ class GraphedForward:
                 or torch.cuda.is_current_stream_capturing()):
             return self.forward(x, mask)
         key = self._key(x, mask)
+        if key in self.uncapturable:
+            return self.forward(x, mask)
         if key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
@@ -42,7 +46,12 @@ class GraphedForward:
         if key not in self.seen:
             self.seen.add(key)
             return self.forward(x, mask)
-        graph, out = self._capture(x, mask)
+        try:
+            graph, out = self._capture(x, mask)
+        except RuntimeError as exc:  # capture refused: run these buffers eagerly from now on
+            warnings.warn(f"CUDA graph capture failed, running eagerly: {exc}")
+            self.uncapturable.add(key)
+            return self.forward(x, mask)
         if len(self.graphs) >= self.max_graphs:
             self.graphs.pop(next(iter(self.graphs)))
         self.graphs[key] = (graph, out)

@@ -1,7 +1,8 @@
 """Causal flash attention forward over the packed [tokens, 3*d_model] QKV buffer.
 
-Online softmax in fp32 (base 2), key blocks above the diagonal are never visited, the key
-padding mask is applied per key block, and a query row with no visible key gets output 0.
+Online softmax in fp32 (base 2); key blocks above the diagonal are never visited and only
+the diagonal blocks pay for the causal test; the key padding mask is applied per key block;
+a query row with no visible key gets output 0.
 """
 from __future__ import annotations
 
@@ -11,7 +12,39 @@ import torch
 import triton
 import triton.language as tl
 
-from .precision import mma
+from .precision import INTERPRETER, mma
+
+
+@triton.jit
+def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, D, q_cols, offs_m, d_ok,
+                   lo, hi, qk_scale, DIAGONAL: tl.constexpr, HAS_VALID: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online-softmax update over key blocks [lo, hi); DIAGONAL blocks apply the causal mask."""
+    row_stride = 3 * D
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < S
+        rows_n = offs_n.to(tl.int64) * row_stride
+        k_t = tl.load(base + rows_n[None, :] + (D + q_cols)[:, None],
+                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        s = mma(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION) * qk_scale
+        allowed = n_ok[None, :]
+        if DIAGONAL:
+            allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
+        if HAS_VALID:
+            key_ok = tl.load(valid_ptr + b * S + offs_n, mask=n_ok, other=0) != 0
+            allowed = allowed & key_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(base + rows_n[:, None] + (2 * D + q_cols)[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = mma(p, v, acc * alpha[:, None], PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -20,7 +53,8 @@ def flash_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One block of BLOCK_M queries of one (sequence, head)."""
+    """One block of BLOCK_M queries of one (sequence, head): key blocks wholly below the
+    diagonal first (no causal test), then the diagonal blocks; blocks above are skipped."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -37,33 +71,36 @@ def flash_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    hi = tl.minimum((pid_m + 1) * BLOCK_M, S)
-    for n0 in range(0, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < S
-        rows_n = offs_n.to(tl.int64) * row_stride
-        k_t = tl.load(base + rows_n[None, :] + (D + q_cols)[:, None],
-                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = mma(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION) * qk_scale
-        allowed = (offs_n[None, :] <= offs_m[:, None]) & n_ok[None, :]
-        if HAS_VALID:
-            key_ok = tl.load(valid_ptr + b * S + offs_n, mask=n_ok, other=0) != 0
-            allowed = allowed & key_ok[None, :]
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(base + rows_n[:, None] + (2 * D + q_cols)[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = mma(p, v, acc * alpha[:, None], PRECISION)
-        m_i = m_new
+    diagonal_start = pid_m * BLOCK_M  # a multiple of BLOCK_N
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, D, q_cols,
+                                   offs_m, d_ok, 0, diagonal_start, qk_scale, False, HAS_VALID,
+                                   PRECISION, BLOCK_M, BLOCK_N)
+    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, D, q_cols,
+                                   offs_m, d_ok, diagonal_start,
+                                   tl.minimum(diagonal_start + BLOCK_M, S), qk_scale, True,
+                                   HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     ctx_rows = (b.to(tl.int64) * S + offs_m) * D
     tl.store(ctx_ptr + ctx_rows[:, None] + q_cols[None, :], out.to(ctx_ptr.dtype.element_ty),
              mask=(offs_m < S)[:, None] & d_ok[None, :])
+
+
+def attention_config(head_pad: int, precision: str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) by padded head dim and operand width."""
+    if INTERPRETER:
+        return 64, 64, 4, 1
+    if precision == "fp16":
+        if head_pad <= 64:
+            return 128, 64, 8, 3
+        if head_pad == 128:
+            return 128, 64, 8, 2
+        return 64, 32, 8, 2
+    if head_pad <= 64:
+        return 64, 64, 4, 2
+    if head_pad == 128:
+        return 64, 32, 4, 2
+    return 64, 32, 8, 1
 
 
 def flash_attention(qkv: torch.Tensor, ctx: torch.Tensor, valid: torch.Tensor | None, *,
@@ -72,10 +109,7 @@ def flash_attention(qkv: torch.Tensor, ctx: torch.Tensor, valid: torch.Tensor | 
     d = ctx.shape[1]
     head_dim = d // num_heads
     head_pad = max(16, triton.next_power_of_2(head_dim))
-    wide = head_pad * (2 if precision == "fp16" else 4) > 256
-    block_m, block_n = 64, (32 if wide else 64)
-    num_warps = 8 if head_pad >= 256 else 4
-    num_stages = 1 if head_pad >= 256 and precision != "fp16" else 2
+    block_m, block_n, num_warps, num_stages = attention_config(head_pad, precision)
     grid = (triton.cdiv(seq_len, block_m), batch * num_heads)
     flash_attention_kernel[grid](
         qkv, ctx, valid if valid is not None else qkv, seq_len, num_heads, d,

@@ -13,14 +13,15 @@ from layerbench.common.params import pack_params, param_bytes
 from .attention import flash_attention
 from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear
 from .norm import final_norm
+from .precision import split_fp16
 
 
 @dataclass(frozen=True)
 class Precision:
     """Matmul precision of the linear layers and of attention (see precision.MODES)."""
 
-    linear: str = "tf32x3"
-    attention: str = "tf32x3"
+    linear: str = "fp16x3"
+    attention: str = "fp16"
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -28,6 +29,11 @@ class Precision:
         if self.linear == "fp16" and self.attention == "fp16":
             return torch.float16
         return torch.float32
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """Storage of the weight matrices."""
+        return torch.float16 if self.linear in ("fp16", "fp16x3") else torch.float32
 
 
 DEFAULT_PRECISION = Precision()
@@ -46,26 +52,39 @@ class TritonLayer(BuiltLayer):
     def __init__(self, backend, config, state_dict, device, dtype, precision: Precision):
         super().__init__(backend, config, device, dtype)
         self.precision = precision
-        weight_dtype = torch.float16 if precision.linear == "fp16" else torch.float32
-        self.params = pack_params(config, state_dict, device=device, dtype=torch.float32,
-                                  weight_dtype=weight_dtype)
+        self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
+        self.weights = [self._weights(p) for p in self.params.layers]
+        self.chunks: dict[tuple[int, int], int] = {}
         self.graphed = GraphedForward(self._forward)
+
+    def _weights(self, p) -> dict:
+        """The four weight matrices in the linear precision's storage ((hi, lo) for fp16x3)."""
+        names = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
+        if self.precision.linear == "fp16x3":
+            return {n: split_fp16(getattr(p, n)) for n in names}
+        return {n: getattr(p, n).to(self.precision.weight_dtype).contiguous() for n in names}
+
+    def _sequences_per_chunk(self, b: int, s: int) -> int:
+        """Sequences per chunk for a [b, s] input, planned once (never during graph capture)."""
+        if (b, s) not in self.chunks:
+            cfg = replace(self.config, batch_size=1, seq_len=s)
+            per_seq = working_bytes_per_sequence(cfg, self.precision)
+            self.chunks[(b, s)] = sequences_per_chunk(per_seq, param_bytes(cfg), b, self.device)
+        return self.chunks[(b, s)]
 
     def forward(self, x, valid_token_mask):
         return self.graphed(x, valid_token_mask)
 
     def _forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None) -> torch.Tensor:
         b, s, d = x.shape
-        cfg = replace(self.config, batch_size=1, seq_len=s)
-        per_seq = working_bytes_per_sequence(cfg, self.precision)
-        chunk = sequences_per_chunk(per_seq, param_bytes(cfg), b, self.device)
+        chunk = self._sequences_per_chunk(b, s)
         rows = min(chunk, b) * s
         act = self.precision.activation_dtype
         work = {
             "residual": torch.empty(rows, d, device=x.device, dtype=torch.float32),
             "qkv": torch.empty(rows, 3 * d, device=x.device, dtype=act),
             "ctx": torch.empty(rows, d, device=x.device, dtype=act),
-            "hidden": torch.empty(rows, cfg.ffn_dim, device=x.device, dtype=act),
+            "hidden": torch.empty(rows, self.config.ffn_dim, device=x.device, dtype=act),
         }
         valid = None
         if valid_token_mask is not None:
@@ -84,16 +103,16 @@ class TritonLayer(BuiltLayer):
         ctx, hidden = work["ctx"][:t], work["hidden"][:t]
         valid_rows = None if valid is None else valid.reshape(-1)
         src = x2
-        for p in self.params.layers:
-            fused_linear(src, p.qkv_weight, p.qkv_bias, qkv, precision=lin,
+        for p, w in zip(self.params.layers, self.weights):
+            fused_linear(src, w["qkv_weight"], p.qkv_bias, qkv, precision=lin,
                          ln=(p.norm1_weight, p.norm1_bias))
             flash_attention(qkv, ctx, valid, batch=batch, seq_len=s,
                             num_heads=self.config.num_heads, precision=att)
-            fused_linear(ctx, p.out_weight, p.out_bias, res, precision=lin, residual=src,
+            fused_linear(ctx, w["out_weight"], p.out_bias, res, precision=lin, residual=src,
                          zero_mode=ZERO_UPDATE, valid=valid_rows)
-            fused_linear(res, p.ffn_in_weight, p.ffn_in_bias, hidden, precision=lin,
+            fused_linear(res, w["ffn_in_weight"], p.ffn_in_bias, hidden, precision=lin,
                          ln=(p.norm2_weight, p.norm2_bias), gelu=True)
-            fused_linear(hidden, p.ffn_out_weight, p.ffn_out_bias, res, precision=lin,
+            fused_linear(hidden, w["ffn_out_weight"], p.ffn_out_bias, res, precision=lin,
                          residual=res, zero_mode=ZERO_SUM, valid=valid_rows)
             src = res
         final_norm(src, self.params.final_weight, self.params.final_bias, out2, valid_rows)

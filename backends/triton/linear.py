@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .precision import mma
+from .precision import INTERPRETER, mma, mma_split
 
 # Where invalid rows are zeroed in the residual epilogue.
 ZERO_NONE, ZERO_UPDATE, ZERO_SUM = 0, 1, 2
@@ -18,7 +18,7 @@ ZERO_NONE, ZERO_UPDATE, ZERO_SUM = 0, 1, 2
 
 @triton.jit
 def fused_linear_kernel(
-    a_ptr, w_ptr, bias_ptr, out_ptr, res_ptr, valid_ptr, ln_w_ptr, ln_b_ptr,
+    a_ptr, w_ptr, w_lo_ptr, bias_ptr, out_ptr, res_ptr, valid_ptr, ln_w_ptr, ln_b_ptr,
     M, N, K, eps,
     LN: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr, ZERO_MODE: tl.constexpr,
     HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
@@ -61,9 +61,14 @@ def fused_linear_kernel(
             b = tl.load(ln_b_ptr + ks, mask=k_ok, other=0.0)
             a = (a - mean[:, None]) * rstd[:, None] * g[None, :] + b[None, :]
             a = tl.where(tile_ok, a, 0.0)
-        w = tl.load(w_ptr + cols[None, :] * K + ks[:, None],
-                    mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = mma(a, w, acc, PRECISION)
+        w_offsets = cols[None, :] * K + ks[:, None]
+        w_ok = col_ok[None, :] & k_ok[:, None]
+        w = tl.load(w_ptr + w_offsets, mask=w_ok, other=0.0)
+        if PRECISION == "fp16x3":
+            w_lo = tl.load(w_lo_ptr + w_offsets, mask=w_ok, other=0.0)
+            acc = mma_split(a, w, w_lo, acc)
+        else:
+            acc = mma(a, w, acc, PRECISION)
 
     acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if GELU:
@@ -81,24 +86,40 @@ def fused_linear_kernel(
     tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
-def fused_linear(a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
+def tile_config(m: int, n: int, k: int, precision: str) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): 128x128 tiles once the problem is large."""
+    if INTERPRETER:
+        return (min(128, max(16, triton.next_power_of_2(m))),
+                min(256, max(16, triton.next_power_of_2(n))),
+                min(256, max(16, triton.next_power_of_2(k))), 4, 1)
+    four_byte = precision not in ("fp16", "fp16x3")
+    block_k = 32 if k <= 32 or four_byte else 64
+    if m >= 8192 and n >= 256 and k >= 256:
+        return 128, 128, block_k, 8, (2 if precision == "fp16x3" or four_byte else 3)
+    return 64, 64, block_k, 4, 3
+
+
+def fused_linear(a: torch.Tensor, weight, bias: torch.Tensor, out: torch.Tensor,
                  *, precision: str, ln: tuple[torch.Tensor, torch.Tensor] | None = None,
                  gelu: bool = False, residual: torch.Tensor | None = None,
                  zero_mode: int = ZERO_NONE, valid: torch.Tensor | None = None,
                  eps: float = 1e-5) -> torch.Tensor:
-    """out[M, N] = epilogue(LN?(a[M, K]) @ weight[N, K]^T + bias); see the kernel's flags."""
+    """out[M, N] = epilogue(LN?(a[M, K]) @ weight[N, K]^T + bias); see the kernel's flags.
+
+    weight is one [N, K] tensor, or its (hi, lo) fp16 pair for the "fp16x3" precision.
+    """
+    w_hi, w_lo = weight if isinstance(weight, tuple) else (weight, weight)
     m, k = a.shape
-    n = weight.shape[0]
-    block_m, block_n = 64, 64
-    block_k = 32 if k <= 32 or precision != "fp16" else 64
+    n = w_hi.shape[0]
+    block_m, block_n, block_k, warps, stages = tile_config(m, n, k, precision)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     ln_w, ln_b = ln if ln is not None else (bias, bias)
     fused_linear_kernel[grid](
-        a, weight, bias, out, residual if residual is not None else out,
+        a, w_hi, w_lo, bias, out, residual if residual is not None else out,
         valid if valid is not None else bias, ln_w, ln_b,
         m, n, k, eps,
         LN=ln is not None, GELU=gelu, RESIDUAL=residual is not None, ZERO_MODE=zero_mode,
         HAS_VALID=valid is not None, PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
     return out

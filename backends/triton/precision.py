@@ -1,19 +1,44 @@
 """Matrix-multiply precision modes shared by the Triton kernels."""
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
+# Triton's CPU interpreter runs each block op through numpy: large tiles mean fewer ops.
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
 # "fp16": operands rounded to fp16, fp32 accumulation (the fastest tensor-core path);
-# "tf32": fp32 operands on TF32 tensor cores; "tf32x3": three TF32 products that recover
-# nearly full fp32 accuracy; "ieee": plain fp32 FMA.
-MODES = ("fp16", "tf32", "tf32x3", "ieee")
+# "fp16x3": each operand split into fp16 high and low parts, three fp16 products
+# (hi*hi + lo*hi + hi*lo) that recover nearly fp32 accuracy at half the cost of "tf32x3";
+# "tf32": fp32 operands on TF32 tensor cores; "tf32x3": three TF32 products; "ieee": fp32 FMA.
+MODES = ("fp16", "fp16x3", "tf32", "tf32x3", "ieee")
 
 
 @triton.jit
 def mma(a, b, acc, PRECISION: tl.constexpr):
     """acc + a @ b in the requested precision (fp32 accumulation)."""
-    if PRECISION == "fp16":
+    if PRECISION == "fp16" or PRECISION == "fp16x3":
         return tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def mma_split(a, b_hi, b_lo, acc):
+    """acc + a @ (b_hi + b_lo) with a split into fp16 high and low parts in registers."""
+    a_hi = a.to(tl.float16)
+    a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
+    acc = tl.dot(a_lo, b_hi, acc)
+    acc = tl.dot(a_hi, b_lo, acc)
+    return tl.dot(a_hi, b_hi, acc)
+
+
+def split_fp16(t):
+    """(hi, lo) fp16 tensors with hi + lo == t to about 22 bits."""
+    import torch
+
+    hi = t.to(torch.float16)
+    lo = (t - hi.to(t.dtype)).to(torch.float16)
+    return hi.contiguous(), lo.contiguous()
