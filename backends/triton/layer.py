@@ -24,11 +24,14 @@ class Precision:
     attention: str = "fp16"
 
     @property
+    def qkv_dtype(self) -> torch.dtype:
+        """Storage of Q/K/V: fp16 when attention rounds its operands to fp16 anyway."""
+        return torch.float16 if self.attention == "fp16" else torch.float32
+
+    @property
     def activation_dtype(self) -> torch.dtype:
-        """Storage of QKV, context and FFN hidden: fp16 where every consumer rounds to fp16."""
-        if self.linear == "fp16" and self.attention == "fp16":
-            return torch.float16
-        return torch.float32
+        """Storage of the context and FFN hidden rows: fp16 when the linears round to fp16."""
+        return torch.float16 if self.linear == "fp16" else torch.float32
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -41,9 +44,9 @@ DEFAULT_PRECISION = Precision()
 
 def working_bytes_per_sequence(config, precision: Precision) -> int:
     """Workspace bytes per sequence: fp32 residual, QKV, context and FFN hidden rows."""
-    act = torch.empty((), dtype=precision.activation_dtype).element_size()
+    act = precision.activation_dtype.itemsize
     s, d, f = config.seq_len, config.d_model, config.ffn_dim
-    return s * (4 * d + act * (4 * d + f))
+    return s * (4 * d + precision.qkv_dtype.itemsize * 3 * d + act * (d + f))
 
 
 class TritonLayer(BuiltLayer):
@@ -82,7 +85,7 @@ class TritonLayer(BuiltLayer):
         act = self.precision.activation_dtype
         work = {
             "residual": torch.empty(rows, d, device=x.device, dtype=torch.float32),
-            "qkv": torch.empty(rows, 3 * d, device=x.device, dtype=act),
+            "qkv": torch.empty(rows, 3 * d, device=x.device, dtype=self.precision.qkv_dtype),
             "ctx": torch.empty(rows, d, device=x.device, dtype=act),
             "hidden": torch.empty(rows, self.config.ffn_dim, device=x.device, dtype=act),
         }
