@@ -58,7 +58,7 @@ def _cell(row: dict | None) -> str:
     if row.get("median_ms") is None:
         return "-"
     ms = row["median_ms"]
-    text = f"{ms:.3f} ms" if ms < 10 else f"{ms:.1f} ms" if ms < 10000 else f"{ms / 1e3:.2f} s"
+    text = f"{ms:.3f} ms" if ms < 10 else f"{ms:.1f} ms" if ms < 1000 else f"{ms / 1e3:.2f} s"
     if row.get("speedup") is not None:
         text += f" ({row['speedup']:.2f}x)"
     return text
