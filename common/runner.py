@@ -20,11 +20,6 @@ from .timing import alternating_medians_ms
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float32' for torch.float32, and so on."""
-    return str(dtype).replace("torch.", "")
-
-
 def poison_cached_memory(device: torch.device, nbytes: int) -> None:
     """Fill nbytes of the CUDA caching allocator with NaN and free them, so that output
     buffers a backend allocates next start as NaN and unwritten elements fail the contract."""

@@ -48,8 +48,3 @@ def alternating_medians_ms(fns: Sequence[Callable[[], object]], device, *, warmu
         if r >= 2 and time.perf_counter() - started > max_seconds:
             break
     return [statistics.median(s) for s in samples]
-
-
-def median_ms(fn: Callable[[], object], device, **kwargs) -> float:
-    """Median ms of fn alone (see alternating_medians_ms)."""
-    return alternating_medians_ms([fn], device, **kwargs)[0]

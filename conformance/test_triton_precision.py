@@ -1,0 +1,41 @@
+"""The Triton backend's other precision modes (the default one runs in test_conformance)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerbench.common import runner
+from layerbench.common.contract import compare
+from layerbench.common.errors import Unsupported
+from layerbench.common.shapes import CI
+from layerbench.reference import reference_forward
+
+MODES = [("fp16x3", "tf32x3"), ("tf32x3", "fp16"), ("tf32x3", "tf32x3"), ("ieee", "fp16"),
+         ("fp16", "fp16")]
+
+
+@pytest.fixture(scope="module")
+def triton_backend_class():
+    """The Triton backend class, or a skip if Triton cannot run here."""
+    pytest.importorskip("triton")
+    from layerbench.backends.triton import TritonBackend
+    return TritonBackend
+
+
+@pytest.mark.parametrize("linear,attention", MODES, ids=[f"{a}-{b}" for a, b in MODES])
+def test_precision_mode_passes(triton_backend_class, linear, attention, device):
+    """Each (linear, attention) precision pair computes the stack within the contract."""
+    from layerbench.backends.triton.layer import Precision
+
+    shape = CI[2]
+    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=0, device=device)
+    backend = triton_backend_class(Precision(linear, attention))
+    try:
+        layer = backend.build(shape.config, prepared.model.state_dict(), device=device)
+    except Unsupported as exc:
+        pytest.skip(str(exc))
+    with torch.no_grad():
+        out = layer(prepared.x, prepared.mask)
+    expected = reference_forward(prepared.model.to(device), prepared.x, prepared.mask)
+    report = compare(out, expected)
+    assert report.passed, report.summary()
