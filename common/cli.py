@@ -143,8 +143,9 @@ def cmd_collect(args) -> int:
     """Merge a conformance log and a benchmark run into results.json, results.md, speedup.png."""
     from .results import collect_results
 
-    out = collect_results(Path(args.conformance), Path(args.bench), Path(args.out),
-                          Path(args.provenance) if args.provenance else None)
+    out = collect_results([Path(p) for p in args.conformance], [Path(p) for p in args.bench],
+                          Path(args.out),
+                          [Path(p) for p in args.provenance] if args.provenance else None)
     print(Path(out / "results.md").read_text())
     return 0
 
@@ -178,11 +179,14 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("collect", help="write results/<gpu>/ from a conformance log and a "
                                        "benchmark run")
-    p.add_argument("--conformance", required=True, help="JSON lines from --results-file")
-    p.add_argument("--bench", required=True, help="pytest-benchmark JSON")
+    p.add_argument("--conformance", required=True, nargs="+",
+                   help="JSON-lines files from --results-file (later ones win)")
+    p.add_argument("--bench", required=True, nargs="+",
+                   help="pytest-benchmark JSON files (later ones win)")
     p.add_argument("--out", required=True, help="folder, e.g. results/h200")
-    p.add_argument("--provenance", default=None,
-                   help="provenance JSON written on the GPU machine (default: collect here)")
+    p.add_argument("--provenance", default=None, nargs="+",
+                   help="provenance JSON of each benchmark file, written on the GPU machine "
+                        "(default: collect here)")
     p.set_defaults(func=cmd_collect)
 
     args = parser.parse_args(argv)

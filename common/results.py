@@ -8,33 +8,44 @@ from . import provenance
 from .report import heatmap, markdown_table, rows_from_benchmark_json
 
 
-def collect_results(conformance_log: Path, bench_json: Path, out_dir: Path,
-                    provenance_json: Path | None = None) -> Path:
+def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_dir: Path,
+                    provenance_jsons: list[Path] | None = None) -> Path:
     """Merge conformance cases and benchmark rows of official shapes; write json, md and png.
 
-    provenance_json is the file the GPU run wrote; without it, this machine's is collected.
+    Several runs may be merged: a later conformance log or benchmark file replaces the earlier
+    rows of the same backend and shape. provenance_jsons pair with bench_jsons (the files
+    the GPU runs wrote); without them, this machine's provenance is collected. Each row names
+    its benchmark run in "run", an index into "runs".
     """
-    cases: dict[tuple[str, int], list[dict]] = {}
-    for line in conformance_log.read_text().splitlines():
-        case = json.loads(line)
-        if case.get("shape_kind", "official") == "official":
-            cases.setdefault((case["backend"], case["shape"]), []).append(case)
-    bench_data = json.loads(bench_json.read_text())
-    bench = {(r["backend"], r["shape"]): r for r in rows_from_benchmark_json(bench_data)
-             if r["shape_kind"] == "official"}
+    cases: dict[tuple[str, int], dict[tuple, dict]] = {}
+    for log in conformance_logs:
+        for line in log.read_text().splitlines():
+            case = json.loads(line)
+            if case.get("shape_kind", "official") == "official":
+                cases.setdefault((case["backend"], case["shape"]), {})[
+                    (case["dtype"], case["padding"])] = case
+    cases = {key: list(by_case.values()) for key, by_case in cases.items()}
+    runs = [json.loads(p.read_text()) for p in provenance_jsons] if provenance_jsons else []
+    if len(runs) < len(bench_jsons):
+        runs += [provenance.collect()] * (len(bench_jsons) - len(runs))
+    bench: dict[tuple[str, int], dict] = {}
+    for index, path in enumerate(bench_jsons):
+        for row in rows_from_benchmark_json(json.loads(path.read_text())):
+            if row["shape_kind"] == "official":
+                bench[(row["backend"], row["shape"])] = {**row, "run": index}
     rows = []
     for key in sorted(set(cases) | set(bench), key=lambda k: (k[1], k[0])):
         backend, shape = key
-        runs, timed = cases.get(key, []), bench.get(key, {})
+        checked, timed = cases.get(key, []), bench.get(key, {})
         rows.append({
             "backend": backend,
             "shape": shape,
-            "passed": (all(c["passed"] for c in runs) if runs else timed.get("passed")),
+            "passed": (all(c["passed"] for c in checked) if checked else timed.get("passed")),
             "bench_check_passed": timed.get("passed"),
-            "failed_elements": sum(c["failed_elements"] for c in runs) if runs else None,
-            "max_abs_error": max((c["max_abs_error"] for c in runs), default=timed.get(
+            "failed_elements": sum(c["failed_elements"] for c in checked) if checked else None,
+            "max_abs_error": max((c["max_abs_error"] for c in checked), default=timed.get(
                 "max_abs_error")),
-            "worst_ratio": max((c["worst_ratio"] for c in runs), default=None),
+            "worst_ratio": max((c["worst_ratio"] for c in checked), default=None),
             "median_ms": timed.get("median_ms"),
             "events_median_ms": timed.get("events_median_ms"),
             "speedup": timed.get("speedup"),
@@ -42,21 +53,25 @@ def collect_results(conformance_log: Path, bench_json: Path, out_dir: Path,
             "tflops": timed.get("tflops"),
             "fraction_of_fp16_floor": timed.get("fraction_of_fp16_floor"),
             "peak_memory_bytes": timed.get("peak_memory_bytes"),
+            "run": timed.get("run"),
             "cases": [{k: c[k] for k in ("dtype", "padding", "passed", "failed_elements",
                                          "total_elements", "max_abs_error", "worst_ratio",
-                                         "oracle_sequences")} for c in runs],
+                                         "oracle_sequences")} for c in checked],
         })
     out_dir.mkdir(parents=True, exist_ok=True)
-    info = json.loads(provenance_json.read_text()) if provenance_json else provenance.collect()
-    info["benchmark_machine_info"] = bench_data.get("machine_info", {}).get("cpu", {}).get(
-        "brand_raw")
-    (out_dir / "results.json").write_text(json.dumps({"provenance": info, "rows": rows},
-                                                     indent=1) + "\n")
+    info = runs[-1]
+    (out_dir / "results.json").write_text(json.dumps(
+        {"provenance": info, "runs": runs, "rows": rows}, indent=1) + "\n")
     timed_rows = [r for r in rows if r["median_ms"] is not None or r["passed"] is False]
-    lines = [f"# Results on {info.get('gpu')}", "",
-             f"commit `{info.get('commit')}`, driver {info.get('driver')}, "
-             + ", ".join(f"{k} {v}" for k, v in info["versions"].items()) + f", {info['date']}",
-             "", "Median latency per forward (speedup over torch-baseline in the same run).", "",
+    lines = [f"# Results on {info.get('gpu')}", ""]
+    for index, run in enumerate(runs):
+        names = sorted({r["backend"] for r in rows if r["run"] == index})
+        lines.append(f"- run {index}: commit `{run.get('commit')}`, {run.get('date')}, driver "
+                     f"{run.get('driver')}, " + ", ".join(f"{k} {v}" for k, v in
+                                                         run["versions"].items())
+                     + f"; timed here: {', '.join(names) or 'nothing'}")
+    lines += ["", "Median latency per forward (speedup over torch-baseline timed in the same "
+              "run).", "",
              markdown_table(timed_rows), "",
              "Conformance (all cases of each backend and shape, official contract):", "",
              "| backend | shape | passed | cases | max abs error | worst error/allowed |",

@@ -40,6 +40,7 @@ class Precision:
 
 
 DEFAULT_PRECISION = Precision()
+MAX_GRID_Y = 65535
 
 
 def working_bytes_per_sequence(config, precision: Precision) -> int:
@@ -72,7 +73,9 @@ class TritonLayer(BuiltLayer):
         if (b, s) not in self.chunks:
             cfg = replace(self.config, batch_size=1, seq_len=s)
             per_seq = working_bytes_per_sequence(cfg, self.precision)
-            self.chunks[(b, s)] = sequences_per_chunk(per_seq, param_bytes(cfg), b, self.device)
+            chunk = sequences_per_chunk(per_seq, param_bytes(cfg), b, self.device)
+            # The attention grid's second dimension (sequences x heads) is at most 65535.
+            self.chunks[(b, s)] = max(1, min(chunk, MAX_GRID_Y // self.config.num_heads))
         return self.chunks[(b, s)]
 
     def forward(self, x, valid_token_mask):

@@ -24,9 +24,15 @@ def fused_linear_kernel(
     HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of out = epilogue(prologue(a) @ w^T + bias)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    """One [BLOCK_M, BLOCK_N] tile of out = epilogue(prologue(a) @ w^T + bias).
+
+    Programs are numbered column tile fastest, so the programs sharing a row block of a run
+    together and read it from L2 instead of from memory once per column tile.
+    """
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_m = pid // n_tiles
+    pid_n = pid % n_tiles
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -112,7 +118,7 @@ def fused_linear(a: torch.Tensor, weight, bias: torch.Tensor, out: torch.Tensor,
     m, k = a.shape
     n = w_hi.shape[0]
     block_m, block_n, block_k, warps, stages = tile_config(m, n, k, precision)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     ln_w, ln_b = ln if ln is not None else (bias, bias)
     fused_linear_kernel[grid](
         a, w_hi, w_lo, bias, out, residual if residual is not None else out,
