@@ -29,10 +29,16 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
     if len(runs) < len(bench_jsons):
         runs += [provenance.collect()] * (len(bench_jsons) - len(runs))
     bench: dict[tuple[str, int], dict] = {}
+    per_run: list[list[dict]] = []
     for index, path in enumerate(bench_jsons):
-        for row in rows_from_benchmark_json(json.loads(path.read_text())):
-            if row["shape_kind"] == "official":
-                bench[(row["backend"], row["shape"])] = {**row, "run": index}
+        timed_here = [row for row in rows_from_benchmark_json(json.loads(path.read_text()))
+                      if row["shape_kind"] == "official"]
+        baseline = {r["shape"]: r["median_ms"] for r in timed_here
+                    if r["backend"] == "torch-baseline"}
+        for row in timed_here:
+            bench[(row["backend"], row["shape"])] = {
+                **row, "run": index, "baseline_ms": baseline.get(row["shape"])}
+        per_run.append(timed_here)
     rows = []
     for key in sorted(set(cases) | set(bench), key=lambda k: (k[1], k[0])):
         backend, shape = key
@@ -49,6 +55,7 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
             "median_ms": timed.get("median_ms"),
             "events_median_ms": timed.get("events_median_ms"),
             "speedup": timed.get("speedup"),
+            "baseline_ms": timed.get("baseline_ms"),
             "benchmark_over_events": timed.get("benchmark_over_events"),
             "tflops": timed.get("tflops"),
             "fraction_of_fp16_floor": timed.get("fraction_of_fp16_floor"),
@@ -62,18 +69,17 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
     info = runs[-1]
     (out_dir / "results.json").write_text(json.dumps(
         {"provenance": info, "runs": runs, "rows": rows}, indent=1) + "\n")
-    timed_rows = [r for r in rows if r["median_ms"] is not None or r["passed"] is False]
     lines = [f"# Results on {info.get('gpu')}", ""]
     for index, run in enumerate(runs):
-        names = sorted({r["backend"] for r in rows if r["run"] == index})
+        names = sorted({r["backend"] for r in per_run[index]}) if index < len(per_run) else []
         lines.append(f"- run {index}: commit `{run.get('commit')}`, {run.get('date')}, driver "
                      f"{run.get('driver')}, " + ", ".join(f"{k} {v}" for k, v in
                                                          run["versions"].items())
                      + f"; timed here: {', '.join(names) or 'nothing'}")
-    lines += ["", "Median latency per forward (speedup over torch-baseline timed in the same "
-              "run).", "",
-             markdown_table(timed_rows), "",
-             "Conformance (all cases of each backend and shape, official contract):", "",
+    for index, timed_here in enumerate(per_run):
+        lines += ["", f"Run {index}: median latency per forward (speedup over torch-baseline "
+                  "of the same run).", "", markdown_table(timed_here)]
+    lines += ["", "Conformance (all cases of each backend and shape, official contract):", "",
              "| backend | shape | passed | cases | max abs error | worst error/allowed |",
              "|---|---|---|---|---|---|"]
     for r in rows:
@@ -82,6 +88,8 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
         lines.append(f"| {r['backend']} | {r['shape']} | {r['passed']} | {len(r['cases'])} | "
                      f"{err} | {ratio} |")
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
-    if timed_rows:
-        heatmap(timed_rows, out_dir / "speedup.png")
+    if per_run and per_run[-1]:
+        latest = {(r["backend"], r["shape"]): r for run in per_run for r in run}
+        heatmap(list(latest.values()), out_dir / "speedup.png",
+                title="speedup over torch-baseline of the same run")
     return out_dir
