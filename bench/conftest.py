@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from layerbench.common import runner
+from layerbench.common.errors import Unsupported
 from layerbench.common.registry import PEERS
 from layerbench.common.selection import selected_backends, selected_shapes
 
@@ -32,13 +35,10 @@ class ShapeState:
 
     def enter(self, shape):
         """Make shape current, preparing its inputs and torch-baseline on first use."""
-        from layerbench.common import runner
-        from layerbench.common.errors import Unsupported
-
         if shape is self.shape:
             return self
         self.prepared = self.reference = self.baseline = self.baseline_bench_ms = None
-        import torch
+        self.baseline_reason = ""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.shape = shape

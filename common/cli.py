@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import random
 import sys
@@ -87,7 +88,7 @@ def format_rows(rows: list[dict]) -> str:
     lines = [header, "-" * len(header)]
     for r in rows:
         err = "-" if r["max_abs_error"] is None else f"{r['max_abs_error']:.2e}"
-        speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        speed = "-" if r["speedup"] is None else f"{r['speedup']:.3g}x"
         shape = ("ci" if r["shape_kind"] == "ci" else "") + str(r["shape"])
         lines.append(f"{shape:>5}  {r['backend']:16s} {err:>11} {fmt_ms(r['median_ms']):>10} "
                      f"{speed:>8}  {r['verdict'][:100]}")
@@ -152,6 +153,9 @@ def cmd_collect(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the layerbench command."""
+    if not torch.cuda.is_available():
+        # No GPU: Triton kernels run in Triton's interpreter (set before triton is imported).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     parser = argparse.ArgumentParser(prog="layerbench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
