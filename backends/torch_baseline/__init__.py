@@ -45,4 +45,5 @@ class _BaselineLayer(BuiltLayer):
         self.model = model.eval()
 
     def forward(self, x, valid_token_mask):
+        """The reference module with TF32 matmuls."""
         return reference_forward(self.model, x, valid_token_mask, precision="tf32")

@@ -67,6 +67,7 @@ class SdpaLayer(BuiltLayer):
         return self.step(x, self.params, self.config.num_heads, attn_mask, row_mask)
 
     def forward(self, x, valid_token_mask):
+        """Choose the mask path once, then run the stack chunk by chunk."""
         b, s, _ = x.shape
         general = False
         if valid_token_mask is not None and prefix_lengths(valid_token_mask) is not None:

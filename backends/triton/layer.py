@@ -79,6 +79,7 @@ class TritonLayer(BuiltLayer):
         return self.chunks[(b, s)]
 
     def forward(self, x, valid_token_mask):
+        """Run the kernels, through a CUDA graph once these input buffers repeat."""
         return self.graphed(x, valid_token_mask)
 
     def _forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None) -> torch.Tensor:
