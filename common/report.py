@@ -102,8 +102,7 @@ def heatmap(rows: list[dict], path: str | Path, title: str = "speedup over torch
     logs = np.log10(grid)
     finite = logs[np.isfinite(logs)]
     bound = max(1.0, float(np.abs(finite).max())) if finite.size else 1.0
-    cmap = matplotlib.colormaps["RdYlGn"].copy()
-    cmap.set_bad("#dddddd")
+    cmap = matplotlib.colormaps["RdYlGn"].with_extremes(bad="#dddddd")
     ax.imshow(np.ma.masked_invalid(logs), cmap=cmap, vmin=-bound, vmax=bound, aspect="auto")
     for i in range(len(backends)):
         for j in range(len(shapes)):
