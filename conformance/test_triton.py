@@ -1,4 +1,5 @@
-"""The Triton backend's other precision modes (the default one runs in test_conformance)."""
+"""Triton-specific cases: the other precision modes (the default runs in test_conformance)
+and the batch streaming plan."""
 from __future__ import annotations
 
 import pytest
@@ -39,3 +40,15 @@ def test_precision_mode_passes(triton_backend_class, linear, attention, device):
     expected = reference_forward(prepared.model.to(device), prepared.x, prepared.mask)
     report = compare(out, expected)
     assert report.passed, report.summary()
+
+
+def test_batch_chunks_respect_the_attention_grid(triton_backend_class):
+    """A batch whose sequences x heads exceed the grid limit is streamed in smaller chunks."""
+    from layerbench.backends.triton.layer import MAX_GRID_Y
+    from layerbench.common.config import LayerConfig
+    from layerbench.reference import make_reference
+
+    cfg = LayerConfig(100_000, 4, 128, 16, 32, 1)
+    layer = triton_backend_class().build(cfg, make_reference(cfg).state_dict(), device="cpu")
+    chunk = layer._sequences_per_chunk(cfg.batch_size, cfg.seq_len)
+    assert 1 <= chunk and chunk * cfg.num_heads <= MAX_GRID_Y
