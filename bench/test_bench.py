@@ -13,7 +13,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 from layerbench.common import runner
 from layerbench.common.errors import Unsupported
@@ -25,12 +24,7 @@ from .conftest import BASELINE
 LONG_CASE_FLOPS = 5e13  # above this (shape 14) a case is timed in one round
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def test_forward(benchmark, bench_case, shape_state, device):
+def test_forward(benchmark, bench_case, shape_state):
     """Check, then time, one backend on one shape."""
     shape, name = bench_case
     benchmark.group = shape.id
@@ -53,13 +47,7 @@ def test_forward(benchmark, bench_case, shape_state, device):
         # torch-baseline defines the speedup's denominator, so it is timed all the same.
         warnings.warn(f"torch-baseline misses the contract on {shape.id}: {report.summary()}")
 
-    x, mask = prepared.x, prepared.mask
-
-    def forward_and_sync():
-        with torch.no_grad():
-            layer(x, mask)
-        _sync(device)
-
+    forward_and_sync = runner.forward_call(layer, prepared, sync=True)
     # The check above was the warm-up; a forward of many seconds is timed only once more.
     long_case = forward_flops(shape.config) > LONG_CASE_FLOPS
     if benchmark.disabled:  # --benchmark-disable: run the measured callable once, time nothing

@@ -101,19 +101,27 @@ class Timing:
         return None if self.baseline_ms is None else self.baseline_ms / self.median_ms
 
 
+def forward_call(layer: BuiltLayer, prepared: Prepared, sync: bool = False):
+    """A no-argument callable running one forward of layer on the case (then a device sync
+    if asked, so that a host timer sees the finished forward)."""
+    x, mask, device = prepared.x, prepared.mask, prepared.x.device
+
+    def call():
+        with torch.no_grad():
+            layer(x, mask)
+        if sync and device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return call
+
+
 def time_against_baseline(layer: BuiltLayer, prepared: Prepared, baseline: BuiltLayer | None,
                           *, rounds: int = 20, max_seconds: float = 20.0, warmup: int = 3
                           ) -> Timing:
     """Median ms of layer, and of baseline in alternating rounds when given, plus throughput."""
-    x, mask, device = prepared.x, prepared.mask, prepared.x.device
-
-    def run(target):
-        def call():
-            with torch.no_grad():
-                target(x, mask)
-        return call
-
-    fns = [run(layer)] + ([run(baseline)] if baseline is not None else [])
+    device = prepared.x.device
+    fns = [forward_call(layer, prepared)]
+    if baseline is not None:
+        fns.append(forward_call(baseline, prepared))
     medians = alternating_medians_ms(fns, device, rounds=rounds, max_seconds=max_seconds,
                                      warmup=warmup)
     extra = throughput(prepared.shape.config, medians[0], device)
@@ -122,10 +130,8 @@ def time_against_baseline(layer: BuiltLayer, prepared: Prepared, baseline: Built
 
 def median_forward_ms(layer: BuiltLayer, prepared: Prepared, rounds: int = 3) -> float:
     """Median ms of a few forwards of layer on the case (for sizing longer measurements)."""
-    def call():
-        with torch.no_grad():
-            layer(prepared.x, prepared.mask)
-    return alternating_medians_ms([call], prepared.x.device, warmup=0, rounds=rounds)[0]
+    return alternating_medians_ms([forward_call(layer, prepared)], prepared.x.device, warmup=0,
+                                  rounds=rounds)[0]
 
 
 def fmt_ms(value: float | None) -> str:

@@ -33,7 +33,7 @@ def alternating_medians_ms(fns: Sequence[Callable[[], object]], device, *, warmu
     """Median ms of each fn, timed in alternating rounds (fn0, fn1, fn0, ...) after warm-up.
 
     Alternation keeps clock and thermal drift out of the ratios between the functions.
-    Rounds stop early once max_seconds have passed (at least 3 rounds run).
+    Rounds stop early once max_seconds have passed, after at least min(rounds, 3) rounds.
     """
     device = torch.device(device)
     for fn in fns:

@@ -70,13 +70,14 @@ class SdpaLayer(BuiltLayer):
         """Choose the mask path once, then run the stack chunk by chunk."""
         b, s, _ = x.shape
         general = False
-        if valid_token_mask is not None and prefix_lengths(valid_token_mask) is not None:
-            # Suffix padding: causal masking already hides every invalid key from every valid
-            # query, so only the row zeroing remains (and not even that if all are valid).
-            if bool(valid_token_mask.all()):
+        if valid_token_mask is not None:
+            lengths = prefix_lengths(valid_token_mask)
+            if lengths is None:
+                general = True
+            elif bool((lengths == s).all()):
+                # Suffix padding: causal masking already hides every invalid key from every
+                # valid query, so only the row zeroing remains (none at all if all are valid).
                 valid_token_mask = None
-        elif valid_token_mask is not None:
-            general = True
         per_seq = working_bytes_per_sequence(replace(self.config, batch_size=1, seq_len=s),
                                              general)
         chunk = sequences_per_chunk(per_seq, param_bytes(self.config), b, self.device)
