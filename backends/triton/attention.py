@@ -36,7 +36,10 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, D, q_cols, offs_m, d
             allowed = allowed & key_ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if HAS_VALID:  # a padded query row may have no visible key yet
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -48,18 +51,13 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, D, q_cols, offs_m, d
 
 
 @triton.jit
-def flash_attention_kernel(
-    qkv_ptr, ctx_ptr, valid_ptr, S, H, D, qk_scale,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One block of BLOCK_M queries of one (sequence, head): key blocks wholly below the
-    diagonal first (no causal test), then the diagonal blocks; blocks above are skipped."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def attend_head(qkv_ptr, valid_ptr, b, h, S, D, q_start, qk_scale,
+                HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
+                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Normalised attention output [BLOCK_M, HEAD_PAD] of the BLOCK_M queries from q_start (a
+    multiple of BLOCK_M) of head h, sequence b: key blocks wholly below the diagonal first (no
+    causal test), then the diagonal blocks; blocks above are skipped."""
+    offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
     row_stride = 3 * D
@@ -71,7 +69,7 @@ def flash_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    diagonal_start = pid_m * BLOCK_M  # a multiple of BLOCK_N
+    diagonal_start = q_start  # a multiple of BLOCK_N
     acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, D, q_cols,
                                    offs_m, d_ok, 0, diagonal_start, qk_scale, False, HAS_VALID,
                                    PRECISION, BLOCK_M, BLOCK_N)
@@ -79,11 +77,34 @@ def flash_attention_kernel(
                                    offs_m, d_ok, diagonal_start,
                                    tl.minimum(diagonal_start + BLOCK_M, S), qk_scale, True,
                                    HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
+    return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    ctx_rows = (b.to(tl.int64) * S + offs_m) * D
-    tl.store(ctx_ptr + ctx_rows[:, None] + q_cols[None, :], out.to(ctx_ptr.dtype.element_ty),
-             mask=(offs_m < S)[:, None] & d_ok[None, :])
+
+@triton.jit
+def flash_attention_kernel(
+    qkv_ptr, ctx_ptr, ctx_lo_ptr, valid_ptr, S, H, D, qk_scale,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
+    SPLIT_OUT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One block of BLOCK_M queries of one (sequence, head); the context is stored as is or
+    as an fp16 (hi, lo) pair."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    out = attend_head(qkv_ptr, valid_ptr, b, h, S, D, pid_m * BLOCK_M, qk_scale, HEAD_DIM, HEAD_PAD,
+                      HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_PAD)
+    ctx_offsets = ((b.to(tl.int64) * S + offs_m) * D)[:, None] + (h * HEAD_DIM + offs_d)[None, :]
+    ok = (offs_m < S)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if SPLIT_OUT:
+        hi = out.to(tl.float16)
+        tl.store(ctx_ptr + ctx_offsets, hi, mask=ok)
+        tl.store(ctx_lo_ptr + ctx_offsets, (out - hi.to(tl.float32)).to(tl.float16), mask=ok)
+    else:
+        tl.store(ctx_ptr + ctx_offsets, out.to(ctx_ptr.dtype.element_ty), mask=ok)
 
 
 def attention_config(head_pad: int, precision: str) -> tuple[int, int, int, int]:
@@ -103,19 +124,33 @@ def attention_config(head_pad: int, precision: str) -> tuple[int, int, int, int]
     return 64, 32, 8, 1
 
 
-def flash_attention(qkv: torch.Tensor, ctx: torch.Tensor, valid: torch.Tensor | None, *,
-                    batch: int, seq_len: int, num_heads: int, precision: str) -> torch.Tensor:
-    """ctx[B*S, D] = causal softmax(q k^T / sqrt(hd)) v for every head, from qkv[B*S, 3D]."""
-    d = ctx.shape[1]
+def head_pad(head_dim: int) -> int:
+    """Head dim padded to a power of two of at least 16 (the smallest tensor-core K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def softmax_scale(head_dim: int) -> float:
+    """head_dim ** -0.5 in base 2 (the kernels use exp2)."""
+    return head_dim ** -0.5 * math.log2(math.e)
+
+
+def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, *,
+                    batch: int, seq_len: int, num_heads: int, precision: str, config=None):
+    """ctx[B*S, D] = causal softmax(q k^T / sqrt(hd)) v for every head, from qkv[B*S, 3D].
+
+    ctx is one tensor, or an fp16 (hi, lo) pair that receives the context split.
+    """
+    ctx_hi, ctx_lo = ctx if isinstance(ctx, tuple) else (ctx, ctx)
+    d = ctx_hi.shape[1]
     head_dim = d // num_heads
-    head_pad = max(16, triton.next_power_of_2(head_dim))
-    block_m, block_n, num_warps, num_stages = attention_config(head_pad, precision)
+    pad = head_pad(head_dim)
+    block_m, block_n, num_warps, num_stages = config or attention_config(pad, precision)
     grid = (triton.cdiv(seq_len, block_m), batch * num_heads)
     flash_attention_kernel[grid](
-        qkv, ctx, valid if valid is not None else qkv, seq_len, num_heads, d,
-        head_dim ** -0.5 * math.log2(math.e),
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad, HAS_VALID=valid is not None,
-        PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
+        qkv, ctx_hi, ctx_lo, valid if valid is not None else qkv, seq_len, num_heads, d,
+        softmax_scale(head_dim),
+        HEAD_DIM=head_dim, HEAD_PAD=pad, HAS_VALID=valid is not None,
+        SPLIT_OUT=isinstance(ctx, tuple), PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,
     )
     return ctx

@@ -11,8 +11,9 @@ from layerbench.common.memory import sequences_per_chunk
 from layerbench.common.params import pack_params, param_bytes
 
 from .attention import flash_attention
-from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear
-from .norm import final_norm
+from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear, split_linear
+from .narrow_block import attention_ffn, fits
+from .norm import final_norm, layer_norm
 from .precision import split_fp16
 
 
@@ -43,15 +44,36 @@ DEFAULT_PRECISION = Precision()
 MAX_GRID_Y = 65535
 
 
+def plan(config, precision: Precision) -> str:
+    """Which kernel sequence runs a block: "narrow" (whole rows in one tile: Q/K/V GEMM, then
+    one kernel for the rest), "wide" (pre-split fp16 operands for every GEMM), or "general"
+    (the LayerNorm-fused GEMM in any precision mode)."""
+    if precision.linear != "fp16x3" or precision.attention not in ("fp16", "tf32x3"):
+        return "general"
+    return "narrow" if fits(config.d_model, config.ffn_dim) else "wide"
+
+
+def workspace(config, precision: Precision) -> dict[str, tuple[int, torch.dtype]]:
+    """Per-token workspace buffers of the plan: name -> (columns, dtype)."""
+    d, f = config.d_model, config.ffn_dim
+    buffers = {"residual": (d, torch.float32), "qkv": (3 * d, precision.qkv_dtype)}
+    kind = plan(config, precision)
+    if kind == "wide":  # the normed rows and the context share "rows"; two fp16 halves each
+        buffers.update(rows_hi=(d, torch.float16), rows_lo=(d, torch.float16),
+                       hidden_hi=(f, torch.float16), hidden_lo=(f, torch.float16))
+    elif kind == "general":
+        act = precision.activation_dtype
+        buffers.update(ctx=(d, act), hidden=(f, act))
+    return buffers
+
+
 def working_bytes_per_sequence(config, precision: Precision) -> int:
-    """Workspace bytes per sequence: fp32 residual, QKV, context and FFN hidden rows."""
-    act = precision.activation_dtype.itemsize
-    s, d, f = config.seq_len, config.d_model, config.ffn_dim
-    return s * (4 * d + precision.qkv_dtype.itemsize * 3 * d + act * (d + f))
+    """Workspace bytes per sequence of the plan's buffers."""
+    return config.seq_len * sum(c * t.itemsize for c, t in workspace(config, precision).values())
 
 
 class TritonLayer(BuiltLayer):
-    """Streams the batch in chunks that fit; each chunk runs 5 kernels per block + final norm."""
+    """Streams the batch in chunks that fit; each chunk runs the kernels of plan() block by block."""
 
     def __init__(self, backend, config, state_dict, device, dtype, precision: Precision):
         super().__init__(backend, config, device, dtype)
@@ -86,28 +108,61 @@ class TritonLayer(BuiltLayer):
         b, s, d = x.shape
         chunk = self._sequences_per_chunk(b, s)
         rows = min(chunk, b) * s
-        act = self.precision.activation_dtype
-        work = {
-            "residual": torch.empty(rows, d, device=x.device, dtype=torch.float32),
-            "qkv": torch.empty(rows, 3 * d, device=x.device, dtype=self.precision.qkv_dtype),
-            "ctx": torch.empty(rows, d, device=x.device, dtype=act),
-            "hidden": torch.empty(rows, self.config.ffn_dim, device=x.device, dtype=act),
-        }
+        work = {name: torch.empty(rows, cols, device=x.device, dtype=dtype)
+                for name, (cols, dtype) in workspace(self.config, self.precision).items()}
         valid = None
         if valid_token_mask is not None:
             valid = valid_token_mask.view(torch.uint8)
         out = torch.empty_like(x)
+        run = {"narrow": self._run_narrow, "wide": self._run_wide,
+               "general": self._run_general}[plan(self.config, self.precision)]
         for b0 in range(0, b, chunk):
             b1 = min(b, b0 + chunk)
-            self._run_chunk(x[b0:b1].view(-1, d), None if valid is None else valid[b0:b1],
-                            out[b0:b1].view(-1, d), b1 - b0, s, work)
+            t = (b1 - b0) * s
+            run(x[b0:b1].view(-1, d), None if valid is None else valid[b0:b1],
+                out[b0:b1].view(-1, d), b1 - b0, s, {k: v[:t] for k, v in work.items()})
         return out
 
-    def _run_chunk(self, x2, valid, out2, batch, s, work):
-        t = x2.shape[0]
+    def _run_narrow(self, x2, valid, out2, batch, s, work):
+        """Per block: the LayerNorm-fused Q/K/V GEMM, then one kernel for all the rest."""
+        res, qkv = work["residual"], work["qkv"]
+        valid_rows = None if valid is None else valid.reshape(-1)
+        src = x2
+        last = len(self.params.layers) - 1
+        for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
+            fused_linear(src, w["qkv_weight"], p.qkv_bias, qkv, precision="fp16x3",
+                         ln=(p.norm1_weight, p.norm1_bias))
+            final = (self.params.final_weight, self.params.final_bias) if i == last else None
+            attention_ffn(qkv, src, out2 if i == last else res, valid_rows, p, w, final,
+                          batch=batch, seq_len=s, num_heads=self.config.num_heads,
+                          precision=self.precision.attention)
+            src = res
+
+    def _run_wide(self, x2, valid, out2, batch, s, work):
+        """Per block: LayerNorm to an fp16 pair, then GEMMs on pre-split operands."""
+        res, qkv = work["residual"], work["qkv"]
+        rows = (work["rows_hi"], work["rows_lo"])
+        hidden = (work["hidden_hi"], work["hidden_lo"])
+        valid_rows = None if valid is None else valid.reshape(-1)
+        src = x2
+        for p, w in zip(self.params.layers, self.weights):
+            layer_norm(src, p.norm1_weight, p.norm1_bias, rows)
+            split_linear(rows, w["qkv_weight"], p.qkv_bias, qkv)
+            flash_attention(qkv, rows, valid, batch=batch, seq_len=s,
+                            num_heads=self.config.num_heads, precision=self.precision.attention)
+            split_linear(rows, w["out_weight"], p.out_bias, res, residual=src,
+                         zero_mode=ZERO_UPDATE, valid=valid_rows)
+            layer_norm(res, p.norm2_weight, p.norm2_bias, rows)
+            split_linear(rows, w["ffn_in_weight"], p.ffn_in_bias, hidden, gelu=True)
+            split_linear(hidden, w["ffn_out_weight"], p.ffn_out_bias, res, residual=res,
+                         zero_mode=ZERO_SUM, valid=valid_rows)
+            src = res
+        final_norm(src, self.params.final_weight, self.params.final_bias, out2, valid_rows)
+
+    def _run_general(self, x2, valid, out2, batch, s, work):
+        """Per block: five kernels, every GEMM in the configured precision mode."""
         lin, att = self.precision.linear, self.precision.attention
-        res, qkv = work["residual"][:t], work["qkv"][:t]
-        ctx, hidden = work["ctx"][:t], work["hidden"][:t]
+        res, qkv, ctx, hidden = work["residual"], work["qkv"], work["ctx"], work["hidden"]
         valid_rows = None if valid is None else valid.reshape(-1)
         src = x2
         for p, w in zip(self.params.layers, self.weights):

@@ -129,3 +129,105 @@ def fused_linear(a: torch.Tensor, weight, bias: torch.Tensor, out: torch.Tensor,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
     return out
+
+
+@triton.jit
+def split_linear_kernel(
+    a_hi_ptr, a_lo_ptr, w_hi_ptr, w_lo_ptr, bias_ptr, out_ptr, out_lo_ptr, res_ptr, valid_ptr,
+    M, N, K,
+    GELU: tl.constexpr, RESIDUAL: tl.constexpr, ZERO_MODE: tl.constexpr,
+    HAS_VALID: tl.constexpr, SPLIT_OUT: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One tile of out = epilogue((a_hi + a_lo) @ (w_hi + w_lo)^T + bias), operands in fp16.
+
+    Both operands arrive already split, so every tile goes straight from memory to the
+    tensor cores; programs run in groups of GROUP_M row blocks that share column tiles in L2.
+    """
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a_offsets = rows[:, None] * K + ks[None, :]
+        a_ok = row_ok[:, None] & k_ok[None, :]
+        w_offsets = cols[None, :] * K + ks[:, None]
+        w_ok = col_ok[None, :] & k_ok[:, None]
+        a_hi = tl.load(a_hi_ptr + a_offsets, mask=a_ok, other=0.0)
+        a_lo = tl.load(a_lo_ptr + a_offsets, mask=a_ok, other=0.0)
+        w_hi = tl.load(w_hi_ptr + w_offsets, mask=w_ok, other=0.0)
+        w_lo = tl.load(w_lo_ptr + w_offsets, mask=w_ok, other=0.0)
+        acc = tl.dot(a_lo, w_hi, acc)
+        acc = tl.dot(a_hi, w_lo, acc)
+        acc = tl.dot(a_hi, w_hi, acc)
+
+    acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if GELU:
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * N + cols[None, :]
+    if RESIDUAL:
+        if HAS_VALID:
+            valid = tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0
+        if ZERO_MODE == 1 and HAS_VALID:
+            acc = tl.where(valid[:, None], acc, 0.0)
+        acc += tl.load(res_ptr + offsets, mask=out_ok, other=0.0).to(tl.float32)
+        if ZERO_MODE == 2 and HAS_VALID:
+            acc = tl.where(valid[:, None], acc, 0.0)
+    if SPLIT_OUT:
+        hi = acc.to(tl.float16)
+        tl.store(out_ptr + offsets, hi, mask=out_ok)
+        tl.store(out_lo_ptr + offsets, (acc - hi.to(tl.float32)).to(tl.float16), mask=out_ok)
+    else:
+        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def split_tile_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for the pre-split fp16 GEMM."""
+    if INTERPRETER:
+        return (min(128, max(16, triton.next_power_of_2(m))),
+                min(256, max(16, triton.next_power_of_2(n))),
+                min(256, max(16, triton.next_power_of_2(k))), 4, 1)
+    if m >= 4096 and n >= 256:
+        return SPLIT_TILES
+    return 64, 64, 64, 4, 3
+
+
+SPLIT_TILES = (128, 128, 64, 8, 3)
+
+
+def split_linear(a: tuple[torch.Tensor, torch.Tensor], weight: tuple[torch.Tensor, torch.Tensor],
+                 bias: torch.Tensor, out, *, gelu: bool = False,
+                 residual: torch.Tensor | None = None, zero_mode: int = ZERO_NONE,
+                 valid: torch.Tensor | None = None, tiles=None):
+    """out = epilogue((a_hi + a_lo) @ (w_hi + w_lo)^T + bias) from fp16 (hi, lo) pairs.
+
+    out is one tensor, or an fp16 (hi, lo) pair that receives the result split again.
+    """
+    (a_hi, a_lo), (w_hi, w_lo) = a, weight
+    out_hi, out_lo = out if isinstance(out, tuple) else (out, out)
+    m, k = a_hi.shape
+    n = w_hi.shape[0]
+    block_m, block_n, block_k, warps, stages = tiles or split_tile_config(m, n, k)
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    split_linear_kernel[grid](
+        a_hi, a_lo, w_hi, w_lo, bias, out_hi, out_lo,
+        residual if residual is not None else out_hi, valid if valid is not None else bias,
+        m, n, k,
+        GELU=gelu, RESIDUAL=residual is not None, ZERO_MODE=zero_mode,
+        HAS_VALID=valid is not None, SPLIT_OUT=isinstance(out, tuple), GROUP_M=8,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+    )
+    return out

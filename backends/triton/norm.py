@@ -1,4 +1,5 @@
-"""The final LayerNorm, with invalid rows set to zero and the cast to the output dtype."""
+"""LayerNorm over whole rows: the final norm (invalid rows zeroed, cast to the output dtype)
+and the pre-GEMM norms of wide layers (written as an fp16 high/low pair)."""
 from __future__ import annotations
 
 import torch
@@ -7,9 +8,10 @@ import triton.language as tl
 
 
 @triton.jit
-def final_norm_kernel(x_ptr, out_ptr, w_ptr, b_ptr, valid_ptr, M, D, eps,
-                      HAS_VALID: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """ROWS rows of out = where(valid, LayerNorm(x), 0)."""
+def layer_norm_kernel(x_ptr, out_ptr, out_lo_ptr, w_ptr, b_ptr, valid_ptr, M, D, eps,
+                      HAS_VALID: tl.constexpr, SPLIT_OUT: tl.constexpr, ROWS: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """ROWS rows of out = where(valid, LayerNorm(x), 0), or its (hi, lo) fp16 split."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     row_ok = rows < M
@@ -25,16 +27,29 @@ def final_norm_kernel(x_ptr, out_ptr, w_ptr, b_ptr, valid_ptr, M, D, eps,
     if HAS_VALID:
         valid = tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0
         y = tl.where(valid[:, None], y, 0.0)
-    tl.store(out_ptr + rows[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
+    offsets = rows[:, None] * D + cols[None, :]
+    if SPLIT_OUT:
+        hi = y.to(tl.float16)
+        tl.store(out_ptr + offsets, hi, mask=ok)
+        tl.store(out_lo_ptr + offsets, (y - hi.to(tl.float32)).to(tl.float16), mask=ok)
+    else:
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def final_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
-               valid: torch.Tensor | None, eps: float = 1e-5) -> torch.Tensor:
-    """out[M, D] = LayerNorm(x[M, D]) with invalid rows zeroed."""
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out,
+               valid: torch.Tensor | None = None, eps: float = 1e-5):
+    """out[M, D] = LayerNorm(x[M, D]) with invalid rows zeroed; out may be an fp16 (hi, lo) pair."""
     m, d = x.shape
+    out_hi, out_lo = out if isinstance(out, tuple) else (out, out)
     block_d = triton.next_power_of_2(d)
     rows = max(1, min(16, 4096 // block_d))
-    final_norm_kernel[(triton.cdiv(m, rows),)](
-        x, out, weight, bias, valid if valid is not None else x, m, d, eps,
-        HAS_VALID=valid is not None, ROWS=rows, BLOCK_D=block_d, num_warps=4)
+    layer_norm_kernel[(triton.cdiv(m, rows),)](
+        x, out_hi, out_lo, weight, bias, valid if valid is not None else x, m, d, eps,
+        HAS_VALID=valid is not None, SPLIT_OUT=isinstance(out, tuple), ROWS=rows,
+        BLOCK_D=block_d, num_warps=4)
     return out
+
+
+def final_norm(x, weight, bias, out, valid, eps: float = 1e-5):
+    """The stack's last LayerNorm: invalid rows zeroed, cast to out's dtype."""
+    return layer_norm(x, weight, bias, out, valid, eps)

@@ -1,0 +1,132 @@
+"""The rest of a block after the Q/K/V projection, in one kernel, for rows that fit a tile.
+
+For d_model and ffn_dim up to 128 a program holds whole rows: it runs attention head by
+head for its query block and feeds each head's context straight into out_proj, then adds
+the residual, applies norm2, ffn_in with GELU, ffn_out and the second residual, and (after
+the last block) the final LayerNorm. The context and FFN hidden rows never reach memory.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import attend_head, head_pad, softmax_scale
+from .precision import INTERPRETER, mma_split
+
+MAX_WIDTH = 128  # widest padded d_model / ffn_dim a program holds
+
+
+@triton.jit
+def _row_norm(x, w_ptr, b_ptr, cols, col_ok, D, eps):
+    """LayerNorm of every row of x [rows, D_PAD] (padding columns give 0)."""
+    mean = tl.sum(x, axis=1) / D
+    diff = tl.where(col_ok[None, :], x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=1) / D + eps)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
+    b = tl.load(b_ptr + cols, mask=col_ok, other=0.0)
+    return diff * rstd[:, None] * w[None, :] + b[None, :]
+
+
+@triton.jit
+def _weight_tile(hi_ptr, lo_ptr, out_idx, out_ok, in_idx, in_ok, IN):
+    """The fp16 (hi, lo) tiles [len(in_idx), len(out_idx)] of a weight stored [OUT, IN]."""
+    offsets = out_idx[None, :] * IN + in_idx[:, None]
+    ok = out_ok[None, :] & in_ok[:, None]
+    return (tl.load(hi_ptr + offsets, mask=ok, other=0.0),
+            tl.load(lo_ptr + offsets, mask=ok, other=0.0))
+
+
+@triton.jit
+def attention_ffn_kernel(
+    qkv_ptr, x_ptr, out_ptr, valid_ptr,
+    wo_hi, wo_lo, bo_ptr, n2_w, n2_b, wi_hi, wi_lo, bi_ptr, wf_hi, wf_lo, bf_ptr, fn_w, fn_b,
+    S, H, D, F, qk_scale, eps,
+    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr, F_PAD: tl.constexpr,
+    HAS_VALID: tl.constexpr, FINAL: tl.constexpr, ATT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """BLOCK_M query rows of sequence program_id(1): attention, out_proj, FFN, residuals."""
+    q_start = tl.program_id(0) * BLOCK_M
+    b = tl.program_id(1)
+    offs_m = q_start + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < S
+    rows = b.to(tl.int64) * S + offs_m
+    cols = tl.arange(0, D_PAD)
+    col_ok = cols < D
+    head_cols = tl.arange(0, HEAD_PAD)
+
+    attn = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    for h in range(H):
+        ctx = attend_head(qkv_ptr, valid_ptr, b, h, S, D, q_start, qk_scale, HEAD_DIM,
+                          HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
+        w_hi, w_lo = _weight_tile(wo_hi, wo_lo, cols, col_ok, h * HEAD_DIM + head_cols,
+                                  head_cols < HEAD_DIM, D)
+        attn = mma_split(ctx, w_hi, w_lo, attn)
+    attn += tl.load(bo_ptr + cols, mask=col_ok, other=0.0)[None, :]
+
+    if HAS_VALID:
+        valid = tl.load(valid_ptr + rows, mask=m_ok, other=0) != 0
+        attn = tl.where(valid[:, None], attn, 0.0)
+    row_ok = m_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=row_ok, other=0.0).to(tl.float32) + attn
+
+    hcols = tl.arange(0, F_PAD)
+    hcol_ok = hcols < F
+    w_hi, w_lo = _weight_tile(wi_hi, wi_lo, hcols, hcol_ok, cols, col_ok, D)
+    hidden = mma_split(_row_norm(x, n2_w, n2_b, cols, col_ok, D, eps), w_hi, w_lo,
+                       tl.zeros([BLOCK_M, F_PAD], dtype=tl.float32))
+    hidden += tl.load(bi_ptr + hcols, mask=hcol_ok, other=0.0)[None, :]
+    hidden = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))
+    w_hi, w_lo = _weight_tile(wf_hi, wf_lo, cols, col_ok, hcols, hcol_ok, F)
+    x = mma_split(hidden, w_hi, w_lo, x)
+    x += tl.load(bf_ptr + cols, mask=col_ok, other=0.0)[None, :]
+
+    if FINAL:
+        x = _row_norm(x, fn_w, fn_b, cols, col_ok, D, eps)
+    if HAS_VALID:
+        x = tl.where(valid[:, None], x, 0.0)
+    tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def fits(d_model: int, ffn_dim: int) -> bool:
+    """Whether whole rows of this layer fit one program's tile."""
+    return max(d_model, ffn_dim) <= MAX_WIDTH
+
+
+def block_config(seq_len: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages)."""
+    if INTERPRETER:
+        return 64, 64, 4, 1
+    return NARROW_TILES
+
+
+NARROW_TILES = (64, 64, 4, 2)
+
+
+def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, p, w, final,
+                  *, batch: int, seq_len: int, num_heads: int, precision: str, eps: float = 1e-5,
+                  config=None) -> torch.Tensor:
+    """out = the block's output rows from its qkv and input rows x (x and out may alias).
+
+    p holds the layer's fp32 parameters, w its (hi, lo) weights; final is (weight, bias) of
+    the final LayerNorm to apply after this block, or None.
+    """
+    d = x.shape[1]
+    f = p.ffn_in_bias.shape[0]
+    head_dim = d // num_heads
+    block_m, block_n, warps, stages = config or block_config(seq_len)
+    fn_w, fn_b = final if final is not None else (p.out_bias, p.out_bias)
+    grid = (triton.cdiv(seq_len, block_m), batch)
+    attention_ffn_kernel[grid](
+        qkv, x, out, valid if valid is not None else qkv,
+        *w["out_weight"], p.out_bias, p.norm2_weight, p.norm2_bias,
+        *w["ffn_in_weight"], p.ffn_in_bias, *w["ffn_out_weight"], p.ffn_out_bias, fn_w, fn_b,
+        seq_len, num_heads, d, f, softmax_scale(head_dim), eps,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad(head_dim), D_PAD=max(16, triton.next_power_of_2(d)),
+        F_PAD=max(16, triton.next_power_of_2(f)), HAS_VALID=valid is not None,
+        FINAL=final is not None, ATT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps, num_stages=stages,
+    )
+    return out

@@ -1,0 +1,159 @@
+"""Tile sweeps and a per-kernel profile of the Triton stack, on a GPU.
+
+    python bench/tile_sweep.py profile --shapes 6,8
+    python bench/tile_sweep.py narrow --shapes 1,6,13
+    python bench/tile_sweep.py wide --shapes 8
+    python bench/tile_sweep.py attention --seq-len 100000 --heads 16 --head-dim 64
+
+"narrow" and "wide" time the eager forward under each candidate tile configuration (same
+run, alternating rounds) and report the largest difference from the default's output, so
+a configuration that computes something else shows. "attention" times flash attention of
+one long sequence. "profile" lists GPU time per kernel for one forward.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+import torch
+
+from layerbench.backends.triton import attention, linear, narrow_block
+from layerbench.backends.triton import TritonBackend
+from layerbench.common import runner
+from layerbench.common.shapes import resolve_shapes
+from layerbench.common.timing import alternating_medians_ms
+
+NARROW = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (64, 64, 8, 2), (128, 64, 8, 2),
+          (128, 128, 8, 2), (32, 32, 4, 2)]
+WIDE = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 32, 4, 4),
+        (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 256, 32, 8, 4)]
+ATTENTION = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
+             (64, 64, 4, 3), (128, 32, 8, 4), (128, 64, 8, 4)]
+
+
+def _layer(shape, seed=0):
+    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=seed,
+                              device=torch.device("cuda"))
+    layer = TritonBackend().build(shape.config, prepared.model.state_dict(), device="cuda")
+    return prepared, layer
+
+
+def sweep_layer(shapes, module, attr, candidates, rounds):
+    """Time the eager forward with module.attr set to each candidate; rows of results."""
+    rows = []
+    default = getattr(module, attr)
+    for shape in resolve_shapes(shapes):
+        prepared, layer = _layer(shape)
+        with torch.no_grad():
+            expected = layer._forward(prepared.x, prepared.mask).clone()
+            fns, diffs, names = [], [], []
+            for cand in candidates:
+                setattr(module, attr, cand)
+                try:
+                    out = layer._forward(prepared.x, prepared.mask)
+                    torch.cuda.synchronize()
+                except Exception as exc:  # a configuration the compiler rejects
+                    print(f"shape {shape.number} {cand}: {type(exc).__name__}: {exc}"[:300])
+                    continue
+                diffs.append((out - expected).abs().max().item())
+                names.append(cand)
+                fns.append(lambda c=cand: (setattr(module, attr, c),
+                                           layer._forward(prepared.x, prepared.mask)))
+            times = alternating_medians_ms(fns, "cuda", rounds=rounds)
+        setattr(module, attr, default)
+        for cand, ms, diff in zip(names, times, diffs):
+            rows.append({"shape": shape.number, "config": cand, "ms": ms, "max_diff": diff})
+            print(f"shape {shape.number:2d} {str(cand):26s} {ms:9.3f} ms  diff {diff:.1e}",
+                  flush=True)
+        del layer, prepared
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_attention(seq_len, heads, head_dim, rounds):
+    """Time flash attention of one sequence under each candidate configuration."""
+    d = heads * head_dim
+    torch.manual_seed(0)
+    qkv = torch.randn(seq_len, 3 * d, device="cuda", dtype=torch.float16)
+    ctx = torch.empty(seq_len, d, device="cuda", dtype=torch.float32)
+    flops = 4 * heads * head_dim * seq_len * seq_len / 2
+    expected = attention.flash_attention(qkv, ctx, None, batch=1, seq_len=seq_len,
+                                         num_heads=heads, precision="fp16").clone()
+    fns, names, diffs = [], [], []
+    for cand in ATTENTION:
+        try:
+            out = attention.flash_attention(qkv, ctx, None, batch=1, seq_len=seq_len,
+                                            num_heads=heads, precision="fp16", config=cand)
+            torch.cuda.synchronize()
+        except Exception as exc:
+            print(f"{cand}: {type(exc).__name__}: {exc}"[:300])
+            continue
+        diffs.append((out - expected).abs().max().item())
+        names.append(cand)
+        fns.append(lambda c=cand: attention.flash_attention(
+            qkv, ctx, None, batch=1, seq_len=seq_len, num_heads=heads, precision="fp16",
+            config=c))
+    times = alternating_medians_ms(fns, "cuda", rounds=rounds)
+    rows = []
+    for cand, ms, diff in zip(names, times, diffs):
+        rows.append({"config": cand, "ms": ms, "tflops": flops / ms / 1e9, "max_diff": diff})
+        print(f"attention S={seq_len} H={heads} hd={head_dim} {str(cand):20s} {ms:9.3f} ms "
+              f"{flops / ms / 1e9:6.1f} TFLOP/s diff {diff:.1e}", flush=True)
+    return rows
+
+
+def profile(shapes):
+    """GPU milliseconds per kernel name for one eager forward of each shape."""
+    rows = []
+    for shape in resolve_shapes(shapes):
+        prepared, layer = _layer(shape)
+        with torch.no_grad():
+            for _ in range(2):
+                layer._forward(prepared.x, prepared.mask)
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                layer._forward(prepared.x, prepared.mask)
+                torch.cuda.synchronize()
+        totals = defaultdict(lambda: [0.0, 0])
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                totals[event.name][0] += event.device_time / 1e3
+                totals[event.name][1] += 1
+        for name, (ms, count) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+            rows.append({"shape": shape.number, "kernel": name, "ms": ms, "count": count})
+            print(f"shape {shape.number:2d} {name[:60]:60s} {count:4d} x {ms:9.3f} ms", flush=True)
+        del layer, prepared
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    """Run one study and write its rows as JSON to --out."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("study", choices=("profile", "narrow", "wide", "attention"))
+    parser.add_argument("--shapes", default="6")
+    parser.add_argument("--seq-len", type=int, default=100_000)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.study == "profile":
+        rows = profile(args.shapes)
+    elif args.study == "narrow":
+        rows = sweep_layer(args.shapes, narrow_block, "NARROW_TILES", NARROW, args.rounds)
+    elif args.study == "wide":
+        rows = sweep_layer(args.shapes, linear, "SPLIT_TILES", WIDE, args.rounds)
+    else:
+        rows = sweep_attention(args.seq_len, args.heads, args.head_dim, args.rounds)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
