@@ -12,7 +12,7 @@ from layerbench.common.params import pack_params, param_bytes
 
 from .attention import flash_attention
 from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear, split_linear
-from .narrow_block import attention_ffn, fits
+from .narrow_block import attention_ffn, fits, norm_qkv
 from .norm import final_norm, layer_norm
 from .precision import split_fp16
 
@@ -45,8 +45,8 @@ MAX_GRID_Y = 65535
 
 
 def plan(config, precision: Precision) -> str:
-    """Which kernel sequence runs a block: "narrow" (whole rows in one tile: Q/K/V GEMM, then
-    one kernel for the rest), "wide" (pre-split fp16 operands for every GEMM), or "general"
+    """Which kernel sequence runs a block: "narrow" (whole rows in one tile: one kernel per
+    block, from attention to the next block's Q/K/V), "wide" (pre-split fp16 operands for every GEMM), or "general"
     (the LayerNorm-fused GEMM in any precision mode)."""
     if precision.linear != "fp16x3" or precision.attention not in ("fp16", "tf32x3"):
         return "general"
@@ -58,7 +58,9 @@ def workspace(config, precision: Precision) -> dict[str, tuple[int, torch.dtype]
     d, f = config.d_model, config.ffn_dim
     buffers = {"residual": (d, torch.float32), "qkv": (3 * d, precision.qkv_dtype)}
     kind = plan(config, precision)
-    if kind == "wide":  # the normed rows and the context share "rows"; two fp16 halves each
+    if kind == "narrow":  # Q/K/V of the running block and of the next one
+        buffers.update(qkv_next=(3 * d, precision.qkv_dtype))
+    elif kind == "wide":  # the normed rows and the context share "rows"; two fp16 halves each
         buffers.update(rows_hi=(d, torch.float16), rows_lo=(d, torch.float16),
                        hidden_hi=(f, torch.float16), hidden_lo=(f, torch.float16))
     elif kind == "general":
@@ -124,18 +126,21 @@ class TritonLayer(BuiltLayer):
         return out
 
     def _run_narrow(self, x2, valid, out2, batch, s, work):
-        """Per block: the LayerNorm-fused Q/K/V GEMM, then one kernel for all the rest."""
-        res, qkv = work["residual"], work["qkv"]
+        """The first block's Q/K/V, then one kernel per block that also writes the next
+        block's Q/K/V (two alternating buffers) or, after the last, the final LayerNorm."""
+        res, qkv = work["residual"], (work["qkv"], work["qkv_next"])
         valid_rows = None if valid is None else valid.reshape(-1)
+        layers = list(zip(self.params.layers, self.weights))
+        norm_qkv(x2, qkv[0], *layers[0])
         src = x2
-        last = len(self.params.layers) - 1
-        for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
-            fused_linear(src, w["qkv_weight"], p.qkv_bias, qkv, precision="fp16x3",
-                         ln=(p.norm1_weight, p.norm1_bias))
-            final = (self.params.final_weight, self.params.final_bias) if i == last else None
-            attention_ffn(qkv, src, out2 if i == last else res, valid_rows, p, w, final,
-                          batch=batch, seq_len=s, num_heads=self.config.num_heads,
-                          precision=self.precision.attention)
+        for i, (p, w) in enumerate(layers):
+            last = i == len(layers) - 1
+            attention_ffn(
+                qkv[i % 2], src, out2 if last else res, valid_rows, p, w,
+                final=(self.params.final_weight, self.params.final_bias) if last else None,
+                next_block=None if last else (*layers[i + 1], qkv[(i + 1) % 2]),
+                batch=batch, seq_len=s, num_heads=self.config.num_heads,
+                precision=self.precision.attention)
             src = res
 
     def _run_wide(self, x2, valid, out2, batch, s, work):

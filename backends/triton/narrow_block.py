@@ -38,15 +38,50 @@ def _weight_tile(hi_ptr, lo_ptr, out_idx, out_ok, in_idx, in_ok, IN):
 
 
 @triton.jit
+def _project_qkv(x, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, qkv_ptr, rows, m_ok, cols, col_ok, D, eps,
+                 BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
+    """Store the Q/K/V rows LN1(x) @ Wqkv^T + b (fp16) of the row block x [BLOCK_M, D_PAD]."""
+    h = _row_norm(x, n1_w, n1_b, cols, col_ok, D, eps)
+    h_hi = h.to(tl.float16)
+    h_lo = (h - h_hi.to(tl.float32)).to(tl.float16)
+    ok = m_ok[:, None] & col_ok[None, :]
+    for part in tl.static_range(3):
+        out_idx = part * D + cols
+        w_hi, w_lo = _weight_tile(wq_hi, wq_lo, out_idx, col_ok, cols, col_ok, D)
+        acc = tl.dot(h_lo, w_hi, tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32))
+        acc = tl.dot(h_hi, w_lo, acc)
+        acc = tl.dot(h_hi, w_hi, acc)
+        acc += tl.load(bq_ptr + out_idx, mask=col_ok, other=0.0)[None, :]
+        tl.store(qkv_ptr + rows[:, None] * (3 * D) + out_idx[None, :],
+                 acc.to(qkv_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
+                    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Q/K/V rows of BLOCK_M tokens: the whole row is normed and projected in one program."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_ok = rows < M
+    cols = tl.arange(0, D_PAD)
+    col_ok = cols < D
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=m_ok[:, None] & col_ok[None, :],
+                other=0.0).to(tl.float32)
+    _project_qkv(x, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, qkv_ptr, rows, m_ok, cols, col_ok, D, eps,
+                 BLOCK_M, D_PAD)
+
+
+@triton.jit
 def attention_ffn_kernel(
     qkv_ptr, x_ptr, out_ptr, valid_ptr,
     wo_hi, wo_lo, bo_ptr, n2_w, n2_b, wi_hi, wi_lo, bi_ptr, wf_hi, wf_lo, bf_ptr, fn_w, fn_b,
+    next_qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr,
     S, H, D, F, qk_scale, eps,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr, F_PAD: tl.constexpr,
-    HAS_VALID: tl.constexpr, FINAL: tl.constexpr, ATT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_VALID: tl.constexpr, FINAL: tl.constexpr, NEXT: tl.constexpr,
+    ATT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """BLOCK_M query rows of sequence program_id(1): attention, out_proj, FFN, residuals."""
+    """BLOCK_M query rows of sequence program_id(1): attention, out_proj, FFN, residuals, and
+    then either the final LayerNorm (FINAL) or the next block's Q/K/V rows (NEXT)."""
     q_start = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
     offs_m = q_start + tl.arange(0, BLOCK_M)
@@ -88,6 +123,9 @@ def attention_ffn_kernel(
     if HAS_VALID:
         x = tl.where(valid[:, None], x, 0.0)
     tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=row_ok)
+    if NEXT:
+        _project_qkv(x, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, next_qkv_ptr, rows, m_ok, cols, col_ok,
+                     D, eps, BLOCK_M, D_PAD)
 
 
 def fits(d_model: int, ffn_dim: int) -> bool:
@@ -105,28 +143,49 @@ def block_config(seq_len: int) -> tuple[int, int, int, int]:
 NARROW_TILES = (64, 64, 4, 2)
 
 
-def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, p, w, final,
-                  *, batch: int, seq_len: int, num_heads: int, precision: str, eps: float = 1e-5,
-                  config=None) -> torch.Tensor:
+def _pad(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5) -> torch.Tensor:
+    """qkv[M, 3D] = LN1(x) @ Wqkv^T + b, one program per block of whole rows."""
+    m, d = x.shape
+    block_m = 64
+    norm_qkv_kernel[(triton.cdiv(m, block_m),)](
+        x, qkv, p.norm1_weight, p.norm1_bias, *w["qkv_weight"], p.qkv_bias, m, d, eps,
+        D_PAD=_pad(d), BLOCK_M=block_m, num_warps=4)
+    return qkv
+
+
+def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, p, w, *,
+                  final=None, next_block=None, batch: int, seq_len: int, num_heads: int,
+                  precision: str, eps: float = 1e-5, config=None) -> torch.Tensor:
     """out = the block's output rows from its qkv and input rows x (x and out may alias).
 
     p holds the layer's fp32 parameters, w its (hi, lo) weights; final is (weight, bias) of
-    the final LayerNorm to apply after this block, or None.
+    the final LayerNorm to apply after this block; next_block is (p, w, qkv) of the next
+    block, whose Q/K/V rows are then written too (qkv must be a different buffer).
     """
     d = x.shape[1]
     f = p.ffn_in_bias.shape[0]
     head_dim = d // num_heads
     block_m, block_n, warps, stages = config or block_config(seq_len)
     fn_w, fn_b = final if final is not None else (p.out_bias, p.out_bias)
+    if next_block is not None:
+        np_, nw, next_qkv = next_block
+        next_args = (next_qkv, np_.norm1_weight, np_.norm1_bias, *nw["qkv_weight"], np_.qkv_bias)
+    else:
+        next_args = (qkv, p.out_bias, p.out_bias, p.out_bias, p.out_bias, p.out_bias)
     grid = (triton.cdiv(seq_len, block_m), batch)
     attention_ffn_kernel[grid](
         qkv, x, out, valid if valid is not None else qkv,
         *w["out_weight"], p.out_bias, p.norm2_weight, p.norm2_bias,
         *w["ffn_in_weight"], p.ffn_in_bias, *w["ffn_out_weight"], p.ffn_out_bias, fn_w, fn_b,
+        *next_args,
         seq_len, num_heads, d, f, softmax_scale(head_dim), eps,
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad(head_dim), D_PAD=max(16, triton.next_power_of_2(d)),
-        F_PAD=max(16, triton.next_power_of_2(f)), HAS_VALID=valid is not None,
-        FINAL=final is not None, ATT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad(head_dim), D_PAD=_pad(d), F_PAD=_pad(f),
+        HAS_VALID=valid is not None, FINAL=final is not None, NEXT=next_block is not None,
+        ATT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,
     )
     return out
