@@ -45,8 +45,8 @@ MAX_GRID_Y = 65535
 
 
 def plan(config, precision: Precision) -> str:
-    """Which kernel sequence runs a block: "narrow" (whole rows in one tile: one kernel per
-    block, from attention to the next block's Q/K/V), "wide" (pre-split fp16 operands for every GEMM), or "general"
+    """Which kernel sequence runs a block: "narrow" (whole rows in one tile: norm1 + Q/K/V,
+    then one kernel from attention to the second residual), "wide" (pre-split fp16 operands for every GEMM), or "general"
     (the LayerNorm-fused GEMM in any precision mode)."""
     if precision.linear != "fp16x3" or precision.attention not in ("fp16", "tf32x3"):
         return "general"
@@ -58,9 +58,7 @@ def workspace(config, precision: Precision) -> dict[str, tuple[int, torch.dtype]
     d, f = config.d_model, config.ffn_dim
     buffers = {"residual": (d, torch.float32), "qkv": (3 * d, precision.qkv_dtype)}
     kind = plan(config, precision)
-    if kind == "narrow":  # Q/K/V of the running block and of the next one
-        buffers.update(qkv_next=(3 * d, precision.qkv_dtype))
-    elif kind == "wide":  # the normed rows and the context share "rows"; two fp16 halves each
+    if kind == "wide":  # the normed rows and the context share "rows"; two fp16 halves each
         buffers.update(rows_hi=(d, torch.float16), rows_lo=(d, torch.float16),
                        hidden_hi=(f, torch.float16), hidden_lo=(f, torch.float16))
     elif kind == "general":
@@ -126,19 +124,16 @@ class TritonLayer(BuiltLayer):
         return out
 
     def _run_narrow(self, x2, valid, out2, batch, s, work):
-        """The first block's Q/K/V, then one kernel per block that also writes the next
-        block's Q/K/V (two alternating buffers) or, after the last, the final LayerNorm."""
-        res, qkv = work["residual"], (work["qkv"], work["qkv_next"])
+        """Per block: norm1 + Q/K/V, then one kernel for the rest (and the final norm)."""
+        res, qkv = work["residual"], work["qkv"]
         valid_rows = None if valid is None else valid.reshape(-1)
-        layers = list(zip(self.params.layers, self.weights))
-        norm_qkv(x2, qkv[0], *layers[0])
         src = x2
-        for i, (p, w) in enumerate(layers):
-            last = i == len(layers) - 1
+        last = len(self.params.layers) - 1
+        for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
+            norm_qkv(src, qkv, p, w)
             attention_ffn(
-                qkv[i % 2], src, out2 if last else res, valid_rows, p, w,
-                final=(self.params.final_weight, self.params.final_bias) if last else None,
-                next_block=None if last else (*layers[i + 1], qkv[(i + 1) % 2]),
+                qkv, src, out2 if i == last else res, valid_rows, p, w,
+                final=(self.params.final_weight, self.params.final_bias) if i == last else None,
                 batch=batch, seq_len=s, num_heads=self.config.num_heads,
                 precision=self.precision.attention)
             src = res

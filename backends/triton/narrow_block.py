@@ -1,9 +1,10 @@
-"""The rest of a block after the Q/K/V projection, in one kernel, for rows that fit a tile.
+"""A block in two kernels when whole rows fit a tile (d_model and ffn_dim up to 128).
 
-For d_model and ffn_dim up to 128 a program holds whole rows: it runs attention head by
-head for its query block and feeds each head's context straight into out_proj, then adds
-the residual, applies norm2, ffn_in with GELU, ffn_out and the second residual, and (after
-the last block) the final LayerNorm. The context and FFN hidden rows never reach memory.
+norm_qkv: norm1 and the Q/K/V projection of a block of whole rows. attention_ffn: a program
+runs attention head by head for its query block and feeds each head's context straight into
+out_proj, then adds the residual, applies norm2, ffn_in with GELU, ffn_out and the second
+residual, and (after the last block) the final LayerNorm. The context and FFN hidden rows
+never reach memory.
 """
 from __future__ import annotations
 
@@ -38,14 +39,18 @@ def _weight_tile(hi_ptr, lo_ptr, out_idx, out_ok, in_idx, in_ok, IN):
 
 
 @triton.jit
-def _project_qkv(x, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, qkv_ptr, rows, m_ok, cols, col_ok, D, eps,
-                 BLOCK_M: tl.constexpr, D_PAD: tl.constexpr):
-    """Store the Q/K/V rows LN1(x) @ Wqkv^T + b (fp16) of the row block x [BLOCK_M, D_PAD]."""
+def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
+                    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Q/K/V rows (fp16) of BLOCK_M tokens: each row is read once, normed and projected."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, D_PAD)
+    col_ok = cols < D
+    ok = (rows < M)[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     h = _row_norm(x, n1_w, n1_b, cols, col_ok, D, eps)
     h_hi = h.to(tl.float16)
     h_lo = (h - h_hi.to(tl.float32)).to(tl.float16)
-    ok = m_ok[:, None] & col_ok[None, :]
-    for part in tl.static_range(3):
+    for part in tl.static_range(3):  # Q, K, V
         out_idx = part * D + cols
         w_hi, w_lo = _weight_tile(wq_hi, wq_lo, out_idx, col_ok, cols, col_ok, D)
         acc = tl.dot(h_lo, w_hi, tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32))
@@ -57,31 +62,16 @@ def _project_qkv(x, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, qkv_ptr, rows, m_ok, cols,
 
 
 @triton.jit
-def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
-                    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Q/K/V rows of BLOCK_M tokens: the whole row is normed and projected in one program."""
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    m_ok = rows < M
-    cols = tl.arange(0, D_PAD)
-    col_ok = cols < D
-    x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=m_ok[:, None] & col_ok[None, :],
-                other=0.0).to(tl.float32)
-    _project_qkv(x, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, qkv_ptr, rows, m_ok, cols, col_ok, D, eps,
-                 BLOCK_M, D_PAD)
-
-
-@triton.jit
 def attention_ffn_kernel(
     qkv_ptr, x_ptr, out_ptr, valid_ptr,
     wo_hi, wo_lo, bo_ptr, n2_w, n2_b, wi_hi, wi_lo, bi_ptr, wf_hi, wf_lo, bf_ptr, fn_w, fn_b,
-    next_qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr,
     S, H, D, F, qk_scale, eps,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr, F_PAD: tl.constexpr,
-    HAS_VALID: tl.constexpr, FINAL: tl.constexpr, NEXT: tl.constexpr,
-    ATT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_VALID: tl.constexpr, FINAL: tl.constexpr, ATT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """BLOCK_M query rows of sequence program_id(1): attention, out_proj, FFN, residuals, and
-    then either the final LayerNorm (FINAL) or the next block's Q/K/V rows (NEXT)."""
+    the final LayerNorm (FINAL)."""
     q_start = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
     offs_m = q_start + tl.arange(0, BLOCK_M)
@@ -123,9 +113,6 @@ def attention_ffn_kernel(
     if HAS_VALID:
         x = tl.where(valid[:, None], x, 0.0)
     tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=row_ok)
-    if NEXT:
-        _project_qkv(x, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, next_qkv_ptr, rows, m_ok, cols, col_ok,
-                     D, eps, BLOCK_M, D_PAD)
 
 
 def fits(d_model: int, ffn_dim: int) -> bool:
@@ -140,7 +127,7 @@ def block_config(seq_len: int) -> tuple[int, int, int, int]:
     return NARROW_TILES
 
 
-NARROW_TILES = (64, 64, 4, 2)
+NARROW_TILES = (64, 64, 4, 3)
 
 
 def _pad(n: int) -> int:
@@ -158,33 +145,26 @@ def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5) -> tor
 
 
 def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, p, w, *,
-                  final=None, next_block=None, batch: int, seq_len: int, num_heads: int,
+                  final=None, batch: int, seq_len: int, num_heads: int,
                   precision: str, eps: float = 1e-5, config=None) -> torch.Tensor:
     """out = the block's output rows from its qkv and input rows x (x and out may alias).
 
     p holds the layer's fp32 parameters, w its (hi, lo) weights; final is (weight, bias) of
-    the final LayerNorm to apply after this block; next_block is (p, w, qkv) of the next
-    block, whose Q/K/V rows are then written too (qkv must be a different buffer).
+    the final LayerNorm to apply after this block.
     """
     d = x.shape[1]
     f = p.ffn_in_bias.shape[0]
     head_dim = d // num_heads
     block_m, block_n, warps, stages = config or block_config(seq_len)
     fn_w, fn_b = final if final is not None else (p.out_bias, p.out_bias)
-    if next_block is not None:
-        np_, nw, next_qkv = next_block
-        next_args = (next_qkv, np_.norm1_weight, np_.norm1_bias, *nw["qkv_weight"], np_.qkv_bias)
-    else:
-        next_args = (qkv, p.out_bias, p.out_bias, p.out_bias, p.out_bias, p.out_bias)
     grid = (triton.cdiv(seq_len, block_m), batch)
     attention_ffn_kernel[grid](
         qkv, x, out, valid if valid is not None else qkv,
         *w["out_weight"], p.out_bias, p.norm2_weight, p.norm2_bias,
         *w["ffn_in_weight"], p.ffn_in_bias, *w["ffn_out_weight"], p.ffn_out_bias, fn_w, fn_b,
-        *next_args,
         seq_len, num_heads, d, f, softmax_scale(head_dim), eps,
         HEAD_DIM=head_dim, HEAD_PAD=head_pad(head_dim), D_PAD=_pad(d), F_PAD=_pad(f),
-        HAS_VALID=valid is not None, FINAL=final is not None, NEXT=next_block is not None,
+        HAS_VALID=valid is not None, FINAL=final is not None,
         ATT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,
     )
