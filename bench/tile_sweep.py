@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
@@ -33,8 +34,14 @@ ATTENTION = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2
              (64, 64, 4, 3), (128, 32, 8, 4), (128, 64, 8, 4)]
 
 
+BATCH = None  # --batch: run the shapes with this batch size instead
+PADDING = 0.25
+
+
 def _layer(shape, seed=0):
-    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=seed,
+    if BATCH:
+        shape = replace(shape, config=replace(shape.config, batch_size=BATCH))
+    prepared = runner.prepare(shape, padding=PADDING, dtype=torch.float32, seed=seed,
                               device=torch.device("cuda"))
     layer = TritonBackend().build(shape.config, prepared.model.state_dict(), device="cuda")
     return prepared, layer
@@ -139,8 +146,12 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=None, help="override the batch size")
+    parser.add_argument("--padding", type=float, default=0.25)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    global BATCH, PADDING
+    BATCH, PADDING = args.batch, args.padding
     if args.study == "profile":
         rows = profile(args.shapes)
     elif args.study == "narrow":

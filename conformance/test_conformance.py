@@ -50,13 +50,14 @@ def test_determinism(backend_name, shape, device, seed):
         f"{(first.view(torch.int32) != second.view(torch.int32)).sum()} elements differ")
 
 
-def test_general_mask(backend_name, device, seed):
+@pytest.mark.parametrize("number", [1, 8], ids=["d128", "d1024"])
+def test_general_mask(backend_name, number, device, seed):
     """Leading padding and an interior hole: rows that see no valid key stay finite and zero.
 
     An invalid query at the start of a sequence has every key masked; the baseline's softmax
     gives NaN there and the row zeroing removes it. Later queries must not see hole keys.
     """
-    cfg = CI[1].config
+    cfg = CI[number].config
     model = make_reference(cfg, seed=seed)
     x, mask = make_inputs(cfg, seed=seed, device=device)
     mask[0, :3] = False

@@ -42,13 +42,13 @@ def test_precision_mode_passes(triton_backend_class, linear, attention, device):
     assert report.passed, report.summary()
 
 
-def test_batch_chunks_respect_the_attention_grid(triton_backend_class):
+def test_batch_chunks_respect_the_attention_grid(triton_backend_class, device):
     """A batch whose sequences x heads exceed the grid limit is streamed in smaller chunks."""
     from layerbench.backends.triton.layer import MAX_GRID_Y
     from layerbench.common.config import LayerConfig
     from layerbench.reference import make_reference
 
     cfg = LayerConfig(100_000, 4, 128, 16, 32, 1)
-    layer = triton_backend_class().build(cfg, make_reference(cfg).state_dict(), device="cpu")
+    layer = triton_backend_class().build(cfg, make_reference(cfg).state_dict(), device=device)
     chunk = layer._sequences_per_chunk(cfg.batch_size, cfg.seq_len)
     assert 1 <= chunk and chunk * cfg.num_heads <= MAX_GRID_Y
