@@ -17,12 +17,12 @@ from .precision import INTERPRETER, mma
 
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, offs_m, d_ok,
-                   lo, hi, qk_scale, DIAGONAL: tl.constexpr, MASK: tl.constexpr,
+                   lo, hi, qk_scale, DIAGONAL: tl.constexpr, MASKED: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Online-softmax update over key blocks [lo, hi) with keys < key_end.
 
-    DIAGONAL blocks apply the causal test. MASK 0: every key in [lo, hi) is visible;
-    1: keys from key_end on are not (a prefix mask); 2: the mask is loaded per block.
+    DIAGONAL blocks apply the causal test; MASKED blocks load the key mask; other blocks
+    need no test at all.
     """
     row_stride = 3 * D
     for n0 in range(lo, hi, BLOCK_N):
@@ -32,16 +32,16 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, 
         k_t = tl.load(base + rows_n[None, :] + (D + q_cols)[:, None],
                       mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         s = mma(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION) * qk_scale
-        if DIAGONAL or MASK != 0:
+        if DIAGONAL or MASKED:
             allowed = n_ok[None, :]
             if DIAGONAL:
                 allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
-            if MASK == 2:
+            if MASKED:
                 key_ok = tl.load(valid_ptr + b * S + offs_n, mask=n_ok, other=0) != 0
                 allowed = allowed & key_ok[None, :]
             s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if MASK == 2:  # a row may have no visible key yet
+        if MASKED:  # a row may have no visible key yet
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_safe = m_new
@@ -60,9 +60,13 @@ def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
                 HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Normalised attention output [BLOCK_M, HEAD_PAD] of the BLOCK_M queries from q_start (a
-    multiple of BLOCK_M) of head h, sequence b. Key blocks above the diagonal are skipped,
-    those below need no causal test; with a mask whose valid keys are a prefix (key_end[b]
-    >= 0), blocks past its end are skipped and the blocks before it need no mask either."""
+    multiple of BLOCK_M) of head h, sequence b.
+
+    Key blocks above the diagonal are skipped; blocks below it run without the causal test.
+    With a mask whose valid keys form a prefix (key_end[b] >= 0), blocks past its end are
+    skipped and the whole blocks before it run without the mask: only the block holding its
+    end and the diagonal blocks load it. Other masks are loaded for every block.
+    """
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
@@ -78,33 +82,27 @@ def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
     diag = q_start  # a multiple of BLOCK_N
     diag_end = tl.minimum(diag + BLOCK_M, S)
     if HAS_VALID:
-        key_end = tl.load(key_end_ptr + b)
-        if key_end >= 0:
-            full_end = tl.minimum(diag, (key_end // BLOCK_N) * BLOCK_N)
-            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
-                                           q_cols, offs_m, d_ok, 0, full_end, qk_scale, False,
-                                           0, PRECISION, BLOCK_M, BLOCK_N)
-            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
-                                           q_cols, offs_m, d_ok, full_end,
-                                           tl.minimum(diag, key_end), qk_scale, False, 1,
-                                           PRECISION, BLOCK_M, BLOCK_N)
-            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
-                                           q_cols, offs_m, d_ok, diag,
-                                           tl.minimum(diag_end, key_end), qk_scale, True, 1,
-                                           PRECISION, BLOCK_M, BLOCK_N)
-        else:
-            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, S, D,
-                                           q_cols, offs_m, d_ok, 0, diag, qk_scale, False, 2,
-                                           PRECISION, BLOCK_M, BLOCK_N)
-            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, S, D,
-                                           q_cols, offs_m, d_ok, diag, diag_end, qk_scale, True,
-                                           2, PRECISION, BLOCK_M, BLOCK_N)
+        prefix_end = tl.load(key_end_ptr + b)
+        key_end = tl.where(prefix_end >= 0, prefix_end, S)
+        full_end = tl.where(prefix_end >= 0,
+                            tl.minimum(diag, (key_end // BLOCK_N) * BLOCK_N), 0)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
+                                       q_cols, offs_m, d_ok, 0, full_end, qk_scale, False,
+                                       False, PRECISION, BLOCK_M, BLOCK_N)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
+                                       q_cols, offs_m, d_ok, full_end,
+                                       tl.minimum(diag, key_end), qk_scale, False, True,
+                                       PRECISION, BLOCK_M, BLOCK_N)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
+                                       q_cols, offs_m, d_ok, diag,
+                                       tl.minimum(diag_end, key_end), qk_scale, True, True,
+                                       PRECISION, BLOCK_M, BLOCK_N)
     else:
         acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, S, D, q_cols,
-                                       offs_m, d_ok, 0, diag, qk_scale, False, 0, PRECISION,
-                                       BLOCK_M, BLOCK_N)
+                                       offs_m, d_ok, 0, diag, qk_scale, False, False,
+                                       PRECISION, BLOCK_M, BLOCK_N)
         acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, S, D, q_cols,
-                                       offs_m, d_ok, diag, diag_end, qk_scale, True, 0,
+                                       offs_m, d_ok, diag, diag_end, qk_scale, True, False,
                                        PRECISION, BLOCK_M, BLOCK_N)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
