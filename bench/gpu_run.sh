@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine: install layerbench, run the conformance suite and the benchmark on the
-# official shapes, and write results/<gpu>/ (results.json, results.md, speedup.png).
+# official shapes, and write results/<gpu>/ (results.json, results.md, speedup.png) from every
+# run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
 #   bash bench/gpu_run.sh [all|conformance|bench|collect]
@@ -34,7 +35,10 @@ if [[ $stage == all || $stage == bench ]]; then
     status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $stage == all || $stage == collect ]] && [[ -f $OUT/conformance.jsonl && -f $OUT/bench.json ]]; then
-    python3 -m layerbench.common.cli collect --conformance "$OUT/conformance.jsonl" --bench "$OUT/bench.json" \
-        --provenance "$OUT/provenance.json" --out "results/$gpu"
+    # Keep this run's raw files next to the results, then rebuild them from every kept run.
+    commit=$(python3 -c "import json; print(json.load(open('$OUT/provenance.json'))['commit'])")
+    mkdir -p "results/$gpu/raw/run-$commit"
+    cp "$OUT/conformance.jsonl" "$OUT/bench.json" "$OUT/provenance.json" "results/$gpu/raw/run-$commit/"
+    python3 -m layerbench.common.cli collect --raw "results/$gpu/raw" --out "results/$gpu"
 fi
 exit $status

@@ -66,3 +66,21 @@ def test_report_command(tmp_path, capsys):
     assert cli_main(["report", str(run), "--out", str(tmp_path / "rep")]) == 0
     assert "triton" in capsys.readouterr().out
     assert (tmp_path / "rep" / "speedup.png").exists()
+
+
+def test_collect_from_kept_runs_orders_them_by_date(tmp_path):
+    """collect --raw merges run-*/ folders oldest first, so the newer run's rows win."""
+    raw = tmp_path / "raw"
+    for name, date, triton_ms in (("run-new", "2026-02-01", 0.5), ("run-old", "2026-01-01", 1.0)):
+        run = raw / name
+        run.mkdir(parents=True)
+        run.joinpath("bench.json").write_text(json.dumps(_bench_json(
+            {("torch-baseline", 1): 2.0, ("triton", 1): triton_ms})))
+        run.joinpath("conformance.jsonl").write_text("")
+        run.joinpath("provenance.json").write_text(json.dumps(
+            {"commit": name, "date": date, "driver": "1", "gpu": "G", "versions": {}}))
+    assert cli_main(["collect", "--raw", str(raw), "--out", str(tmp_path / "out")]) == 0
+    data = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["commit"] for r in data["runs"]] == ["run-old", "run-new"]
+    rows = {(r["backend"], r["shape"]): r for r in data["rows"]}
+    assert rows[("triton", 1)]["median_ms"] == 0.5 and rows[("triton", 1)]["run"] == 1

@@ -142,11 +142,18 @@ def _latest_saved_run() -> Path:
 
 def cmd_collect(args) -> int:
     """Merge a conformance log and a benchmark run into results.json, results.md, speedup.png."""
-    from .results import collect_results
+    from .results import collect_results, raw_inputs
 
-    out = collect_results([Path(p) for p in args.conformance], [Path(p) for p in args.bench],
-                          Path(args.out),
-                          [Path(p) for p in args.provenance] if args.provenance else None)
+    if args.raw:
+        conformance, bench, prov = raw_inputs(Path(args.raw))
+    elif args.conformance and args.bench:
+        conformance = [Path(p) for p in args.conformance]
+        bench = [Path(p) for p in args.bench]
+        prov = [Path(p) for p in args.provenance] if args.provenance else None
+    else:
+        print("collect needs --raw, or --conformance and --bench", file=sys.stderr)
+        return 2
+    out = collect_results(conformance, bench, Path(args.out), prov)
     print(Path(out / "results.md").read_text())
     return 0
 
@@ -183,9 +190,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("collect", help="write results/<gpu>/ from a conformance log and a "
                                        "benchmark run")
-    p.add_argument("--conformance", required=True, nargs="+",
+    p.add_argument("--raw", default=None,
+                   help="folder of kept GPU runs (run-*/ with conformance.jsonl, bench.json, "
+                        "provenance.json; loose *.jsonl conformance logs), merged oldest first")
+    p.add_argument("--conformance", nargs="+",
                    help="JSON-lines files from --results-file (later ones win)")
-    p.add_argument("--bench", required=True, nargs="+",
+    p.add_argument("--bench", nargs="+",
                    help="pytest-benchmark JSON files (later ones win)")
     p.add_argument("--out", required=True, help="folder, e.g. results/h200")
     p.add_argument("--provenance", default=None, nargs="+",

@@ -8,6 +8,20 @@ from . import provenance
 from .report import heatmap, markdown_table, rows_from_benchmark_json
 
 
+def raw_inputs(raw: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """(conformance logs, benchmark files, provenance files) of a folder of kept runs.
+
+    Loose *.jsonl files come first; then each run-*/ folder, ordered by its provenance date.
+    """
+    runs = sorted((d for d in raw.glob("run-*") if (d / "provenance.json").is_file()),
+                  key=lambda d: json.loads((d / "provenance.json").read_text()).get("date", ""))
+    conformance = sorted(raw.glob("*.jsonl")) + [d / "conformance.jsonl" for d in runs
+                                                 if (d / "conformance.jsonl").is_file()]
+    benched = [d for d in runs if (d / "bench.json").is_file()]
+    return (conformance, [d / "bench.json" for d in benched],
+            [d / "provenance.json" for d in benched])
+
+
 def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_dir: Path,
                     provenance_jsons: list[Path] | None = None) -> Path:
     """Merge conformance cases and benchmark rows of official shapes; write json, md and png.
