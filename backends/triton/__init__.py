@@ -1,4 +1,5 @@
-"""triton: the whole stack in Triton kernels (fused LayerNorm-GEMMs, flash attention)."""
+"""triton: the whole stack in Triton kernels (fused block kernels, split-fp16 GEMMs, flash
+attention)."""
 from __future__ import annotations
 
 import os
@@ -13,10 +14,11 @@ from .layer import DEFAULT_PRECISION, Precision, TritonLayer, working_bytes_per_
 
 
 class TritonBackend(Backend):
-    """Five Triton kernels per block plus a final LayerNorm, replayed as one CUDA graph."""
+    """The stack in Triton kernels (two per block when rows fit a tile, seven otherwise),
+    replayed as one CUDA graph where the input allows."""
 
     name = "triton"
-    summary = "Triton: LayerNorm-fused GEMMs, flash attention, fused epilogues, CUDA graph"
+    summary = "Triton: fused block kernels, split-fp16 GEMMs, flash attention, CUDA graph"
     capabilities = Capabilities(
         devices=("cuda", "cpu"),
         head_dims=(8, 16, 32, 64, 128, 256),
