@@ -1,8 +1,9 @@
-"""Linear layers as one Triton GEMM kernel with a fused LayerNorm prologue and epilogues.
+"""Linear layers as Triton GEMM kernels with fused epilogues.
 
-y = [LN](a) @ W^T + bias, then optionally exact GELU, or a residual add with invalid-row
-zeroing. The LayerNorm statistics of each row block are computed inside the kernel (two
-passes over K), so normalised rows never reach memory.
+y = a @ W^T + bias, then optionally exact GELU, or a residual add with invalid-row zeroing.
+fused_linear (the general plan, any precision mode) takes fp32 rows and can apply a
+LayerNorm prologue whose row statistics it computes itself (two passes over K);
+split_linear (the wide plan) takes operands already split into fp16 (hi, lo) pairs.
 """
 from __future__ import annotations
 
@@ -194,6 +195,9 @@ def split_linear_kernel(
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
+SPLIT_TILES = (128, 128, 64, 8, 3)  # bench/PERFORMANCE.md, entry 10
+
+
 def split_tile_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for the pre-split fp16 GEMM."""
     if INTERPRETER:
@@ -203,9 +207,6 @@ def split_tile_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     if m >= 4096 and n >= 256:
         return SPLIT_TILES
     return 64, 64, 64, 4, 3
-
-
-SPLIT_TILES = (128, 128, 64, 8, 3)
 
 
 def split_linear(a: tuple[torch.Tensor, torch.Tensor], weight: tuple[torch.Tensor, torch.Tensor],

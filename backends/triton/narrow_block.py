@@ -120,14 +120,14 @@ def fits(d_model: int, ffn_dim: int) -> bool:
     return max(d_model, ffn_dim) <= MAX_WIDTH
 
 
+NARROW_TILES = (64, 64, 4, 3)  # bench/PERFORMANCE.md, entry 14
+
+
 def block_config(seq_len: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages)."""
+    """(BLOCK_M, BLOCK_N, warps, stages) of attention_ffn."""
     if INTERPRETER:
         return 64, 64, 4, 1
     return NARROW_TILES
-
-
-NARROW_TILES = (64, 64, 4, 3)
 
 
 def _pad(n: int) -> int:
