@@ -47,30 +47,43 @@ def _layer(shape, seed=0):
     return prepared, layer
 
 
+def _time_candidates(candidates, run, expected, rounds, label=""):
+    """(candidate, median ms, max |output - expected|) of each candidate the compiler accepts.
+
+    run(candidate) computes the output under that candidate; all are timed in one set of
+    alternating rounds.
+    """
+    fns, names, diffs = [], [], []
+    for cand in candidates:
+        try:
+            out = run(cand)
+            torch.cuda.synchronize()
+        except Exception as exc:  # a configuration the compiler rejects
+            print(f"{label}{cand}: {type(exc).__name__}: {exc}"[:300])
+            continue
+        diffs.append((out - expected).abs().max().item())
+        names.append(cand)
+        fns.append(lambda c=cand: run(c))
+    times = alternating_medians_ms(fns, "cuda", rounds=rounds)
+    return list(zip(names, times, diffs))
+
+
 def sweep_layer(shapes, module, attr, candidates, rounds):
     """Time the eager forward with module.attr set to each candidate; rows of results."""
     rows = []
     default = getattr(module, attr)
     for shape in resolve_shapes(shapes):
         prepared, layer = _layer(shape)
+        def run(cand):
+            setattr(module, attr, cand)
+            return layer._forward(prepared.x, prepared.mask)
+
         with torch.no_grad():
             expected = layer._forward(prepared.x, prepared.mask).clone()
-            fns, diffs, names = [], [], []
-            for cand in candidates:
-                setattr(module, attr, cand)
-                try:
-                    out = layer._forward(prepared.x, prepared.mask)
-                    torch.cuda.synchronize()
-                except Exception as exc:  # a configuration the compiler rejects
-                    print(f"shape {shape.number} {cand}: {type(exc).__name__}: {exc}"[:300])
-                    continue
-                diffs.append((out - expected).abs().max().item())
-                names.append(cand)
-                fns.append(lambda c=cand: (setattr(module, attr, c),
-                                           layer._forward(prepared.x, prepared.mask)))
-            times = alternating_medians_ms(fns, "cuda", rounds=rounds)
+            timed = _time_candidates(candidates, run, expected, rounds,
+                                     label=f"shape {shape.number} ")
         setattr(module, attr, default)
-        for cand, ms, diff in zip(names, times, diffs):
+        for cand, ms, diff in timed:
             rows.append({"shape": shape.number, "config": cand, "ms": ms, "max_diff": diff})
             print(f"shape {shape.number:2d} {str(cand):26s} {ms:9.3f} ms  diff {diff:.1e}",
                   flush=True)
@@ -86,25 +99,13 @@ def sweep_attention(seq_len, heads, head_dim, rounds):
     qkv = torch.randn(seq_len, 3 * d, device="cuda", dtype=torch.float16)
     ctx = torch.empty(seq_len, d, device="cuda", dtype=torch.float32)
     flops = 4 * heads * head_dim * seq_len * seq_len / 2
-    expected = attention.flash_attention(qkv, ctx, None, batch=1, seq_len=seq_len,
-                                         num_heads=heads, precision="fp16").clone()
-    fns, names, diffs = [], [], []
-    for cand in ATTENTION:
-        try:
-            out = attention.flash_attention(qkv, ctx, None, batch=1, seq_len=seq_len,
-                                            num_heads=heads, precision="fp16", config=cand)
-            torch.cuda.synchronize()
-        except Exception as exc:
-            print(f"{cand}: {type(exc).__name__}: {exc}"[:300])
-            continue
-        diffs.append((out - expected).abs().max().item())
-        names.append(cand)
-        fns.append(lambda c=cand: attention.flash_attention(
-            qkv, ctx, None, batch=1, seq_len=seq_len, num_heads=heads, precision="fp16",
-            config=c))
-    times = alternating_medians_ms(fns, "cuda", rounds=rounds)
+    def run(cand):
+        return attention.flash_attention(qkv, ctx, None, batch=1, seq_len=seq_len,
+                                         num_heads=heads, precision="fp16", config=cand)
+
+    expected = run(None).clone()  # the default configuration
     rows = []
-    for cand, ms, diff in zip(names, times, diffs):
+    for cand, ms, diff in _time_candidates(ATTENTION, run, expected, rounds):
         rows.append({"config": cand, "ms": ms, "tflops": flops / ms / 1e9, "max_diff": diff})
         print(f"attention S={seq_len} H={heads} hd={head_dim} {str(cand):20s} {ms:9.3f} ms "
               f"{flops / ms / 1e9:6.1f} TFLOP/s diff {diff:.1e}", flush=True)

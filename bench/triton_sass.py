@@ -57,7 +57,7 @@ def cases() -> list[Case]:
                     "M": "i32", "N": "i32", "K": "i32", "GROUP_M": 8,
                     "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
     att = attention.attention_config(64, "fp16")
-    nbm, nbn, nw, ns = narrow_block.block_config(128)
+    nbm, nbn, nw, ns = narrow_block.block_config()
     return [
         Case("split_linear residual (8, 14)", linear.split_linear_kernel,
              {**split_common, "out_ptr": "*fp32", "out_lo_ptr": "*fp32", "GELU": False,

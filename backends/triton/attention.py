@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .precision import INTERPRETER, mma
+from .precision import INTERPRETER, mma, pad16, store_rows
 
 
 @triton.jit
@@ -99,12 +99,7 @@ def flash_attention_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     ctx_offsets = ((b.to(tl.int64) * S + offs_m) * D)[:, None] + (h * HEAD_DIM + offs_d)[None, :]
     ok = (offs_m < S)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    if SPLIT_OUT:
-        hi = out.to(tl.float16)
-        tl.store(ctx_ptr + ctx_offsets, hi, mask=ok)
-        tl.store(ctx_lo_ptr + ctx_offsets, (out - hi.to(tl.float32)).to(tl.float16), mask=ok)
-    else:
-        tl.store(ctx_ptr + ctx_offsets, out.to(ctx_ptr.dtype.element_ty), mask=ok)
+    store_rows(ctx_ptr, ctx_lo_ptr, ctx_offsets, out, ok, SPLIT_OUT)
 
 
 def attention_config(head_pad: int, precision: str) -> tuple[int, int, int, int]:
@@ -124,11 +119,6 @@ def attention_config(head_pad: int, precision: str) -> tuple[int, int, int, int]
     return 64, 32, 8, 1
 
 
-def head_pad(head_dim: int) -> int:
-    """Head dim padded to a power of two of at least 16 (the smallest tensor-core K)."""
-    return max(16, triton.next_power_of_2(head_dim))
-
-
 def softmax_scale(head_dim: int) -> float:
     """head_dim ** -0.5 in base 2 (the kernels use exp2)."""
     return head_dim ** -0.5 * math.log2(math.e)
@@ -143,7 +133,7 @@ def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, *,
     ctx_hi, ctx_lo = ctx if isinstance(ctx, tuple) else (ctx, ctx)
     d = ctx_hi.shape[1]
     head_dim = d // num_heads
-    pad = head_pad(head_dim)
+    pad = pad16(head_dim)
     block_m, block_n, num_warps, num_stages = config or attention_config(pad, precision)
     grid = (triton.cdiv(seq_len, block_m), batch * num_heads)
     flash_attention_kernel[grid](

@@ -13,7 +13,7 @@ from layerbench.common.params import pack_params, param_bytes
 from .attention import flash_attention
 from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear, split_linear
 from .narrow_block import attention_ffn, fits, norm_qkv
-from .norm import final_norm, layer_norm
+from .norm import layer_norm
 from .precision import split_fp16
 
 
@@ -46,8 +46,8 @@ MAX_GRID_Y = 65535
 
 def plan(config, precision: Precision) -> str:
     """Which kernel sequence runs a block: "narrow" (whole rows in one tile: norm1 + Q/K/V,
-    then one kernel from attention to the second residual), "wide" (pre-split fp16 operands for every GEMM), or "general"
-    (the LayerNorm-fused GEMM in any precision mode)."""
+    then one kernel from attention to the second residual), "wide" (pre-split fp16 operands
+    for every GEMM), or "general" (the LayerNorm-fused GEMM in any precision mode)."""
     if precision.linear != "fp16x3" or precision.attention not in ("fp16", "tf32x3"):
         return "general"
     return "narrow" if fits(config.d_model, config.ffn_dim) else "wide"
@@ -73,7 +73,7 @@ def working_bytes_per_sequence(config, precision: Precision) -> int:
 
 
 class TritonLayer(BuiltLayer):
-    """Streams the batch in chunks that fit; each chunk runs the kernels of plan() block by block."""
+    """Streams the batch in chunks that fit; each chunk runs plan()'s kernels block by block."""
 
     def __init__(self, backend, config, state_dict, device, dtype, precision: Precision):
         super().__init__(backend, config, device, dtype)
@@ -157,7 +157,7 @@ class TritonLayer(BuiltLayer):
             split_linear(hidden, w["ffn_out_weight"], p.ffn_out_bias, res, residual=res,
                          zero_mode=ZERO_SUM, valid=valid_rows)
             src = res
-        final_norm(src, self.params.final_weight, self.params.final_bias, out2, valid_rows)
+        layer_norm(src, self.params.final_weight, self.params.final_bias, out2, valid_rows)
 
     def _run_general(self, x2, valid, out2, batch, s, work):
         """Per block: five kernels, every GEMM in the configured precision mode."""
@@ -177,4 +177,4 @@ class TritonLayer(BuiltLayer):
             fused_linear(hidden, w["ffn_out_weight"], p.ffn_out_bias, res, precision=lin,
                          residual=res, zero_mode=ZERO_SUM, valid=valid_rows)
             src = res
-        final_norm(src, self.params.final_weight, self.params.final_bias, out2, valid_rows)
+        layer_norm(src, self.params.final_weight, self.params.final_bias, out2, valid_rows)

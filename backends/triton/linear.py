@@ -11,10 +11,32 @@ import torch
 import triton
 import triton.language as tl
 
-from .precision import INTERPRETER, mma, mma_split
+from .precision import INTERPRETER, gelu, mma, mma_split, pad16, split_dot, store_rows
 
 # Where invalid rows are zeroed in the residual epilogue.
 ZERO_NONE, ZERO_UPDATE, ZERO_SUM = 0, 1, 2
+
+
+@triton.jit
+def _epilogue(acc, bias_ptr, res_ptr, valid_ptr, rows, cols, row_ok, col_ok, N,
+              GELU: tl.constexpr, RESIDUAL: tl.constexpr, ZERO_MODE: tl.constexpr,
+              HAS_VALID: tl.constexpr):
+    """acc + bias, then exact GELU, or the residual add with invalid rows zeroed (ZERO_MODE);
+    returns it with the tile's output offsets and mask (row-major [M, N])."""
+    acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if GELU:
+        acc = gelu(acc)
+    out_ok = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * N + cols[None, :]
+    if RESIDUAL:
+        if HAS_VALID:
+            valid = tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0
+        if ZERO_MODE == 1 and HAS_VALID:
+            acc = tl.where(valid[:, None], acc, 0.0)
+        acc += tl.load(res_ptr + offsets, mask=out_ok, other=0.0).to(tl.float32)
+        if ZERO_MODE == 2 and HAS_VALID:
+            acc = tl.where(valid[:, None], acc, 0.0)
+    return acc, offsets, out_ok
 
 
 @triton.jit
@@ -77,28 +99,20 @@ def fused_linear_kernel(
         else:
             acc = mma(a, w, acc, PRECISION)
 
-    acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if GELU:
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-    out_ok = row_ok[:, None] & col_ok[None, :]
-    offsets = rows[:, None] * N + cols[None, :]
-    if RESIDUAL:
-        if HAS_VALID:
-            valid = tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0
-        if ZERO_MODE == 1 and HAS_VALID:
-            acc = tl.where(valid[:, None], acc, 0.0)
-        acc += tl.load(res_ptr + offsets, mask=out_ok, other=0.0).to(tl.float32)
-        if ZERO_MODE == 2 and HAS_VALID:
-            acc = tl.where(valid[:, None], acc, 0.0)
+    acc, offsets, out_ok = _epilogue(acc, bias_ptr, res_ptr, valid_ptr, rows, cols, row_ok,
+                                     col_ok, N, GELU, RESIDUAL, ZERO_MODE, HAS_VALID)
     tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+def _interpreter_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
+    """Large tiles for the CPU interpreter (fewer numpy block ops), one warp group, no stages."""
+    return min(128, pad16(m)), min(256, pad16(n)), min(256, pad16(k)), 4, 1
 
 
 def tile_config(m: int, n: int, k: int, precision: str) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): 128x128 tiles once the problem is large."""
     if INTERPRETER:
-        return (min(128, max(16, triton.next_power_of_2(m))),
-                min(256, max(16, triton.next_power_of_2(n))),
-                min(256, max(16, triton.next_power_of_2(k))), 4, 1)
+        return _interpreter_tiles(m, n, k)
     four_byte = precision not in ("fp16", "fp16x3")
     block_k = 32 if k <= 32 or four_byte else 64
     if m >= 8192 and n >= 256 and k >= 256:
@@ -170,29 +184,11 @@ def split_linear_kernel(
         a_lo = tl.load(a_lo_ptr + a_offsets, mask=a_ok, other=0.0)
         w_hi = tl.load(w_hi_ptr + w_offsets, mask=w_ok, other=0.0)
         w_lo = tl.load(w_lo_ptr + w_offsets, mask=w_ok, other=0.0)
-        acc = tl.dot(a_lo, w_hi, acc)
-        acc = tl.dot(a_hi, w_lo, acc)
-        acc = tl.dot(a_hi, w_hi, acc)
+        acc = split_dot(a_hi, a_lo, w_hi, w_lo, acc)
 
-    acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if GELU:
-        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
-    out_ok = row_ok[:, None] & col_ok[None, :]
-    offsets = rows[:, None] * N + cols[None, :]
-    if RESIDUAL:
-        if HAS_VALID:
-            valid = tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0
-        if ZERO_MODE == 1 and HAS_VALID:
-            acc = tl.where(valid[:, None], acc, 0.0)
-        acc += tl.load(res_ptr + offsets, mask=out_ok, other=0.0).to(tl.float32)
-        if ZERO_MODE == 2 and HAS_VALID:
-            acc = tl.where(valid[:, None], acc, 0.0)
-    if SPLIT_OUT:
-        hi = acc.to(tl.float16)
-        tl.store(out_ptr + offsets, hi, mask=out_ok)
-        tl.store(out_lo_ptr + offsets, (acc - hi.to(tl.float32)).to(tl.float16), mask=out_ok)
-    else:
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+    acc, offsets, out_ok = _epilogue(acc, bias_ptr, res_ptr, valid_ptr, rows, cols, row_ok,
+                                     col_ok, N, GELU, RESIDUAL, ZERO_MODE, HAS_VALID)
+    store_rows(out_ptr, out_lo_ptr, offsets, acc, out_ok, SPLIT_OUT)
 
 
 SPLIT_TILES = (128, 128, 64, 8, 3)  # bench/PERFORMANCE.md, entry 10
@@ -201,9 +197,7 @@ SPLIT_TILES = (128, 128, 64, 8, 3)  # bench/PERFORMANCE.md, entry 10
 def split_tile_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for the pre-split fp16 GEMM."""
     if INTERPRETER:
-        return (min(128, max(16, triton.next_power_of_2(m))),
-                min(256, max(16, triton.next_power_of_2(n))),
-                min(256, max(16, triton.next_power_of_2(k))), 4, 1)
+        return _interpreter_tiles(m, n, k)
     if m >= 4096 and n >= 256:
         return SPLIT_TILES
     return 64, 64, 64, 4, 3

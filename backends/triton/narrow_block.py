@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import attend_head, head_pad, softmax_scale
-from .precision import INTERPRETER, mma_split
+from .attention import attend_head, softmax_scale
+from .precision import INTERPRETER, gelu, mma_split, pad16, split_dot, split_halves
 
 MAX_WIDTH = 128  # widest padded d_model / ffn_dim a program holds
 
@@ -48,14 +48,11 @@ def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
     ok = (rows < M)[:, None] & col_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     h = _row_norm(x, n1_w, n1_b, cols, col_ok, D, eps)
-    h_hi = h.to(tl.float16)
-    h_lo = (h - h_hi.to(tl.float32)).to(tl.float16)
+    h_hi, h_lo = split_halves(h)
     for part in tl.static_range(3):  # Q, K, V
         out_idx = part * D + cols
         w_hi, w_lo = _weight_tile(wq_hi, wq_lo, out_idx, col_ok, cols, col_ok, D)
-        acc = tl.dot(h_lo, w_hi, tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32))
-        acc = tl.dot(h_hi, w_lo, acc)
-        acc = tl.dot(h_hi, w_hi, acc)
+        acc = split_dot(h_hi, h_lo, w_hi, w_lo, tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32))
         acc += tl.load(bq_ptr + out_idx, mask=col_ok, other=0.0)[None, :]
         tl.store(qkv_ptr + rows[:, None] * (3 * D) + out_idx[None, :],
                  acc.to(qkv_ptr.dtype.element_ty), mask=ok)
@@ -103,7 +100,7 @@ def attention_ffn_kernel(
     hidden = mma_split(_row_norm(x, n2_w, n2_b, cols, col_ok, D, eps), w_hi, w_lo,
                        tl.zeros([BLOCK_M, F_PAD], dtype=tl.float32))
     hidden += tl.load(bi_ptr + hcols, mask=hcol_ok, other=0.0)[None, :]
-    hidden = 0.5 * hidden * (1.0 + tl.math.erf(hidden * 0.7071067811865476))
+    hidden = gelu(hidden)
     w_hi, w_lo = _weight_tile(wf_hi, wf_lo, cols, col_ok, hcols, hcol_ok, F)
     x = mma_split(hidden, w_hi, w_lo, x)
     x += tl.load(bf_ptr + cols, mask=col_ok, other=0.0)[None, :]
@@ -123,15 +120,11 @@ def fits(d_model: int, ffn_dim: int) -> bool:
 NARROW_TILES = (64, 64, 4, 3)  # bench/PERFORMANCE.md, entry 14
 
 
-def block_config(seq_len: int) -> tuple[int, int, int, int]:
+def block_config() -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, warps, stages) of attention_ffn."""
     if INTERPRETER:
         return 64, 64, 4, 1
     return NARROW_TILES
-
-
-def _pad(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
 
 
 def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5) -> torch.Tensor:
@@ -140,7 +133,7 @@ def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5) -> tor
     block_m = 64
     norm_qkv_kernel[(triton.cdiv(m, block_m),)](
         x, qkv, p.norm1_weight, p.norm1_bias, *w["qkv_weight"], p.qkv_bias, m, d, eps,
-        D_PAD=_pad(d), BLOCK_M=block_m, num_warps=4)
+        D_PAD=pad16(d), BLOCK_M=block_m, num_warps=4)
     return qkv
 
 
@@ -155,7 +148,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
     d = x.shape[1]
     f = p.ffn_in_bias.shape[0]
     head_dim = d // num_heads
-    block_m, block_n, warps, stages = config or block_config(seq_len)
+    block_m, block_n, warps, stages = config or block_config()
     fn_w, fn_b = final if final is not None else (p.out_bias, p.out_bias)
     grid = (triton.cdiv(seq_len, block_m), batch)
     attention_ffn_kernel[grid](
@@ -163,7 +156,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
         *w["out_weight"], p.out_bias, p.norm2_weight, p.norm2_bias,
         *w["ffn_in_weight"], p.ffn_in_bias, *w["ffn_out_weight"], p.ffn_out_bias, fn_w, fn_b,
         seq_len, num_heads, d, f, softmax_scale(head_dim), eps,
-        HEAD_DIM=head_dim, HEAD_PAD=head_pad(head_dim), D_PAD=_pad(d), F_PAD=_pad(f),
+        HEAD_DIM=head_dim, HEAD_PAD=pad16(head_dim), D_PAD=pad16(d), F_PAD=pad16(f),
         HAS_VALID=valid is not None, FINAL=final is not None,
         ATT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps, num_stages=stages,

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .precision import store_rows
+
 
 @triton.jit
 def layer_norm_kernel(x_ptr, out_ptr, out_lo_ptr, w_ptr, b_ptr, valid_ptr, M, D, eps,
@@ -28,12 +30,7 @@ def layer_norm_kernel(x_ptr, out_ptr, out_lo_ptr, w_ptr, b_ptr, valid_ptr, M, D,
         valid = tl.load(valid_ptr + rows, mask=row_ok, other=0) != 0
         y = tl.where(valid[:, None], y, 0.0)
     offsets = rows[:, None] * D + cols[None, :]
-    if SPLIT_OUT:
-        hi = y.to(tl.float16)
-        tl.store(out_ptr + offsets, hi, mask=ok)
-        tl.store(out_lo_ptr + offsets, (y - hi.to(tl.float32)).to(tl.float16), mask=ok)
-    else:
-        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=ok)
+    store_rows(out_ptr, out_lo_ptr, offsets, y, ok, SPLIT_OUT)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out,
@@ -48,8 +45,3 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out,
         HAS_VALID=valid is not None, SPLIT_OUT=isinstance(out, tuple), ROWS=rows,
         BLOCK_D=block_d, num_warps=4)
     return out
-
-
-def final_norm(x, weight, bias, out, valid, eps: float = 1e-5):
-    """The stack's last LayerNorm: invalid rows zeroed, cast to out's dtype."""
-    return layer_norm(x, weight, bias, out, valid, eps)

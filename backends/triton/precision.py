@@ -26,13 +26,47 @@ def mma(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def mma_split(a, b_hi, b_lo, acc):
-    """acc + a @ (b_hi + b_lo) with a split into fp16 high and low parts in registers."""
-    a_hi = a.to(tl.float16)
-    a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
+def split_halves(x):
+    """(hi, lo) fp16 parts of fp32 x in registers: hi + lo == x to about 22 bits."""
+    hi = x.to(tl.float16)
+    return hi, (x - hi.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def split_dot(a_hi, a_lo, b_hi, b_lo, acc):
+    """acc + (a_hi + a_lo) @ (b_hi + b_lo) as three fp16 products (lo @ lo is dropped)."""
     acc = tl.dot(a_lo, b_hi, acc)
     acc = tl.dot(a_hi, b_lo, acc)
     return tl.dot(a_hi, b_hi, acc)
+
+
+@triton.jit
+def mma_split(a, b_hi, b_lo, acc):
+    """acc + a @ (b_hi + b_lo) with a split into fp16 high and low parts in registers."""
+    a_hi, a_lo = split_halves(a)
+    return split_dot(a_hi, a_lo, b_hi, b_lo, acc)
+
+
+@triton.jit
+def store_rows(ptr, lo_ptr, offsets, x, mask, SPLIT: tl.constexpr):
+    """Store x at ptr in ptr's dtype, or (SPLIT) its fp16 (hi, lo) parts at ptr and lo_ptr."""
+    if SPLIT:
+        hi = x.to(tl.float16)
+        tl.store(ptr + offsets, hi, mask=mask)
+        tl.store(lo_ptr + offsets, (x - hi.to(tl.float32)).to(tl.float16), mask=mask)
+    else:
+        tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gelu(x):
+    """The exact (erf) GELU."""
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+def pad16(n: int) -> int:
+    """n rounded up to a power of two of at least 16 (the smallest tensor-core K)."""
+    return max(16, triton.next_power_of_2(n))
 
 
 def split_fp16(t):
