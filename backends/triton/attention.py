@@ -16,27 +16,32 @@ from .precision import INTERPRETER, mma, pad16, store_rows
 
 
 @triton.jit
-def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, D, q_cols, offs_m, d_ok,
-                   lo, hi, qk_scale, DIAGONAL: tl.constexpr, HAS_VALID: tl.constexpr,
+def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, offs_m, d_ok,
+                   lo, hi, qk_scale, DIAGONAL: tl.constexpr, MASKED: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Online-softmax update over key blocks [lo, hi); DIAGONAL blocks apply the causal mask."""
+    """Online-softmax update over key blocks [lo, hi) with keys < key_end.
+
+    DIAGONAL blocks apply the causal test; MASKED blocks load the key mask; other blocks
+    need no test at all.
+    """
     row_stride = 3 * D
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < S
+        n_ok = offs_n < key_end
         rows_n = offs_n.to(tl.int64) * row_stride
         k_t = tl.load(base + rows_n[None, :] + (D + q_cols)[:, None],
                       mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         s = mma(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION) * qk_scale
-        allowed = n_ok[None, :]
-        if DIAGONAL:
-            allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
-        if HAS_VALID:
-            key_ok = tl.load(valid_ptr + b * S + offs_n, mask=n_ok, other=0) != 0
-            allowed = allowed & key_ok[None, :]
-        s = tl.where(allowed, s, float("-inf"))
+        if DIAGONAL or MASKED:
+            allowed = n_ok[None, :]
+            if DIAGONAL:
+                allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
+            if MASKED:
+                key_ok = tl.load(valid_ptr + b * S + offs_n, mask=n_ok, other=0) != 0
+                allowed = allowed & key_ok[None, :]
+            s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if HAS_VALID:  # a padded query row may have no visible key yet
+        if MASKED:  # a row may have no visible key yet
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_safe = m_new
@@ -51,12 +56,17 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, D, q_cols, offs_m, d
 
 
 @triton.jit
-def attend_head(qkv_ptr, valid_ptr, b, h, S, D, q_start, qk_scale,
+def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
                 HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Normalised attention output [BLOCK_M, HEAD_PAD] of the BLOCK_M queries from q_start (a
-    multiple of BLOCK_M) of head h, sequence b: key blocks wholly below the diagonal first (no
-    causal test), then the diagonal blocks; blocks above are skipped."""
+    multiple of BLOCK_M) of head h, sequence b.
+
+    Key blocks above the diagonal are skipped; blocks below it run without the causal test.
+    With a mask whose valid keys form a prefix (key_end[b] >= 0), blocks past its end are
+    skipped and the whole blocks before it run without the mask: only the block holding its
+    end and the diagonal blocks load it. Other masks are loaded for every block.
+    """
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
     d_ok = offs_d < HEAD_DIM
@@ -69,20 +79,52 @@ def attend_head(qkv_ptr, valid_ptr, b, h, S, D, q_start, qk_scale,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-    diagonal_start = q_start  # a multiple of BLOCK_N
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, D, q_cols,
-                                   offs_m, d_ok, 0, diagonal_start, qk_scale, False, HAS_VALID,
-                                   PRECISION, BLOCK_M, BLOCK_N)
-    acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, D, q_cols,
-                                   offs_m, d_ok, diagonal_start,
-                                   tl.minimum(diagonal_start + BLOCK_M, S), qk_scale, True,
-                                   HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
+    diag = q_start  # a multiple of BLOCK_N
+    diag_end = tl.minimum(diag + BLOCK_M, S)
+    if HAS_VALID:
+        prefix_end = tl.load(key_end_ptr + b)
+        key_end = tl.where(prefix_end >= 0, prefix_end, S)
+        full_end = tl.where(prefix_end >= 0,
+                            tl.minimum(diag, (key_end // BLOCK_N) * BLOCK_N), 0)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
+                                       q_cols, offs_m, d_ok, 0, full_end, qk_scale, False,
+                                       False, PRECISION, BLOCK_M, BLOCK_N)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
+                                       q_cols, offs_m, d_ok, full_end,
+                                       tl.minimum(diag, key_end), qk_scale, False, True,
+                                       PRECISION, BLOCK_M, BLOCK_N)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
+                                       q_cols, offs_m, d_ok, diag,
+                                       tl.minimum(diag_end, key_end), qk_scale, True, True,
+                                       PRECISION, BLOCK_M, BLOCK_N)
+    else:
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, S, D, q_cols,
+                                       offs_m, d_ok, 0, diag, qk_scale, False, False,
+                                       PRECISION, BLOCK_M, BLOCK_N)
+        acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, S, D, q_cols,
+                                       offs_m, d_ok, diag, diag_end, qk_scale, True, False,
+                                       PRECISION, BLOCK_M, BLOCK_N)
     return acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
 
 
 @triton.jit
+def key_extent_kernel(valid_ptr, key_end_ptr, S, BLOCK: tl.constexpr):
+    """key_end[b] = the number of valid keys of sequence b if they form a prefix, else -1."""
+    b = tl.program_id(0).to(tl.int64)
+    count = tl.zeros([BLOCK], dtype=tl.int32)
+    last = tl.full([BLOCK], -1, dtype=tl.int32)
+    for s0 in range(0, S, BLOCK):
+        offs = s0 + tl.arange(0, BLOCK)
+        ok = tl.load(valid_ptr + b * S + offs, mask=offs < S, other=0) != 0
+        count += ok.to(tl.int32)
+        last = tl.maximum(last, tl.where(ok, offs, -1))
+    total = tl.sum(count, axis=0)
+    tl.store(key_end_ptr + b, tl.where(tl.max(last, axis=0) + 1 == total, total, -1))
+
+
+@triton.jit
 def flash_attention_kernel(
-    qkv_ptr, ctx_ptr, ctx_lo_ptr, valid_ptr, S, H, D, qk_scale,
+    qkv_ptr, ctx_ptr, ctx_lo_ptr, valid_ptr, key_end_ptr, S, H, D, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
     SPLIT_OUT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -94,8 +136,8 @@ def flash_attention_kernel(
     b = bh // H
     h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    out = attend_head(qkv_ptr, valid_ptr, b, h, S, D, pid_m * BLOCK_M, qk_scale, HEAD_DIM, HEAD_PAD,
-                      HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
+    out = attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, pid_m * BLOCK_M, qk_scale,
+                      HEAD_DIM, HEAD_PAD, HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
     offs_d = tl.arange(0, HEAD_PAD)
     ctx_offsets = ((b.to(tl.int64) * S + offs_m) * D)[:, None] + (h * HEAD_DIM + offs_d)[None, :]
     ok = (offs_m < S)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -124,11 +166,19 @@ def softmax_scale(head_dim: int) -> float:
     return head_dim ** -0.5 * math.log2(math.e)
 
 
-def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, *,
+def key_extent(valid: torch.Tensor, key_end: torch.Tensor) -> torch.Tensor:
+    """key_end[B] (int32) from valid[B, S]: valid keys per sequence if a prefix, else -1."""
+    batch, seq_len = valid.shape
+    key_extent_kernel[(batch,)](valid, key_end, seq_len, BLOCK=1024 if seq_len >= 1024 else 128)
+    return key_end
+
+
+def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, key_end=None, *,
                     batch: int, seq_len: int, num_heads: int, precision: str, config=None):
     """ctx[B*S, D] = causal softmax(q k^T / sqrt(hd)) v for every head, from qkv[B*S, 3D].
 
-    ctx is one tensor, or an fp16 (hi, lo) pair that receives the context split.
+    ctx is one tensor, or an fp16 (hi, lo) pair that receives the context split; with a
+    mask valid [B, S], key_end is key_extent(valid).
     """
     ctx_hi, ctx_lo = ctx if isinstance(ctx, tuple) else (ctx, ctx)
     d = ctx_hi.shape[1]
@@ -137,7 +187,8 @@ def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, *,
     block_m, block_n, num_warps, num_stages = config or attention_config(pad, precision)
     grid = (triton.cdiv(seq_len, block_m), batch * num_heads)
     flash_attention_kernel[grid](
-        qkv, ctx_hi, ctx_lo, valid if valid is not None else qkv, seq_len, num_heads, d,
+        qkv, ctx_hi, ctx_lo, valid if valid is not None else qkv,
+        key_end if valid is not None else qkv, seq_len, num_heads, d,
         softmax_scale(head_dim),
         HEAD_DIM=head_dim, HEAD_PAD=pad, HAS_VALID=valid is not None,
         SPLIT_OUT=isinstance(ctx, tuple), PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -10,7 +10,7 @@ from layerbench.common.interface import BuiltLayer
 from layerbench.common.memory import sequences_per_chunk
 from layerbench.common.params import pack_params, param_bytes
 
-from .attention import flash_attention
+from .attention import flash_attention, key_extent
 from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear, split_linear
 from .narrow_block import attention_ffn, fits, norm_qkv
 from .norm import layer_norm
@@ -110,45 +110,49 @@ class TritonLayer(BuiltLayer):
         rows = min(chunk, b) * s
         work = {name: torch.empty(rows, cols, device=x.device, dtype=dtype)
                 for name, (cols, dtype) in workspace(self.config, self.precision).items()}
-        valid = None
+        valid = key_end = None
         if valid_token_mask is not None:
             valid = valid_token_mask.view(torch.uint8)
+            key_end = key_extent(valid, torch.empty(b, device=x.device, dtype=torch.int32))
         out = torch.empty_like(x)
         run = {"narrow": self._run_narrow, "wide": self._run_wide,
                "general": self._run_general}[plan(self.config, self.precision)]
         for b0 in range(0, b, chunk):
             b1 = min(b, b0 + chunk)
             t = (b1 - b0) * s
-            run(x[b0:b1].view(-1, d), None if valid is None else valid[b0:b1],
-                out[b0:b1].view(-1, d), b1 - b0, s, {k: v[:t] for k, v in work.items()})
+            masks = (None, None) if valid is None else (valid[b0:b1], key_end[b0:b1])
+            run(x[b0:b1].view(-1, d), masks, out[b0:b1].view(-1, d), b1 - b0, s,
+                {k: v[:t] for k, v in work.items()})
         return out
 
-    def _run_narrow(self, x2, valid, out2, batch, s, work):
+    def _run_narrow(self, x2, masks, out2, batch, s, work):
         """Per block: norm1 + Q/K/V, then one kernel for the rest (and the final norm)."""
         res, qkv = work["residual"], work["qkv"]
+        valid, key_end = masks
         valid_rows = None if valid is None else valid.reshape(-1)
         src = x2
         last = len(self.params.layers) - 1
         for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
             norm_qkv(src, qkv, p, w)
             attention_ffn(
-                qkv, src, out2 if i == last else res, valid_rows, p, w,
+                qkv, src, out2 if i == last else res, valid_rows, key_end, p, w,
                 final=(self.params.final_weight, self.params.final_bias) if i == last else None,
                 batch=batch, seq_len=s, num_heads=self.config.num_heads,
                 precision=self.precision.attention)
             src = res
 
-    def _run_wide(self, x2, valid, out2, batch, s, work):
+    def _run_wide(self, x2, masks, out2, batch, s, work):
         """Per block: LayerNorm to an fp16 pair, then GEMMs on pre-split operands."""
         res, qkv = work["residual"], work["qkv"]
         rows = (work["rows_hi"], work["rows_lo"])
         hidden = (work["hidden_hi"], work["hidden_lo"])
+        valid, key_end = masks
         valid_rows = None if valid is None else valid.reshape(-1)
         src = x2
         for p, w in zip(self.params.layers, self.weights):
             layer_norm(src, p.norm1_weight, p.norm1_bias, rows)
             split_linear(rows, w["qkv_weight"], p.qkv_bias, qkv)
-            flash_attention(qkv, rows, valid, batch=batch, seq_len=s,
+            flash_attention(qkv, rows, valid, key_end, batch=batch, seq_len=s,
                             num_heads=self.config.num_heads, precision=self.precision.attention)
             split_linear(rows, w["out_weight"], p.out_bias, res, residual=src,
                          zero_mode=ZERO_UPDATE, valid=valid_rows)
@@ -159,16 +163,17 @@ class TritonLayer(BuiltLayer):
             src = res
         layer_norm(src, self.params.final_weight, self.params.final_bias, out2, valid_rows)
 
-    def _run_general(self, x2, valid, out2, batch, s, work):
+    def _run_general(self, x2, masks, out2, batch, s, work):
         """Per block: five kernels, every GEMM in the configured precision mode."""
         lin, att = self.precision.linear, self.precision.attention
         res, qkv, ctx, hidden = work["residual"], work["qkv"], work["ctx"], work["hidden"]
+        valid, key_end = masks
         valid_rows = None if valid is None else valid.reshape(-1)
         src = x2
         for p, w in zip(self.params.layers, self.weights):
             fused_linear(src, w["qkv_weight"], p.qkv_bias, qkv, precision=lin,
                          ln=(p.norm1_weight, p.norm1_bias))
-            flash_attention(qkv, ctx, valid, batch=batch, seq_len=s,
+            flash_attention(qkv, ctx, valid, key_end, batch=batch, seq_len=s,
                             num_heads=self.config.num_heads, precision=att)
             fused_linear(ctx, w["out_weight"], p.out_bias, res, precision=lin, residual=src,
                          zero_mode=ZERO_UPDATE, valid=valid_rows)

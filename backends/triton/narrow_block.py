@@ -60,7 +60,7 @@ def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
 
 @triton.jit
 def attention_ffn_kernel(
-    qkv_ptr, x_ptr, out_ptr, valid_ptr,
+    qkv_ptr, x_ptr, out_ptr, valid_ptr, key_end_ptr,
     wo_hi, wo_lo, bo_ptr, n2_w, n2_b, wi_hi, wi_lo, bi_ptr, wf_hi, wf_lo, bf_ptr, fn_w, fn_b,
     S, H, D, F, qk_scale, eps,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr, F_PAD: tl.constexpr,
@@ -80,8 +80,8 @@ def attention_ffn_kernel(
 
     attn = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     for h in range(H):
-        ctx = attend_head(qkv_ptr, valid_ptr, b, h, S, D, q_start, qk_scale, HEAD_DIM,
-                          HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
+        ctx = attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
+                          HEAD_DIM, HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
         w_hi, w_lo = _weight_tile(wo_hi, wo_lo, cols, col_ok, h * HEAD_DIM + head_cols,
                                   head_cols < HEAD_DIM, D)
         attn = mma_split(ctx, w_hi, w_lo, attn)
@@ -137,12 +137,13 @@ def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5) -> tor
     return qkv
 
 
-def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, p, w, *,
-                  final=None, batch: int, seq_len: int, num_heads: int,
+def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, key_end, p, w,
+                  *, final=None, batch: int, seq_len: int, num_heads: int,
                   precision: str, eps: float = 1e-5, config=None) -> torch.Tensor:
     """out = the block's output rows from its qkv and input rows x (x and out may alias).
 
-    p holds the layer's fp32 parameters, w its (hi, lo) weights; final is (weight, bias) of
+    valid is the flat [B*S] mask or None, key_end its key_extent; p holds the layer's fp32
+    parameters, w its (hi, lo) weights; final is (weight, bias) of
     the final LayerNorm to apply after this block.
     """
     d = x.shape[1]
@@ -152,7 +153,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
     fn_w, fn_b = final if final is not None else (p.out_bias, p.out_bias)
     grid = (triton.cdiv(seq_len, block_m), batch)
     attention_ffn_kernel[grid](
-        qkv, x, out, valid if valid is not None else qkv,
+        qkv, x, out, valid if valid is not None else qkv, key_end if valid is not None else qkv,
         *w["out_weight"], p.out_bias, p.norm2_weight, p.norm2_bias,
         *w["ffn_in_weight"], p.ffn_in_bias, *w["ffn_out_weight"], p.ffn_out_bias, fn_w, fn_b,
         seq_len, num_heads, d, f, softmax_scale(head_dim), eps,
