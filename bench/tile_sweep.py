@@ -26,12 +26,12 @@ from layerbench.common import runner
 from layerbench.common.shapes import resolve_shapes
 from layerbench.common.timing import alternating_medians_ms
 
-NARROW = [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3),
-          (32, 32, 4, 2), (32, 32, 2, 2)]
+NARROW = [(64, 64, 4, 3, 128), (64, 64, 4, 3, 64), (64, 64, 4, 3, 32), (64, 64, 8, 3, 32),
+          (64, 32, 4, 2, 128), (32, 64, 4, 3, 128), (32, 32, 4, 2, 32), (32, 32, 2, 2, 128)]
 WIDE = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 2), (256, 128, 64, 8, 2), (128, 128, 64, 4, 3),
         (128, 128, 32, 8, 4), (128, 256, 32, 8, 3)]
-ATTENTION = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2),
-             (64, 64, 4, 3), (128, 32, 8, 4), (128, 64, 8, 4)]
+ATTENTION = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3),
+             (256, 64, 8, 2), (256, 64, 8, 3), (256, 32, 8, 3), (64, 64, 4, 3)]
 
 
 BATCH = None  # --batch: run the shapes with this batch size instead
@@ -92,23 +92,35 @@ def sweep_layer(shapes, module, attr, candidates, rounds):
     return rows
 
 
-def sweep_attention(seq_len, heads, head_dim, rounds):
-    """Time flash attention of one sequence under each candidate configuration."""
+def sweep_attention(seq_len, heads, head_dim, rounds, mask="all-valid"):
+    """Time flash attention of one sequence under each candidate configuration.
+
+    mask: "none" (no mask tensor), "all-valid" (a mask of all True, as the harness passes at
+    padding 0) or "hole" (one invalid key in the middle: not a prefix, so every block loads
+    the mask).
+    """
     d = heads * head_dim
     torch.manual_seed(0)
     qkv = torch.randn(seq_len, 3 * d, device="cuda", dtype=torch.float16)
     ctx = torch.empty(seq_len, d, device="cuda", dtype=torch.float32)
+    valid = key_end = None
+    if mask != "none":
+        valid = torch.ones(1, seq_len, device="cuda", dtype=torch.uint8)
+        if mask == "hole":
+            valid[0, seq_len // 2] = 0
+        key_end = attention.key_extent(valid, torch.empty(1, device="cuda", dtype=torch.int32))
     flops = 4 * heads * head_dim * seq_len * seq_len / 2
     def run(cand):
-        return attention.flash_attention(qkv, ctx, None, batch=1, seq_len=seq_len,
+        return attention.flash_attention(qkv, ctx, valid, key_end, batch=1, seq_len=seq_len,
                                          num_heads=heads, precision="fp16", config=cand)
 
     expected = run(None).clone()  # the default configuration
     rows = []
     for cand, ms, diff in _time_candidates(ATTENTION, run, expected, rounds):
-        rows.append({"config": cand, "ms": ms, "tflops": flops / ms / 1e9, "max_diff": diff})
-        print(f"attention S={seq_len} H={heads} hd={head_dim} {str(cand):20s} {ms:9.3f} ms "
-              f"{flops / ms / 1e9:6.1f} TFLOP/s diff {diff:.1e}", flush=True)
+        rows.append({"config": cand, "mask": mask, "ms": ms, "tflops": flops / ms / 1e9,
+                     "max_diff": diff})
+        print(f"attention S={seq_len} H={heads} hd={head_dim} mask={mask} {str(cand):20s} "
+              f"{ms:9.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s diff {diff:.1e}", flush=True)
     return rows
 
 
@@ -149,6 +161,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--batch", type=int, default=None, help="override the batch size")
     parser.add_argument("--padding", type=float, default=0.25)
+    parser.add_argument("--mask", choices=("none", "all-valid", "hole"), default="all-valid",
+                        help="attention study: the key mask passed")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     global BATCH, PADDING
@@ -160,7 +174,8 @@ def main() -> int:
     elif args.study == "wide":
         rows = sweep_layer(args.shapes, linear, "SPLIT_TILES", WIDE, args.rounds)
     else:
-        rows = sweep_attention(args.seq_len, args.heads, args.head_dim, args.rounds)
+        rows = sweep_attention(args.seq_len, args.heads, args.head_dim, args.rounds,
+                               args.mask)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -31,7 +31,7 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, 
         rows_n = offs_n.to(tl.int64) * row_stride
         k_t = tl.load(base + rows_n[None, :] + (D + q_cols)[:, None],
                       mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        s = mma(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION) * qk_scale
+        s = mma(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
         if DIAGONAL or MASKED:
             allowed = n_ok[None, :]
             if DIAGONAL:
@@ -40,13 +40,13 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, 
                 key_ok = tl.load(valid_ptr + b * S + offs_n, mask=n_ok, other=0) != 0
                 allowed = allowed & key_ok[None, :]
             s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # scores kept unscaled
         if MASKED:  # a row may have no visible key yet
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_safe = m_new
         alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * qk_scale - m_safe[:, None])  # one FMA per score before exp2
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(base + rows_n[:, None] + (2 * D + q_cols)[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)

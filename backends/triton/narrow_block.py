@@ -65,7 +65,7 @@ def attention_ffn_kernel(
     S, H, D, F, qk_scale, eps,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr, F_PAD: tl.constexpr,
     HAS_VALID: tl.constexpr, FINAL: tl.constexpr, ATT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F_CHUNK: tl.constexpr,
 ):
     """BLOCK_M query rows of sequence program_id(1): attention, out_proj, FFN, residuals, and
     the final LayerNorm (FINAL)."""
@@ -94,16 +94,17 @@ def attention_ffn_kernel(
     offsets = rows[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=row_ok, other=0.0).to(tl.float32) + attn
 
-    hcols = tl.arange(0, F_PAD)
-    hcol_ok = hcols < F
-    w_hi, w_lo = _weight_tile(wi_hi, wi_lo, hcols, hcol_ok, cols, col_ok, D)
-    hidden = mma_split(_row_norm(x, n2_w, n2_b, cols, col_ok, D, eps), w_hi, w_lo,
-                       tl.zeros([BLOCK_M, F_PAD], dtype=tl.float32))
-    hidden += tl.load(bi_ptr + hcols, mask=hcol_ok, other=0.0)[None, :]
-    hidden = gelu(hidden)
-    w_hi, w_lo = _weight_tile(wf_hi, wf_lo, cols, col_ok, hcols, hcol_ok, F)
-    x = mma_split(hidden, w_hi, w_lo, x)
+    n_hi, n_lo = split_halves(_row_norm(x, n2_w, n2_b, cols, col_ok, D, eps))
     x += tl.load(bf_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    for f0 in tl.static_range(0, F_PAD, F_CHUNK):  # F_CHUNK hidden columns at a time
+        hcols = f0 + tl.arange(0, F_CHUNK)
+        hcol_ok = hcols < F
+        w_hi, w_lo = _weight_tile(wi_hi, wi_lo, hcols, hcol_ok, cols, col_ok, D)
+        hidden = split_dot(n_hi, n_lo, w_hi, w_lo,
+                           tl.zeros([BLOCK_M, F_CHUNK], dtype=tl.float32))
+        hidden = gelu(hidden + tl.load(bi_ptr + hcols, mask=hcol_ok, other=0.0)[None, :])
+        w_hi, w_lo = _weight_tile(wf_hi, wf_lo, cols, col_ok, hcols, hcol_ok, F)
+        x = mma_split(hidden, w_hi, w_lo, x)
 
     if FINAL:
         x = _row_norm(x, fn_w, fn_b, cols, col_ok, D, eps)
@@ -117,13 +118,14 @@ def fits(d_model: int, ffn_dim: int) -> bool:
     return max(d_model, ffn_dim) <= MAX_WIDTH
 
 
-NARROW_TILES = (64, 64, 4, 3)  # bench/PERFORMANCE.md, entry 14
+# (BLOCK_M, BLOCK_N, warps, stages, hidden columns held at once); bench/PERFORMANCE.md, #14
+NARROW_TILES = (64, 64, 4, 3, 128)
 
 
-def block_config() -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) of attention_ffn."""
+def block_config() -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages, FFN chunk) of attention_ffn."""
     if INTERPRETER:
-        return 64, 64, 4, 1
+        return 64, 64, 4, 1, 32  # several chunks, so the chunk loop runs on CPU too
     return NARROW_TILES
 
 
@@ -149,7 +151,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
     d = x.shape[1]
     f = p.ffn_in_bias.shape[0]
     head_dim = d // num_heads
-    block_m, block_n, warps, stages = config or block_config()
+    block_m, block_n, warps, stages, ffn_chunk = config or block_config()
     fn_w, fn_b = final if final is not None else (p.out_bias, p.out_bias)
     grid = (triton.cdiv(seq_len, block_m), batch)
     attention_ffn_kernel[grid](
@@ -160,6 +162,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
         HEAD_DIM=head_dim, HEAD_PAD=pad16(head_dim), D_PAD=pad16(d), F_PAD=pad16(f),
         HAS_VALID=valid is not None, FINAL=final is not None,
         ATT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
+        F_CHUNK=min(ffn_chunk, pad16(f)),
         num_warps=warps, num_stages=stages,
     )
     return out
