@@ -57,7 +57,7 @@ def cases() -> list[Case]:
                     "M": "i32", "N": "i32", "K": "i32", "GROUP_M": 8,
                     "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
     att = attention.attention_config(64, "fp16")
-    nbm, nbn, nw, ns, chunk = narrow_block.block_config()
+    tiles = narrow_block.block_config()
     return [
         Case("split_linear residual (8, 14)", linear.split_linear_kernel,
              {**split_common, "out_ptr": "*fp32", "out_lo_ptr": "*fp32", "GELU": False,
@@ -75,17 +75,20 @@ def cases() -> list[Case]:
         Case("norm_qkv d 128 (1-6, 9-13)", narrow_block.norm_qkv_kernel,
              {"x_ptr": "*fp32", "qkv_ptr": "*fp16", **_ptrs("n1_w n1_b bq_ptr", "fp32"),
               **_ptrs("wq_hi wq_lo", "fp16"), "M": "i32", "D": "i32", "eps": "fp32",
-              "D_PAD": 128, "BLOCK_M": 64}, 4, 1, "MMA"),
+              "D_PAD": 128, "BLOCK_M": 64, "PARTS": tiles.qkv_parts}, 4, 1, "MMA"),
         *(Case(f"attention_ffn d 128, hd 32 (1, 6){label}", narrow_block.attention_ffn_kernel,
                {"qkv_ptr": "*fp16", "x_ptr": "*fp32", "out_ptr": "*fp32", "valid_ptr": "*u8",
                 "key_end_ptr": "*i32",
                 **_ptrs("wo_hi wo_lo wi_hi wi_lo wf_hi wf_lo", "fp16"),
                 **_ptrs("bo_ptr n2_w n2_b bi_ptr bf_ptr fn_w fn_b", "fp32"),
-                "S": "i32", "H": "i32", "D": "i32", "F": "i32", "qk_scale": "fp32",
-                "eps": "fp32", "HEAD_DIM": 32, "HEAD_PAD": 32, "D_PAD": 128, "F_PAD": 128,
-                "HAS_VALID": True, "FINAL": False, "ATT_PRECISION": "fp16", "BLOCK_M": nbm,
-                "BLOCK_N": nbn, "F_CHUNK": f_chunk}, nw, ns, "MMA")
-          for label, f_chunk in (("", chunk), (", FFN chunk 32", 32))),
+                "S": "i32", "D": "i32", "F": "i32", "qk_scale": "fp32",
+                "eps": "fp32", "H": 4, "HEAD_DIM": 32, "HEAD_PAD": 32, "D_PAD": 128, "F_PAD": 128,
+                "HAS_VALID": True, "FINAL": False, "ATT_PRECISION": "fp16",
+                "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "F_CHUNK": f_chunk,
+                "UNROLL_HEADS": unroll}, tiles.warps, tiles.stages, "MMA")
+          for label, f_chunk, unroll in (("", tiles.ffn_chunk, tiles.unroll_heads),
+                                         (", FFN chunk 32", 32, False),
+                                         (", heads unrolled", tiles.ffn_chunk, True))),
         Case("layer_norm pair d 1024 (8, 14)", norm.layer_norm_kernel,
              {"x_ptr": "*fp32", "out_ptr": "*fp16", "out_lo_ptr": "*fp16", "w_ptr": "*fp32",
               "b_ptr": "*fp32", "valid_ptr": "*u8", "M": "i32", "D": "i32", "eps": "fp32",

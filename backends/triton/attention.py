@@ -149,8 +149,8 @@ def attention_config(head_pad: int, precision: str) -> tuple[int, int, int, int]
     if INTERPRETER:
         return 64, 64, 4, 1
     if precision == "fp16":
-        if head_pad <= 64:
-            return 128, 64, 8, 3
+        if head_pad <= 64:  # bench/PERFORMANCE.md, #19
+            return 128, 64, 4, 3
         if head_pad == 128:
             return 128, 64, 8, 2
         return 64, 32, 8, 2
@@ -185,6 +185,8 @@ def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, key_end=
     head_dim = d // num_heads
     pad = pad16(head_dim)
     block_m, block_n, num_warps, num_stages = config or attention_config(pad, precision)
+    if block_m % block_n:
+        raise ValueError(f"block_m {block_m} must be a multiple of block_n {block_n}")
     grid = (triton.cdiv(seq_len, block_m), batch * num_heads)
     flash_attention_kernel[grid](
         qkv, ctx_hi, ctx_lo, valid if valid is not None else qkv,

@@ -8,6 +8,8 @@ never reach memory.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -40,8 +42,9 @@ def _weight_tile(hi_ptr, lo_ptr, out_idx, out_ok, in_idx, in_ok, IN):
 
 @triton.jit
 def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
-                    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Q/K/V rows (fp16) of BLOCK_M tokens: each row is read once, normed and projected."""
+                    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
+    """Q/K/V rows (fp16) of BLOCK_M tokens: each row is read, normed and split once per
+    program; program_id(1) picks which PARTS of Q, K and V the program writes."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, D_PAD)
     col_ok = cols < D
@@ -49,8 +52,8 @@ def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
     x = tl.load(x_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     h = _row_norm(x, n1_w, n1_b, cols, col_ok, D, eps)
     h_hi, h_lo = split_halves(h)
-    for part in tl.static_range(3):  # Q, K, V
-        out_idx = part * D + cols
+    for i in tl.static_range(PARTS):
+        out_idx = (tl.program_id(1) * PARTS + i) * D + cols
         w_hi, w_lo = _weight_tile(wq_hi, wq_lo, out_idx, col_ok, cols, col_ok, D)
         acc = split_dot(h_hi, h_lo, w_hi, w_lo, tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32))
         acc += tl.load(bq_ptr + out_idx, mask=col_ok, other=0.0)[None, :]
@@ -59,13 +62,29 @@ def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
 
 
 @triton.jit
+def _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b, h, S, D,
+                        q_start, qk_scale, cols, col_ok, HEAD_DIM: tl.constexpr,
+                        HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
+                        ATT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    """attn + (head h's attention output) @ (its rows of out_proj^T)."""
+    head_cols = tl.arange(0, HEAD_PAD)
+    ctx = attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
+                      HEAD_DIM, HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
+    w_hi, w_lo = _weight_tile(wo_hi, wo_lo, cols, col_ok, h * HEAD_DIM + head_cols,
+                              head_cols < HEAD_DIM, D)
+    return mma_split(ctx, w_hi, w_lo, attn)
+
+
+@triton.jit
 def attention_ffn_kernel(
     qkv_ptr, x_ptr, out_ptr, valid_ptr, key_end_ptr,
     wo_hi, wo_lo, bo_ptr, n2_w, n2_b, wi_hi, wi_lo, bi_ptr, wf_hi, wf_lo, bf_ptr, fn_w, fn_b,
-    S, H, D, F, qk_scale, eps,
-    HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr, F_PAD: tl.constexpr,
-    HAS_VALID: tl.constexpr, FINAL: tl.constexpr, ATT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F_CHUNK: tl.constexpr,
+    S, D, F, qk_scale, eps,
+    H: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    F_PAD: tl.constexpr, HAS_VALID: tl.constexpr, FINAL: tl.constexpr,
+    ATT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    F_CHUNK: tl.constexpr, UNROLL_HEADS: tl.constexpr,
 ):
     """BLOCK_M query rows of sequence program_id(1): attention, out_proj, FFN, residuals, and
     the final LayerNorm (FINAL)."""
@@ -76,15 +95,18 @@ def attention_ffn_kernel(
     rows = b.to(tl.int64) * S + offs_m
     cols = tl.arange(0, D_PAD)
     col_ok = cols < D
-    head_cols = tl.arange(0, HEAD_PAD)
 
     attn = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    for h in range(H):
-        ctx = attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
-                          HEAD_DIM, HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
-        w_hi, w_lo = _weight_tile(wo_hi, wo_lo, cols, col_ok, h * HEAD_DIM + head_cols,
-                                  head_cols < HEAD_DIM, D)
-        attn = mma_split(ctx, w_hi, w_lo, attn)
+    if UNROLL_HEADS:  # the heads' independent work can overlap
+        for h in tl.static_range(H):
+            attn = _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b,
+                                       h, S, D, q_start, qk_scale, cols, col_ok, HEAD_DIM,
+                                       HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
+    else:
+        for h in range(H):
+            attn = _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b,
+                                       h, S, D, q_start, qk_scale, cols, col_ok, HEAD_DIM,
+                                       HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
     attn += tl.load(bo_ptr + cols, mask=col_ok, other=0.0)[None, :]
 
     if HAS_VALID:
@@ -118,24 +140,38 @@ def fits(d_model: int, ffn_dim: int) -> bool:
     return max(d_model, ffn_dim) <= MAX_WIDTH
 
 
-# (BLOCK_M, BLOCK_N, warps, stages, hidden columns held at once); bench/PERFORMANCE.md, #14
-NARROW_TILES = (64, 64, 4, 3, 128)
+class NarrowTiles(NamedTuple):
+    """Tile choices of the narrow plan's two kernels."""
+    block_m: int  # query rows per attention_ffn program
+    block_n: int  # keys per attention step (block_m must be a multiple)
+    warps: int
+    stages: int
+    ffn_chunk: int  # hidden columns attention_ffn holds at once
+    qkv_parts: int  # of Q, K, V written per norm_qkv program: 3 (rows read once) or 1
+    unroll_heads: bool  # attention_ffn's head loop unrolled at compile time
 
 
-def block_config() -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages, FFN chunk) of attention_ffn."""
-    if INTERPRETER:
-        return 64, 64, 4, 1, 32  # several chunks, so the chunk loop runs on CPU too
+NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 3, False)  # bench/PERFORMANCE.md, #14 and #19
+
+
+def block_config() -> NarrowTiles:
+    """The narrow plan's tile choices here (small tiles in the interpreter)."""
+    if INTERPRETER:  # several FFN chunks and a split Q/K/V grid, so both paths run on CPU
+        return NarrowTiles(64, 64, 4, 1, 32, 1, False)
     return NARROW_TILES
 
 
-def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5) -> torch.Tensor:
-    """qkv[M, 3D] = LN1(x) @ Wqkv^T + b, one program per block of whole rows."""
+def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
+             config: NarrowTiles | None = None) -> torch.Tensor:
+    """qkv[M, 3D] = LN1(x) @ Wqkv^T + b, one program per block of whole rows and parts."""
     m, d = x.shape
     block_m = 64
-    norm_qkv_kernel[(triton.cdiv(m, block_m),)](
+    parts = (config or block_config()).qkv_parts
+    if 3 % parts:
+        raise ValueError(f"qkv_parts must divide 3, got {parts}")
+    norm_qkv_kernel[(triton.cdiv(m, block_m), 3 // parts)](
         x, qkv, p.norm1_weight, p.norm1_bias, *w["qkv_weight"], p.qkv_bias, m, d, eps,
-        D_PAD=pad16(d), BLOCK_M=block_m, num_warps=4)
+        D_PAD=pad16(d), BLOCK_M=block_m, PARTS=parts, num_warps=4)
     return qkv
 
 
@@ -151,18 +187,20 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
     d = x.shape[1]
     f = p.ffn_in_bias.shape[0]
     head_dim = d // num_heads
-    block_m, block_n, warps, stages, ffn_chunk = config or block_config()
+    tiles = config or block_config()
+    if tiles.block_m % tiles.block_n:
+        raise ValueError(f"block_m {tiles.block_m} must be a multiple of block_n {tiles.block_n}")
     fn_w, fn_b = final if final is not None else (p.out_bias, p.out_bias)
-    grid = (triton.cdiv(seq_len, block_m), batch)
+    grid = (triton.cdiv(seq_len, tiles.block_m), batch)
     attention_ffn_kernel[grid](
         qkv, x, out, valid if valid is not None else qkv, key_end if valid is not None else qkv,
         *w["out_weight"], p.out_bias, p.norm2_weight, p.norm2_bias,
         *w["ffn_in_weight"], p.ffn_in_bias, *w["ffn_out_weight"], p.ffn_out_bias, fn_w, fn_b,
-        seq_len, num_heads, d, f, softmax_scale(head_dim), eps,
-        HEAD_DIM=head_dim, HEAD_PAD=pad16(head_dim), D_PAD=pad16(d), F_PAD=pad16(f),
+        seq_len, d, f, softmax_scale(head_dim), eps,
+        H=num_heads, HEAD_DIM=head_dim, HEAD_PAD=pad16(head_dim), D_PAD=pad16(d), F_PAD=pad16(f),
         HAS_VALID=valid is not None, FINAL=final is not None,
-        ATT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-        F_CHUNK=min(ffn_chunk, pad16(f)),
-        num_warps=warps, num_stages=stages,
+        ATT_PRECISION=precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        F_CHUNK=min(tiles.ffn_chunk, pad16(f)), UNROLL_HEADS=tiles.unroll_heads,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
