@@ -5,8 +5,8 @@
     python bench/tile_sweep.py wide --shapes 8
     python bench/tile_sweep.py attention --seq-len 100000 --heads 16 --head-dim 64
 
-"narrow" and "wide" time the eager forward under each candidate tile configuration (same
-run, alternating rounds) and report the largest difference from the default's output, so
+"narrow" and "wide" time the forward under each candidate tile configuration (same run,
+alternating rounds; replayed from a CUDA graph per candidate where the input is small enough) and report the largest difference from the default's output, so
 a configuration that computes something else shows. "attention" times flash attention of
 one long sequence. "profile" lists GPU time per kernel for one forward.
 """
@@ -23,6 +23,7 @@ import torch
 from layerbench.backends.triton import attention, linear, narrow_block
 from layerbench.backends.triton import TritonBackend
 from layerbench.common import runner
+from layerbench.common.graphs import GraphedForward
 from layerbench.common.shapes import resolve_shapes
 from layerbench.common.timing import alternating_medians_ms
 
@@ -77,9 +78,19 @@ def sweep_layer(shapes, module, attr, candidates, rounds):
     default = getattr(module, attr)
     for shape in resolve_shapes(shapes):
         prepared, layer = _layer(shape)
+
+        def forward_under(cand):
+            def forward(x, mask):
+                setattr(module, attr, cand)
+                return layer._forward(x, mask)
+            return GraphedForward(forward)
+
+        graphed = {}  # each candidate's forward replayed from its own CUDA graph
+
         def run(cand):
-            setattr(module, attr, cand)
-            return layer._forward(prepared.x, prepared.mask)
+            if cand not in graphed:
+                graphed[cand] = forward_under(cand)
+            return graphed[cand](prepared.x, prepared.mask)
 
         with torch.no_grad():
             expected = layer._forward(prepared.x, prepared.mask).clone()
