@@ -8,6 +8,7 @@ never reach memory.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -147,11 +148,11 @@ class NarrowTiles(NamedTuple):
     warps: int
     stages: int
     ffn_chunk: int  # hidden columns attention_ffn holds at once
-    qkv_parts: int  # of Q, K, V written per norm_qkv program: 3 (rows read once) or 1
+    qkv_parts: int  # of Q, K, V per norm_qkv program: 3 (rows read once), 1, 0 = by grid size
     unroll_heads: bool  # attention_ffn's head loop unrolled at compile time
 
 
-NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 3, False)  # bench/PERFORMANCE.md, #14 and #19
+NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, False)  # bench/PERFORMANCE.md, #14, #19-20
 
 
 def block_config() -> NarrowTiles:
@@ -161,15 +162,26 @@ def block_config() -> NarrowTiles:
     return NARROW_TILES
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count (1 on CPU)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
              config: NarrowTiles | None = None) -> torch.Tensor:
     """qkv[M, 3D] = LN1(x) @ Wqkv^T + b, one program per block of whole rows and parts."""
     m, d = x.shape
     block_m = 64
+    row_blocks = triton.cdiv(m, block_m)
     parts = (config or block_config()).qkv_parts
-    if 3 % parts:
-        raise ValueError(f"qkv_parts must divide 3, got {parts}")
-    norm_qkv_kernel[(triton.cdiv(m, block_m), 3 // parts)](
+    if parts == 0:  # a grid smaller than the GPU gets a program per Q, K, V part
+        parts = 1 if row_blocks <= _multiprocessors(x.device) else 3
+    if parts not in (1, 3):
+        raise ValueError(f"qkv_parts must be 0, 1 or 3, got {parts}")
+    norm_qkv_kernel[(row_blocks, 3 // parts)](
         x, qkv, p.norm1_weight, p.norm1_bias, *w["qkv_weight"], p.qkv_bias, m, d, eps,
         D_PAD=pad16(d), BLOCK_M=block_m, PARTS=parts, num_warps=4)
     return qkv
