@@ -177,8 +177,8 @@ def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
     block_m = 64
     row_blocks = triton.cdiv(m, block_m)
     parts = (config or block_config()).qkv_parts
-    if parts == 0:  # a grid smaller than the GPU gets a program per Q, K, V part
-        parts = 1 if row_blocks <= _multiprocessors(x.device) else 3
+    if parts == 0:  # a grid that leaves most of the GPU idle gets a program per Q, K, V part
+        parts = 1 if 3 * row_blocks <= _multiprocessors(x.device) else 3
     if parts not in (1, 3):
         raise ValueError(f"qkv_parts must be 0, 1 or 3, got {parts}")
     norm_qkv_kernel[(row_blocks, 3 // parts)](
