@@ -6,8 +6,9 @@
     python bench/tile_sweep.py attention --seq-len 100000 --heads 16 --head-dim 64
 
 "narrow" and "wide" time the forward under each candidate tile configuration (same run,
-alternating rounds; replayed from a CUDA graph per candidate where the input is small enough) and report the largest difference from the default's output, so
-a configuration that computes something else shows. "attention" times flash attention of
+alternating rounds; replayed from a CUDA graph per candidate where the input is small
+enough) and report the largest difference from the default's output, so a configuration
+that computes something else shows. "attention" times flash attention of
 one long sequence. "profile" lists GPU time per kernel for one forward.
 """
 from __future__ import annotations
