@@ -42,6 +42,26 @@ def test_precision_mode_passes(triton_backend_class, linear, attention, device):
     assert report.passed, report.summary()
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["heads-in-one-program", "heads-apart"])
+def test_narrow_plan_attention_layouts(triton_backend_class, apart, device, monkeypatch):
+    """Attention inside attention_ffn, or apart with a program per (block, head): both pass."""
+    from layerbench.backends.triton import narrow_block
+    from layerbench.backends.triton.layer import Precision, workspace
+
+    tiles = narrow_block.block_config()._replace(heads_apart=apart)
+    monkeypatch.setattr(narrow_block, "block_config", lambda: tiles)
+    shape = CI[11]  # 16 heads of 8
+    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=0, device=device)
+    layer = triton_backend_class().build(shape.config, prepared.model.state_dict(),
+                                         device=device)
+    assert ("ctx_hi" in workspace(shape.config, Precision())) == apart
+    with torch.no_grad():
+        out = layer(prepared.x, prepared.mask)
+    expected = reference_forward(prepared.model.to(device), prepared.x, prepared.mask)
+    report = compare(out, expected)
+    assert report.passed, report.summary()
+
+
 def test_batch_chunks_respect_the_attention_grid(triton_backend_class, device):
     """A batch whose sequences x heads exceed the grid limit is streamed in smaller chunks."""
     from layerbench.backends.triton.layer import MAX_GRID_Y

@@ -12,7 +12,7 @@ from layerbench.common.params import pack_params, param_bytes
 
 from .attention import flash_attention, key_extent
 from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear, split_linear
-from .narrow_block import attention_ffn, fits, norm_qkv
+from .narrow_block import attention_ffn, fits, heads_apart, norm_qkv
 from .norm import layer_norm
 from .precision import split_fp16
 
@@ -58,7 +58,9 @@ def workspace(config, precision: Precision) -> dict[str, tuple[int, torch.dtype]
     d, f = config.d_model, config.ffn_dim
     buffers = {"residual": (d, torch.float32), "qkv": (3 * d, precision.qkv_dtype)}
     kind = plan(config, precision)
-    if kind == "wide":  # the normed rows and the context share "rows"; two fp16 halves each
+    if kind == "narrow" and heads_apart(config):  # attention's output, two fp16 halves
+        buffers.update(ctx_hi=(d, torch.float16), ctx_lo=(d, torch.float16))
+    elif kind == "wide":  # the normed rows and the context share "rows"; two fp16 halves each
         buffers.update(rows_hi=(d, torch.float16), rows_lo=(d, torch.float16),
                        hidden_hi=(f, torch.float16), hidden_lo=(f, torch.float16))
     elif kind == "general":
@@ -126,19 +128,25 @@ class TritonLayer(BuiltLayer):
         return out
 
     def _run_narrow(self, x2, masks, out2, batch, s, work):
-        """Per block: norm1 + Q/K/V, then one kernel for the rest (and the final norm)."""
+        """Per block: norm1 + Q/K/V, then one kernel for the rest (and the final norm); for a
+        small batch attention runs apart, a program per query block and head."""
         res, qkv = work["residual"], work["qkv"]
+        ctx = (work["ctx_hi"], work["ctx_lo"]) if "ctx_hi" in work else None
         valid, key_end = masks
         valid_rows = None if valid is None else valid.reshape(-1)
+        heads = self.config.num_heads
         src = x2
         last = len(self.params.layers) - 1
         for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
             norm_qkv(src, qkv, p, w)
+            if ctx is not None:
+                flash_attention(qkv, ctx, valid, key_end, batch=batch, seq_len=s,
+                                num_heads=heads, precision=self.precision.attention)
             attention_ffn(
                 qkv, src, out2 if i == last else res, valid_rows, key_end, p, w,
                 final=(self.params.final_weight, self.params.final_bias) if i == last else None,
-                batch=batch, seq_len=s, num_heads=self.config.num_heads,
-                precision=self.precision.attention)
+                batch=batch, seq_len=s, num_heads=heads, precision=self.precision.attention,
+                ctx=ctx)
             src = res
 
     def _run_wide(self, x2, masks, out2, batch, s, work):

@@ -79,16 +79,16 @@ def _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b, 
 
 @triton.jit
 def attention_ffn_kernel(
-    qkv_ptr, x_ptr, out_ptr, valid_ptr, key_end_ptr,
+    qkv_ptr, ctx_hi_ptr, ctx_lo_ptr, x_ptr, out_ptr, valid_ptr, key_end_ptr,
     wo_hi, wo_lo, bo_ptr, n2_w, n2_b, wi_hi, wi_lo, bi_ptr, wf_hi, wf_lo, bf_ptr, fn_w, fn_b,
     S, D, F, qk_scale, eps,
     H: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr,
     F_PAD: tl.constexpr, HAS_VALID: tl.constexpr, FINAL: tl.constexpr,
     ATT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    F_CHUNK: tl.constexpr, UNROLL_HEADS: tl.constexpr,
+    F_CHUNK: tl.constexpr, UNROLL_HEADS: tl.constexpr, CTX_IN_MEMORY: tl.constexpr,
 ):
-    """BLOCK_M query rows of sequence program_id(1): attention, out_proj, FFN, residuals, and
-    the final LayerNorm (FINAL)."""
+    """BLOCK_M query rows of sequence program_id(1): attention (or, CTX_IN_MEMORY, its output
+    read as an fp16 pair), out_proj, FFN, residuals, and the final LayerNorm (FINAL)."""
     q_start = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
     offs_m = q_start + tl.arange(0, BLOCK_M)
@@ -97,8 +97,15 @@ def attention_ffn_kernel(
     cols = tl.arange(0, D_PAD)
     col_ok = cols < D
 
+    row_ok = m_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * D + cols[None, :]
+
     attn = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    if UNROLL_HEADS:  # the heads' independent work can overlap
+    if CTX_IN_MEMORY:  # the context rows, already split, from flash_attention
+        w_hi, w_lo = _weight_tile(wo_hi, wo_lo, cols, col_ok, cols, col_ok, D)
+        attn = split_dot(tl.load(ctx_hi_ptr + offsets, mask=row_ok, other=0.0),
+                         tl.load(ctx_lo_ptr + offsets, mask=row_ok, other=0.0), w_hi, w_lo, attn)
+    elif UNROLL_HEADS:  # the heads' independent work can overlap
         for h in tl.static_range(H):
             attn = _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b,
                                        h, S, D, q_start, qk_scale, cols, col_ok, HEAD_DIM,
@@ -113,8 +120,6 @@ def attention_ffn_kernel(
     if HAS_VALID:
         valid = tl.load(valid_ptr + rows, mask=m_ok, other=0) != 0
         attn = tl.where(valid[:, None], attn, 0.0)
-    row_ok = m_ok[:, None] & col_ok[None, :]
-    offsets = rows[:, None] * D + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=row_ok, other=0.0).to(tl.float32) + attn
 
     n_hi, n_lo = split_halves(_row_norm(x, n2_w, n2_b, cols, col_ok, D, eps))
@@ -150,15 +155,20 @@ class NarrowTiles(NamedTuple):
     ffn_chunk: int  # hidden columns attention_ffn holds at once
     qkv_parts: int  # of Q, K, V per norm_qkv program: 3 (rows read once), 1, 0 = by grid size
     unroll_heads: bool  # attention_ffn's head loop unrolled at compile time
+    heads_apart: bool | None  # attention in its own kernel, a program per (block, head);
+    # None: when the batch has at most HEADS_APART_BLOCKS query blocks
 
 
-NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, False)  # bench/PERFORMANCE.md, #14, #19-20
+HEADS_APART_BLOCKS = 128  # bench/PERFORMANCE.md, #24
+
+
+NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, False, None)  # bench/PERFORMANCE.md, #14, #19-20
 
 
 def block_config() -> NarrowTiles:
     """The narrow plan's tile choices here (small tiles in the interpreter)."""
     if INTERPRETER:  # several FFN chunks and a split Q/K/V grid, so both paths run on CPU
-        return NarrowTiles(64, 64, 4, 1, 32, 1, False)
+        return NarrowTiles(64, 64, 4, 1, 32, 1, False, None)
     return NARROW_TILES
 
 
@@ -168,6 +178,15 @@ def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def heads_apart(config) -> bool:
+    """Whether the narrow plan runs attention in its own kernel, a program per query block
+    and head (more programs for a small batch), with out_proj and the FFN in attention_ffn."""
+    tiles = block_config()
+    if tiles.heads_apart is not None:
+        return tiles.heads_apart
+    return config.batch_size * triton.cdiv(config.seq_len, tiles.block_m) <= HEADS_APART_BLOCKS
 
 
 def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
@@ -189,12 +208,13 @@ def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
 
 def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, key_end, p, w,
                   *, final=None, batch: int, seq_len: int, num_heads: int,
-                  precision: str, eps: float = 1e-5, config=None) -> torch.Tensor:
+                  precision: str, eps: float = 1e-5, config=None, ctx=None) -> torch.Tensor:
     """out = the block's output rows from its qkv and input rows x (x and out may alias).
 
     valid is the flat [B*S] mask or None, key_end its key_extent; p holds the layer's fp32
-    parameters, w its (hi, lo) weights; final is (weight, bias) of
-    the final LayerNorm to apply after this block.
+    parameters, w its (hi, lo) weights; final is (weight, bias) of the final LayerNorm to
+    apply after this block; ctx, an fp16 (hi, lo) pair, is attention's output when it ran
+    apart (then qkv is not read).
     """
     d = x.shape[1]
     f = p.ffn_in_bias.shape[0]
@@ -205,7 +225,8 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
     fn_w, fn_b = final if final is not None else (p.out_bias, p.out_bias)
     grid = (triton.cdiv(seq_len, tiles.block_m), batch)
     attention_ffn_kernel[grid](
-        qkv, x, out, valid if valid is not None else qkv, key_end if valid is not None else qkv,
+        qkv, *(ctx or (qkv, qkv)), x, out, valid if valid is not None else qkv,
+        key_end if valid is not None else qkv,
         *w["out_weight"], p.out_bias, p.norm2_weight, p.norm2_bias,
         *w["ffn_in_weight"], p.ffn_in_bias, *w["ffn_out_weight"], p.ffn_out_bias, fn_w, fn_b,
         seq_len, d, f, softmax_scale(head_dim), eps,
@@ -213,6 +234,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
         HAS_VALID=valid is not None, FINAL=final is not None,
         ATT_PRECISION=precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         F_CHUNK=min(tiles.ffn_chunk, pad16(f)), UNROLL_HEADS=tiles.unroll_heads,
+        CTX_IN_MEMORY=ctx is not None,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
