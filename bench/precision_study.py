@@ -27,6 +27,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="1,6,8,13")
     parser.add_argument("--linear", default="fp16,tf32,tf32x3")
     parser.add_argument("--attention", default="fp16,tf32,tf32x3")
+    parser.add_argument("--qkv", default="same",
+                        help="Q/K/V projection modes; 'same' follows --linear")
     parser.add_argument("--padding", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--rounds", type=int, default=10)
@@ -38,16 +40,17 @@ def main() -> int:
         prepared = runner.prepare(shape, padding=args.padding, dtype=torch.float32,
                                   seed=args.seed, device=device)
         reference = None
-        for lin, att in itertools.product(args.linear.split(","), args.attention.split(",")):
-            backend = TritonBackend(Precision(lin, att))
+        for lin, att, qkv in itertools.product(args.linear.split(","),
+                                               args.attention.split(","), args.qkv.split(",")):
+            backend = TritonBackend(Precision(lin, att, None if qkv == "same" else qkv))
             layer = backend.build(shape.config, prepared.model.state_dict(), device=device)
             report, reference = runner.check(layer, prepared, reference)
             ms = runner.median_forward_ms(layer, prepared, rounds=args.rounds)
-            row = {"shape": shape.number, "linear": lin, "attention": att,
+            row = {"shape": shape.number, "linear": lin, "attention": att, "qkv": qkv,
                    "worst_ratio": report.worst_ratio, "max_abs_error": report.max_abs_error,
                    "failed": report.failed_elements, "median_ms": ms}
             rows.append(row)
-            print(f"shape {shape.number:2d} linear {lin:6s} attention {att:6s} "
+            print(f"shape {shape.number:2d} linear {lin:6s} attention {att:6s} qkv {qkv:6s} "
                   f"error/allowed {report.worst_ratio:6.3f} max abs {report.max_abs_error:.2e} "
                   f"failed {report.failed_elements:6d} median {ms:8.3f} ms", flush=True)
             del layer

@@ -54,7 +54,7 @@ def cases() -> list[Case]:
     bm, bn, bk, w, st = linear.split_tile_config(8192, 1024, 1024)
     split_common = {**_ptrs("a_hi_ptr a_lo_ptr w_hi_ptr w_lo_ptr", "fp16"),
                     "bias_ptr": "*fp32", "res_ptr": "*fp32", "valid_ptr": "*u8",
-                    "M": "i32", "N": "i32", "K": "i32", "GROUP_M": 8,
+                    "M": "i32", "N": "i32", "K": "i32", "GROUP_M": 8, "PRODUCTS": 3,
                     "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
     att = attention.attention_config(64, "fp16")
     tiles = narrow_block.block_config()
@@ -67,6 +67,10 @@ def cases() -> list[Case]:
              {**split_common, "out_ptr": "*fp16", "out_lo_ptr": "*fp16", "GELU": True,
               "RESIDUAL": False, "ZERO_MODE": 0, "HAS_VALID": False, "SPLIT_OUT": True}, w, st,
              "HGMMA"),
+        Case("split_linear QKV, one fp16 product (8, 14)", linear.split_linear_kernel,
+             {**split_common, "out_ptr": "*fp16", "out_lo_ptr": "*fp16", "GELU": False,
+              "RESIDUAL": False, "ZERO_MODE": 0, "HAS_VALID": False, "SPLIT_OUT": False,
+              "PRODUCTS": 1}, w, st, "HGMMA"),
         *(Case(f"flash_attention hd {hd} ({shapes})", attention.flash_attention_kernel,
                {"qkv_ptr": "*fp16", "ctx_ptr": "*fp16", "ctx_lo_ptr": "*fp16",
                 "valid_ptr": "*u8", "key_end_ptr": "*i32", "S": "i32", "H": "i32", "D": "i32",
@@ -77,7 +81,8 @@ def cases() -> list[Case]:
         Case("norm_qkv d 128 (1-6, 9-13)", narrow_block.norm_qkv_kernel,
              {"x_ptr": "*fp32", "qkv_ptr": "*fp16", **_ptrs("n1_w n1_b bq_ptr", "fp32"),
               **_ptrs("wq_hi wq_lo", "fp16"), "M": "i32", "D": "i32", "eps": "fp32",
-              "D_PAD": 128, "BLOCK_M": 64, "PARTS": 3}, 4, 1, "MMA"),
+              "D_PAD": 128, "BLOCK_M": 64, "PARTS": 3, "PRODUCTS": 3}, 4, 1,
+             "MMA"),
         *(Case(f"attention_ffn d 128, hd 32 (1, 6){label}", narrow_block.attention_ffn_kernel,
                {"qkv_ptr": "*fp16", "ctx_hi_ptr": "*fp16", "ctx_lo_ptr": "*fp16",
                 "x_ptr": "*fp32", "out_ptr": "*fp32", "valid_ptr": "*u8", "key_end_ptr": "*i32",

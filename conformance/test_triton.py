@@ -62,6 +62,24 @@ def test_narrow_plan_attention_layouts(triton_backend_class, apart, device, monk
     assert report.passed, report.summary()
 
 
+@pytest.mark.parametrize("number", [1, 8], ids=["narrow", "wide"])
+def test_qkv_in_fp16_passes(triton_backend_class, number, device):
+    """The Q/K/V projection in one fp16 product (the other linears fp16x3) keeps the contract."""
+    from layerbench.backends.triton.layer import Precision, plan
+
+    shape = CI[number]
+    precision = Precision("fp16x3", "fp16", qkv="fp16")
+    assert plan(shape.config, precision) == ("narrow" if number == 1 else "wide")
+    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=0, device=device)
+    layer = triton_backend_class(precision).build(shape.config, prepared.model.state_dict(),
+                                                  device=device)
+    with torch.no_grad():
+        out = layer(prepared.x, prepared.mask)
+    expected = reference_forward(prepared.model.to(device), prepared.x, prepared.mask)
+    report = compare(out, expected)
+    assert report.passed, report.summary()
+
+
 def test_batch_chunks_respect_the_attention_grid(triton_backend_class, device):
     """A batch whose sequences x heads exceed the grid limit is streamed in smaller chunks."""
     from layerbench.backends.triton.layer import MAX_GRID_Y

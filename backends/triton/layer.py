@@ -19,10 +19,22 @@ from .precision import split_fp16
 
 @dataclass(frozen=True)
 class Precision:
-    """Matmul precision of the linear layers and of attention (see precision.MODES)."""
+    """Matmul precision of the linear layers, of attention and of the Q/K/V projection
+    (see precision.MODES; qkv None means as the other linears)."""
 
     linear: str = "fp16x3"
     attention: str = "fp16"
+    qkv: str | None = None
+
+    @property
+    def qkv_linear(self) -> str:
+        """The precision mode of the Q/K/V projection."""
+        return self.qkv or self.linear
+
+    @property
+    def qkv_products(self) -> int:
+        """fp16 products per Q/K/V tile step in the narrow and wide plans (3, or 1 for fp16)."""
+        return 1 if self.qkv_linear == "fp16" else 3
 
     @property
     def qkv_dtype(self) -> torch.dtype:
@@ -48,7 +60,8 @@ def plan(config, precision: Precision) -> str:
     """Which kernel sequence runs a block: "narrow" (whole rows in one tile: norm1 + Q/K/V,
     then one kernel from attention to the second residual), "wide" (pre-split fp16 operands
     for every GEMM), or "general" (the LayerNorm-fused GEMM in any precision mode)."""
-    if precision.linear != "fp16x3" or precision.attention not in ("fp16", "tf32x3"):
+    if (precision.linear != "fp16x3" or precision.attention not in ("fp16", "tf32x3")
+            or precision.qkv_linear not in ("fp16x3", "fp16")):
         return "general"
     return "narrow" if fits(config.d_model, config.ffn_dim) else "wide"
 
@@ -138,7 +151,7 @@ class TritonLayer(BuiltLayer):
         src = x2
         last = len(self.params.layers) - 1
         for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
-            norm_qkv(src, qkv, p, w)
+            norm_qkv(src, qkv, p, w, products=self.precision.qkv_products)
             if ctx is not None:
                 flash_attention(qkv, ctx, valid, key_end, batch=batch, seq_len=s,
                                 num_heads=heads, precision=self.precision.attention)
@@ -159,7 +172,8 @@ class TritonLayer(BuiltLayer):
         src = x2
         for p, w in zip(self.params.layers, self.weights):
             layer_norm(src, p.norm1_weight, p.norm1_bias, rows)
-            split_linear(rows, w["qkv_weight"], p.qkv_bias, qkv)
+            split_linear(rows, w["qkv_weight"], p.qkv_bias, qkv,
+                         products=self.precision.qkv_products)
             flash_attention(qkv, rows, valid, key_end, batch=batch, seq_len=s,
                             num_heads=self.config.num_heads, precision=self.precision.attention)
             split_linear(rows, w["out_weight"], p.out_bias, res, residual=src,
@@ -179,7 +193,8 @@ class TritonLayer(BuiltLayer):
         valid_rows = None if valid is None else valid.reshape(-1)
         src = x2
         for p, w in zip(self.params.layers, self.weights):
-            fused_linear(src, w["qkv_weight"], p.qkv_bias, qkv, precision=lin,
+            fused_linear(src, w["qkv_weight"], p.qkv_bias, qkv,
+                         precision=self.precision.qkv_linear,
                          ln=(p.norm1_weight, p.norm1_bias))
             flash_attention(qkv, ctx, valid, key_end, batch=batch, seq_len=s,
                             num_heads=self.config.num_heads, precision=att)

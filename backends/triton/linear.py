@@ -152,9 +152,11 @@ def split_linear_kernel(
     M, N, K,
     GELU: tl.constexpr, RESIDUAL: tl.constexpr, ZERO_MODE: tl.constexpr,
     HAS_VALID: tl.constexpr, SPLIT_OUT: tl.constexpr, GROUP_M: tl.constexpr,
+    PRODUCTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One tile of out = epilogue((a_hi + a_lo) @ (w_hi + w_lo)^T + bias), operands in fp16.
+    """One tile of out = epilogue((a_hi + a_lo) @ (w_hi + w_lo)^T + bias), operands in fp16,
+    in three products (PRODUCTS 3) or as a_hi @ w_hi^T (PRODUCTS 1).
 
     Both operands arrive already split, so every tile goes straight from memory to the
     tensor cores; programs run in groups of GROUP_M row blocks that share column tiles in L2.
@@ -181,10 +183,13 @@ def split_linear_kernel(
         w_offsets = cols[None, :] * K + ks[:, None]
         w_ok = col_ok[None, :] & k_ok[:, None]
         a_hi = tl.load(a_hi_ptr + a_offsets, mask=a_ok, other=0.0)
-        a_lo = tl.load(a_lo_ptr + a_offsets, mask=a_ok, other=0.0)
         w_hi = tl.load(w_hi_ptr + w_offsets, mask=w_ok, other=0.0)
-        w_lo = tl.load(w_lo_ptr + w_offsets, mask=w_ok, other=0.0)
-        acc = split_dot(a_hi, a_lo, w_hi, w_lo, acc)
+        if PRODUCTS == 3:
+            a_lo = tl.load(a_lo_ptr + a_offsets, mask=a_ok, other=0.0)
+            w_lo = tl.load(w_lo_ptr + w_offsets, mask=w_ok, other=0.0)
+            acc = split_dot(a_hi, a_lo, w_hi, w_lo, acc)
+        else:  # the high parts alone: plain fp16 operands
+            acc = tl.dot(a_hi, w_hi, acc)
 
     acc, offsets, out_ok = _epilogue(acc, bias_ptr, res_ptr, valid_ptr, rows, cols, row_ok,
                                      col_ok, N, GELU, RESIDUAL, ZERO_MODE, HAS_VALID)
@@ -206,11 +211,14 @@ def split_tile_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 def split_linear(a: tuple[torch.Tensor, torch.Tensor], weight: tuple[torch.Tensor, torch.Tensor],
                  bias: torch.Tensor, out, *, gelu: bool = False,
                  residual: torch.Tensor | None = None, zero_mode: int = ZERO_NONE,
-                 valid: torch.Tensor | None = None, tiles=None):
+                 valid: torch.Tensor | None = None, products: int = 3, tiles=None):
     """out = epilogue((a_hi + a_lo) @ (w_hi + w_lo)^T + bias) from fp16 (hi, lo) pairs.
 
-    out is one tensor, or an fp16 (hi, lo) pair that receives the result split again.
+    out is one tensor, or an fp16 (hi, lo) pair that receives the result split again;
+    products=1 uses the high parts alone (fp16 operands).
     """
+    if products not in (1, 3):
+        raise ValueError(f"products must be 1 or 3, got {products}")
     (a_hi, a_lo), (w_hi, w_lo) = a, weight
     out_hi, out_lo = out if isinstance(out, tuple) else (out, out)
     m, k = a_hi.shape
@@ -223,6 +231,7 @@ def split_linear(a: tuple[torch.Tensor, torch.Tensor], weight: tuple[torch.Tenso
         m, n, k,
         GELU=gelu, RESIDUAL=residual is not None, ZERO_MODE=zero_mode,
         HAS_VALID=valid is not None, SPLIT_OUT=isinstance(out, tuple), GROUP_M=8,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        PRODUCTS=products, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
     )
     return out

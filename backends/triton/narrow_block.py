@@ -43,9 +43,11 @@ def _weight_tile(hi_ptr, lo_ptr, out_idx, out_ok, in_idx, in_ok, IN):
 
 @triton.jit
 def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
-                    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr):
+                    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr,
+                    PRODUCTS: tl.constexpr):
     """Q/K/V rows (fp16) of BLOCK_M tokens: each row is read, normed and split once per
-    program; program_id(1) picks which PARTS of Q, K and V the program writes."""
+    program; program_id(1) picks which PARTS of Q, K and V the program writes; PRODUCTS 3
+    (fp16x3) or 1 (fp16 operands)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, D_PAD)
     col_ok = cols < D
@@ -56,7 +58,11 @@ def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
     for i in tl.static_range(PARTS):
         out_idx = (tl.program_id(1) * PARTS + i) * D + cols
         w_hi, w_lo = _weight_tile(wq_hi, wq_lo, out_idx, col_ok, cols, col_ok, D)
-        acc = split_dot(h_hi, h_lo, w_hi, w_lo, tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32))
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        if PRODUCTS == 3:
+            acc = split_dot(h_hi, h_lo, w_hi, w_lo, acc)
+        else:  # fp16 operands
+            acc = tl.dot(h_hi, w_hi, acc)
         acc += tl.load(bq_ptr + out_idx, mask=col_ok, other=0.0)[None, :]
         tl.store(qkv_ptr + rows[:, None] * (3 * D) + out_idx[None, :],
                  acc.to(qkv_ptr.dtype.element_ty), mask=ok)
@@ -190,8 +196,9 @@ def heads_apart(config) -> bool:
 
 
 def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
-             config: NarrowTiles | None = None) -> torch.Tensor:
-    """qkv[M, 3D] = LN1(x) @ Wqkv^T + b, one program per block of whole rows and parts."""
+             config: NarrowTiles | None = None, products: int = 3) -> torch.Tensor:
+    """qkv[M, 3D] = LN1(x) @ Wqkv^T + b, one program per block of whole rows and parts, in
+    three fp16 products (fp16x3) or one (fp16 operands)."""
     m, d = x.shape
     block_m = 64
     row_blocks = triton.cdiv(m, block_m)
@@ -202,7 +209,7 @@ def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
         raise ValueError(f"qkv_parts must be 0, 1 or 3, got {parts}")
     norm_qkv_kernel[(row_blocks, 3 // parts)](
         x, qkv, p.norm1_weight, p.norm1_bias, *w["qkv_weight"], p.qkv_bias, m, d, eps,
-        D_PAD=pad16(d), BLOCK_M=block_m, PARTS=parts, num_warps=4)
+        D_PAD=pad16(d), BLOCK_M=block_m, PARTS=parts, PRODUCTS=products, num_warps=4)
     return qkv
 
 
