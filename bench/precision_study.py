@@ -31,7 +31,7 @@ def main() -> int:
                         help="Q/K/V projection modes; 'same' follows --linear")
     parser.add_argument("--padding", type=float, default=0.25)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=10, help="0: errors only, no timing")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -45,7 +45,8 @@ def main() -> int:
             backend = TritonBackend(Precision(lin, att, None if qkv == "same" else qkv))
             layer = backend.build(shape.config, prepared.model.state_dict(), device=device)
             report, reference = runner.check(layer, prepared, reference)
-            ms = runner.median_forward_ms(layer, prepared, rounds=args.rounds)
+            ms = (runner.median_forward_ms(layer, prepared, rounds=args.rounds)
+                  if args.rounds else float("nan"))  # --rounds 0: errors only
             row = {"shape": shape.number, "linear": lin, "attention": att, "qkv": qkv,
                    "worst_ratio": report.worst_ratio, "max_abs_error": report.max_abs_error,
                    "failed": report.failed_elements, "median_ms": ms}
