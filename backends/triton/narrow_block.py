@@ -165,7 +165,7 @@ class NarrowTiles(NamedTuple):
     # None: when the batch has at most HEADS_APART_BLOCKS query blocks
 
 
-HEADS_APART_BLOCKS = 128  # bench/PERFORMANCE.md, #24
+HEADS_APART_BLOCKS = 128  # bench/PERFORMANCE.md, #25
 
 
 NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, False, None)  # bench/PERFORMANCE.md, #14, #19-20
