@@ -4,12 +4,14 @@
     python bench/tile_sweep.py narrow --shapes 1,6,13
     python bench/tile_sweep.py wide --shapes 8
     python bench/tile_sweep.py attention --seq-len 100000 --heads 16 --head-dim 64
+    python bench/tile_sweep.py launch --shapes 2,1,11
 
 "narrow" and "wide" time the forward under each candidate tile configuration (same run,
 alternating rounds; replayed from a CUDA graph per candidate where the input is small
 enough) and report the largest difference from the default's output, so a configuration
 that computes something else shows. "attention" times flash attention of
-one long sequence. "profile" lists GPU time per kernel for one forward.
+one long sequence. "launch" times the forward with programmatic dependent launch on and
+off. "profile" lists GPU time per kernel for one forward.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from layerbench.backends.triton import attention, linear, narrow_block
+from layerbench.backends.triton import attention, launch, linear, narrow_block
 from layerbench.backends.triton import TritonBackend
 from layerbench.common import runner
 from layerbench.common.graphs import GraphedForward
@@ -167,7 +169,7 @@ def main() -> int:
     """Run one study and write its rows as JSON to --out."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("study", choices=("profile", "narrow", "wide", "attention"))
+    parser.add_argument("study", choices=("profile", "narrow", "wide", "attention", "launch"))
     parser.add_argument("--shapes", default="6")
     parser.add_argument("--seq-len", type=int, default=100_000)
     parser.add_argument("--heads", type=int, default=16)
@@ -185,6 +187,8 @@ def main() -> int:
         rows = profile(args.shapes)
     elif args.study == "narrow":
         rows = sweep_layer(args.shapes, narrow_block, "NARROW_TILES", NARROW, args.rounds)
+    elif args.study == "launch":  # programmatic dependent launch on and off
+        rows = sweep_layer(args.shapes, launch, "DEPENDENT_LAUNCH", [True, False], args.rounds)
     elif args.study == "wide":
         rows = sweep_layer(args.shapes, linear, "SPLIT_TILES", WIDE, args.rounds)
     else:

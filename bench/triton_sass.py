@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from layerbench.backends.triton import attention, linear, narrow_block, norm
+from layerbench.backends.triton import attention, launch, linear, narrow_block, norm
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -75,13 +75,15 @@ def cases() -> list[Case]:
                {"qkv_ptr": "*fp16", "ctx_ptr": "*fp16", "ctx_lo_ptr": "*fp16",
                 "valid_ptr": "*u8", "key_end_ptr": "*i32", "S": "i32", "H": "i32", "D": "i32",
                 "qk_scale": "fp32", "HEAD_DIM": hd, "HEAD_PAD": hd, "HAS_VALID": True,
-                "SPLIT_OUT": True, "PRECISION": "fp16", "BLOCK_M": att[0], "BLOCK_N": att[1]},
+                "SPLIT_OUT": True, "PRECISION": "fp16", "BLOCK_M": att[0], "BLOCK_N": att[1],
+                "PDL": launch.DEPENDENT_LAUNCH},
                att[2], att[3], "MMA")
           for hd, shapes in ((64, "14"), (32, "1-4 apart"))),
         Case("norm_qkv d 128 (1-6, 9-13)", narrow_block.norm_qkv_kernel,
              {"x_ptr": "*fp32", "qkv_ptr": "*fp16", **_ptrs("n1_w n1_b bq_ptr", "fp32"),
               **_ptrs("wq_hi wq_lo", "fp16"), "M": "i32", "D": "i32", "eps": "fp32",
-              "D_PAD": 128, "BLOCK_M": 64, "PARTS": 3, "PRODUCTS": 3}, 4, 1,
+              "D_PAD": 128, "BLOCK_M": 64, "PARTS": 3, "PRODUCTS": 3,
+              "PDL": launch.DEPENDENT_LAUNCH}, 4, 1,
              "MMA"),
         *(Case(f"attention_ffn d 128, hd 32 (1, 6){label}", narrow_block.attention_ffn_kernel,
                {"qkv_ptr": "*fp16", "ctx_hi_ptr": "*fp16", "ctx_lo_ptr": "*fp16",
@@ -92,7 +94,8 @@ def cases() -> list[Case]:
                 "eps": "fp32", "H": 4, "HEAD_DIM": 32, "HEAD_PAD": 32, "D_PAD": 128, "F_PAD": 128,
                 "HAS_VALID": True, "FINAL": False, "ATT_PRECISION": "fp16",
                 "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "F_CHUNK": f_chunk,
-                "UNROLL_HEADS": unroll, "CTX_IN_MEMORY": apart}, tiles.warps, tiles.stages,
+                "UNROLL_HEADS": unroll, "CTX_IN_MEMORY": apart,
+                "PDL": launch.DEPENDENT_LAUNCH}, tiles.warps, tiles.stages,
                "MMA")
           for label, f_chunk, unroll, apart in (
               ("", tiles.ffn_chunk, tiles.unroll_heads, False),

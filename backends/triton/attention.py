@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import dependent_launch, start_after_previous
 from .precision import INTERPRETER, mma, pad16, store_rows
 
 
@@ -108,8 +109,9 @@ def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
 
 
 @triton.jit
-def key_extent_kernel(valid_ptr, key_end_ptr, S, BLOCK: tl.constexpr):
+def key_extent_kernel(valid_ptr, key_end_ptr, S, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """key_end[b] = the number of valid keys of sequence b if they form a prefix, else -1."""
+    start_after_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     count = tl.zeros([BLOCK], dtype=tl.int32)
     last = tl.full([BLOCK], -1, dtype=tl.int32)
@@ -127,10 +129,11 @@ def flash_attention_kernel(
     qkv_ptr, ctx_ptr, ctx_lo_ptr, valid_ptr, key_end_ptr, S, H, D, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
     SPLIT_OUT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """One block of BLOCK_M queries of one (sequence, head); the context is stored as is or
     as an fp16 (hi, lo) pair."""
+    start_after_previous(PDL)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -169,7 +172,8 @@ def softmax_scale(head_dim: int) -> float:
 def key_extent(valid: torch.Tensor, key_end: torch.Tensor) -> torch.Tensor:
     """key_end[B] (int32) from valid[B, S]: valid keys per sequence if a prefix, else -1."""
     batch, seq_len = valid.shape
-    key_extent_kernel[(batch,)](valid, key_end, seq_len, BLOCK=1024 if seq_len >= 1024 else 128)
+    key_extent_kernel[(batch,)](valid, key_end, seq_len, BLOCK=1024 if seq_len >= 1024 else 128,
+                                **dependent_launch())
     return key_end
 
 
@@ -194,6 +198,6 @@ def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, key_end=
         softmax_scale(head_dim),
         HEAD_DIM=head_dim, HEAD_PAD=pad, HAS_VALID=valid is not None,
         SPLIT_OUT=isinstance(ctx, tuple), PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **dependent_launch(),
     )
     return ctx

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .attention import attend_head, softmax_scale
+from .launch import dependent_launch, start_after_previous
 from .precision import INTERPRETER, gelu, mma_split, pad16, split_dot, split_halves
 
 MAX_WIDTH = 128  # widest padded d_model / ffn_dim a program holds
@@ -44,10 +45,11 @@ def _weight_tile(hi_ptr, lo_ptr, out_idx, out_ok, in_idx, in_ok, IN):
 @triton.jit
 def norm_qkv_kernel(x_ptr, qkv_ptr, n1_w, n1_b, wq_hi, wq_lo, bq_ptr, M, D, eps,
                     D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PARTS: tl.constexpr,
-                    PRODUCTS: tl.constexpr):
+                    PRODUCTS: tl.constexpr, PDL: tl.constexpr):
     """Q/K/V rows (fp16) of BLOCK_M tokens: each row is read, normed and split once per
     program; program_id(1) picks which PARTS of Q, K and V the program writes; PRODUCTS 3
     (fp16x3) or 1 (fp16 operands)."""
+    start_after_previous(PDL)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, D_PAD)
     col_ok = cols < D
@@ -92,9 +94,11 @@ def attention_ffn_kernel(
     F_PAD: tl.constexpr, HAS_VALID: tl.constexpr, FINAL: tl.constexpr,
     ATT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     F_CHUNK: tl.constexpr, UNROLL_HEADS: tl.constexpr, CTX_IN_MEMORY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """BLOCK_M query rows of sequence program_id(1): attention (or, CTX_IN_MEMORY, its output
     read as an fp16 pair), out_proj, FFN, residuals, and the final LayerNorm (FINAL)."""
+    start_after_previous(PDL)
     q_start = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
     offs_m = q_start + tl.arange(0, BLOCK_M)
@@ -209,7 +213,8 @@ def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
         raise ValueError(f"qkv_parts must be 0, 1 or 3, got {parts}")
     norm_qkv_kernel[(row_blocks, 3 // parts)](
         x, qkv, p.norm1_weight, p.norm1_bias, *w["qkv_weight"], p.qkv_bias, m, d, eps,
-        D_PAD=pad16(d), BLOCK_M=block_m, PARTS=parts, PRODUCTS=products, num_warps=4)
+        D_PAD=pad16(d), BLOCK_M=block_m, PARTS=parts, PRODUCTS=products, num_warps=4,
+        **dependent_launch())
     return qkv
 
 
@@ -241,7 +246,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
         HAS_VALID=valid is not None, FINAL=final is not None,
         ATT_PRECISION=precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         F_CHUNK=min(tiles.ffn_chunk, pad16(f)), UNROLL_HEADS=tiles.unroll_heads,
-        CTX_IN_MEMORY=ctx is not None,
+        CTX_IN_MEMORY=ctx is not None, **dependent_launch(),
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
