@@ -29,10 +29,8 @@ from layerbench.common.shapes import resolve_shapes
 from layerbench.common.timing import alternating_medians_ms
 
 _T = narrow_block.NarrowTiles
-NARROW = [_T(64, 64, 4, 3, 64, 3, False), _T(64, 64, 4, 3, 64, 1, False),
-          _T(64, 64, 4, 3, 64, 3, True), _T(64, 64, 4, 3, 64, 1, True),
-          _T(64, 64, 4, 3, 128, 3, False), _T(64, 64, 4, 2, 64, 3, False),
-          _T(64, 32, 4, 3, 64, 1, True)]
+NARROW = [_T(64, 64, 4, 3, 64, 3), _T(64, 64, 4, 3, 64, 1), _T(64, 64, 4, 3, 128, 3),
+          _T(64, 64, 4, 2, 64, 3), _T(64, 32, 4, 3, 64, 1)]
 WIDE = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 2), (256, 128, 64, 8, 2), (128, 128, 64, 4, 3),
         (128, 128, 32, 8, 4), (128, 256, 32, 8, 3)]
 ATTENTION = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3),

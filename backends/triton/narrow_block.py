@@ -85,7 +85,7 @@ def attention_ffn_kernel(
     H: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr,
     F_PAD: tl.constexpr, HAS_VALID: tl.constexpr, FINAL: tl.constexpr,
     ATT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    F_CHUNK: tl.constexpr, UNROLL_HEADS: tl.constexpr,
+    F_CHUNK: tl.constexpr,
 ):
     """BLOCK_M query rows of sequence program_id(1): attention, out_proj, FFN, residuals, and
     the final LayerNorm (FINAL)."""
@@ -98,16 +98,10 @@ def attention_ffn_kernel(
     col_ok = cols < D
 
     attn = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-    if UNROLL_HEADS:  # the heads' independent work can overlap
-        for h in tl.static_range(H):
-            attn = _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b,
-                                       h, S, D, q_start, qk_scale, cols, col_ok, HEAD_DIM,
-                                       HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
-    else:
-        for h in range(H):
-            attn = _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b,
-                                       h, S, D, q_start, qk_scale, cols, col_ok, HEAD_DIM,
-                                       HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
+    for h in range(H):
+        attn = _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b, h,
+                                   S, D, q_start, qk_scale, cols, col_ok, HEAD_DIM, HEAD_PAD,
+                                   HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
     attn += tl.load(bo_ptr + cols, mask=col_ok, other=0.0)[None, :]
 
     if HAS_VALID:
@@ -149,16 +143,15 @@ class NarrowTiles(NamedTuple):
     stages: int
     ffn_chunk: int  # hidden columns attention_ffn holds at once
     qkv_parts: int  # of Q, K, V per norm_qkv program: 3 (rows read once), 1, 0 = by grid size
-    unroll_heads: bool  # attention_ffn's head loop unrolled at compile time
 
 
-NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, False)  # bench/PERFORMANCE.md, #14, #19-20
+NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0)  # bench/PERFORMANCE.md, #14, #19-20
 
 
 def block_config() -> NarrowTiles:
     """The narrow plan's tile choices here (small tiles in the interpreter)."""
     if INTERPRETER:  # several FFN chunks and a split Q/K/V grid, so both paths run on CPU
-        return NarrowTiles(64, 64, 4, 1, 32, 1, False)
+        return NarrowTiles(64, 64, 4, 1, 32, 1)
     return NARROW_TILES
 
 
@@ -212,7 +205,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
         H=num_heads, HEAD_DIM=head_dim, HEAD_PAD=pad16(head_dim), D_PAD=pad16(d), F_PAD=pad16(f),
         HAS_VALID=valid is not None, FINAL=final is not None,
         ATT_PRECISION=precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        F_CHUNK=min(tiles.ffn_chunk, pad16(f)), UNROLL_HEADS=tiles.unroll_heads,
+        F_CHUNK=min(tiles.ffn_chunk, pad16(f)),
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
