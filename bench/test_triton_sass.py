@@ -15,7 +15,6 @@ TOOL = Path(__file__).with_name("triton_sass.py")
 # flash_attention at 4 warps, which still measured 39% faster than 8 warps there (#19).
 KNOWN_SPILLS = {"attention_ffn d 128, hd 32 (1, 6)",
                 "attention_ffn d 128, hd 32 (1, 6), FFN chunk 32",
-                "attention_ffn d 128, hd 32 (1, 6), heads unrolled",
                 "attention_ffn d 128, hd 32 (1, 6), attention apart",
                 "flash_attention hd 64 (14)"}
 

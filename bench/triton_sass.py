@@ -94,14 +94,11 @@ def cases() -> list[Case]:
                 "eps": "fp32", "H": 4, "HEAD_DIM": 32, "HEAD_PAD": 32, "D_PAD": 128, "F_PAD": 128,
                 "HAS_VALID": True, "FINAL": False, "ATT_PRECISION": "fp16",
                 "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "F_CHUNK": f_chunk,
-                "UNROLL_HEADS": unroll, "CTX_IN_MEMORY": apart,
-                "PDL": launch.DEPENDENT_LAUNCH}, tiles.warps, tiles.stages,
-               "MMA")
-          for label, f_chunk, unroll, apart in (
-              ("", tiles.ffn_chunk, tiles.unroll_heads, False),
-              (", FFN chunk 32", 32, False, False),
-              (", heads unrolled", tiles.ffn_chunk, True, False),
-              (", attention apart", tiles.ffn_chunk, False, True))),
+                "CTX_IN_MEMORY": apart, "PDL": launch.DEPENDENT_LAUNCH},
+               tiles.warps, tiles.stages, "MMA")
+          for label, f_chunk, apart in (("", tiles.ffn_chunk, False),
+                                        (", FFN chunk 32", 32, False),
+                                        (", attention apart", tiles.ffn_chunk, True))),
         Case("layer_norm pair d 1024 (8, 14)", norm.layer_norm_kernel,
              {"x_ptr": "*fp32", "out_ptr": "*fp16", "out_lo_ptr": "*fp16", "w_ptr": "*fp32",
               "b_ptr": "*fp32", "valid_ptr": "*u8", "M": "i32", "D": "i32", "eps": "fp32",

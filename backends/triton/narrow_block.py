@@ -93,8 +93,7 @@ def attention_ffn_kernel(
     H: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr,
     F_PAD: tl.constexpr, HAS_VALID: tl.constexpr, FINAL: tl.constexpr,
     ATT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    F_CHUNK: tl.constexpr, UNROLL_HEADS: tl.constexpr, CTX_IN_MEMORY: tl.constexpr,
-    PDL: tl.constexpr,
+    F_CHUNK: tl.constexpr, CTX_IN_MEMORY: tl.constexpr, PDL: tl.constexpr,
 ):
     """BLOCK_M query rows of sequence program_id(1): attention (or, CTX_IN_MEMORY, its output
     read as an fp16 pair), out_proj, FFN, residuals, and the final LayerNorm (FINAL)."""
@@ -115,11 +114,6 @@ def attention_ffn_kernel(
         w_hi, w_lo = _weight_tile(wo_hi, wo_lo, cols, col_ok, cols, col_ok, D)
         attn = split_dot(tl.load(ctx_hi_ptr + offsets, mask=row_ok, other=0.0),
                          tl.load(ctx_lo_ptr + offsets, mask=row_ok, other=0.0), w_hi, w_lo, attn)
-    elif UNROLL_HEADS:  # the heads' independent work can overlap
-        for h in tl.static_range(H):
-            attn = _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b,
-                                       h, S, D, q_start, qk_scale, cols, col_ok, HEAD_DIM,
-                                       HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
     else:
         for h in range(H):
             attn = _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b,
@@ -164,7 +158,6 @@ class NarrowTiles(NamedTuple):
     stages: int
     ffn_chunk: int  # hidden columns attention_ffn holds at once
     qkv_parts: int  # of Q, K, V per norm_qkv program: 3 (rows read once), 1, 0 = by grid size
-    unroll_heads: bool  # attention_ffn's head loop unrolled at compile time
     heads_apart: bool | None  # attention in its own kernel, a program per (block, head);
     # None: when the batch has at most HEADS_APART_BLOCKS query blocks
 
@@ -172,13 +165,13 @@ class NarrowTiles(NamedTuple):
 HEADS_APART_BLOCKS = 128  # bench/PERFORMANCE.md, #25
 
 
-NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, False, None)  # bench/PERFORMANCE.md, #14, #19-20
+NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, None)  # bench/PERFORMANCE.md, #14, #19-20
 
 
 def block_config() -> NarrowTiles:
     """The narrow plan's tile choices here (small tiles in the interpreter)."""
     if INTERPRETER:  # several FFN chunks and a split Q/K/V grid, so both paths run on CPU
-        return NarrowTiles(64, 64, 4, 1, 32, 1, False, None)
+        return NarrowTiles(64, 64, 4, 1, 32, 1, None)
     return NARROW_TILES
 
 
@@ -245,7 +238,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
         H=num_heads, HEAD_DIM=head_dim, HEAD_PAD=pad16(head_dim), D_PAD=pad16(d), F_PAD=pad16(f),
         HAS_VALID=valid is not None, FINAL=final is not None,
         ATT_PRECISION=precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        F_CHUNK=min(tiles.ffn_chunk, pad16(f)), UNROLL_HEADS=tiles.unroll_heads,
+        F_CHUNK=min(tiles.ffn_chunk, pad16(f)),
         CTX_IN_MEMORY=ctx is not None, **dependent_launch(),
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
