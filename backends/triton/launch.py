@@ -23,7 +23,7 @@ def _available() -> bool:
             and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
 
 
-DEPENDENT_LAUNCH = not INTERPRETER and _available()  # bench/PERFORMANCE.md, #27
+DEPENDENT_LAUNCH = False  # slower on the H200: bench/PERFORMANCE.md, #27
 
 
 @triton.jit

@@ -52,7 +52,7 @@ class Precision:
         return torch.float16 if self.linear in ("fp16", "fp16x3") else torch.float32
 
 
-DEFAULT_PRECISION = Precision()
+DEFAULT_PRECISION = Precision(qkv="fp16")  # bench/PERFORMANCE.md, #26
 MAX_GRID_Y = 65535
 
 
