@@ -16,6 +16,8 @@ TOOL = Path(__file__).with_name("triton_sass.py")
 KNOWN_SPILLS = {"attention_ffn d 128, hd 32 (1, 6)",
                 "attention_ffn d 128, hd 32 (1, 6), FFN chunk 32",
                 "attention_ffn d 128, hd 32 (1, 6), attention apart",
+                "attention_ffn d 128, hd 32 (1, 6), attention apart, 32 rows",
+                "attention_ffn d 128, hd 32 (1, 6), attention apart, 16 rows",
                 "flash_attention hd 64 (14)"}
 
 

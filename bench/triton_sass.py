@@ -56,7 +56,6 @@ def cases() -> list[Case]:
                     "bias_ptr": "*fp32", "res_ptr": "*fp32", "valid_ptr": "*u8",
                     "M": "i32", "N": "i32", "K": "i32", "GROUP_M": 8, "PRODUCTS": 3,
                     "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
-    att = attention.attention_config(64, "fp16")
     tiles = narrow_block.block_config()
     return [
         Case("split_linear residual (8, 14)", linear.split_linear_kernel,
@@ -78,7 +77,9 @@ def cases() -> list[Case]:
                 "SPLIT_OUT": True, "PRECISION": "fp16", "BLOCK_M": att[0], "BLOCK_N": att[1],
                 "PDL": launch.DEPENDENT_LAUNCH},
                att[2], att[3], "MMA")
-          for hd, shapes in ((64, "14"), (32, "1-4 apart"))),
+          for hd, shapes, att in ((64, "14", attention.attention_config(64, "fp16")),
+                                  (32, "1-4 apart", attention.attention_config(32, "fp16")),
+                                  (32, "1-4 apart, 16 rows", (16, 16, 4, 3)))),
         Case("norm_qkv d 128 (1-6, 9-13)", narrow_block.norm_qkv_kernel,
              {"x_ptr": "*fp32", "qkv_ptr": "*fp16", **_ptrs("n1_w n1_b bq_ptr", "fp32"),
               **_ptrs("wq_hi wq_lo", "fp16"), "M": "i32", "D": "i32", "eps": "fp32",
@@ -93,12 +94,15 @@ def cases() -> list[Case]:
                 "S": "i32", "D": "i32", "F": "i32", "qk_scale": "fp32",
                 "eps": "fp32", "H": 4, "HEAD_DIM": 32, "HEAD_PAD": 32, "D_PAD": 128, "F_PAD": 128,
                 "HAS_VALID": True, "FINAL": False, "ATT_PRECISION": "fp16",
-                "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "F_CHUNK": f_chunk,
+                "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "F_CHUNK": f_chunk,
                 "CTX_IN_MEMORY": apart, "PDL": launch.DEPENDENT_LAUNCH},
                tiles.warps, tiles.stages, "MMA")
-          for label, f_chunk, apart in (("", tiles.ffn_chunk, False),
-                                        (", FFN chunk 32", 32, False),
-                                        (", attention apart", tiles.ffn_chunk, True))),
+          for label, f_chunk, apart, block_m in (
+              ("", tiles.ffn_chunk, False, tiles.block_m),
+              (", FFN chunk 32", 32, False, tiles.block_m),
+              (", attention apart", tiles.ffn_chunk, True, tiles.block_m),
+              (", attention apart, 32 rows", tiles.ffn_chunk, True, 32),
+              (", attention apart, 16 rows", tiles.ffn_chunk, True, 16))),
         Case("layer_norm pair d 1024 (8, 14)", norm.layer_norm_kernel,
              {"x_ptr": "*fp32", "out_ptr": "*fp16", "out_lo_ptr": "*fp16", "w_ptr": "*fp32",
               "b_ptr": "*fp32", "valid_ptr": "*u8", "M": "i32", "D": "i32", "eps": "fp32",

@@ -42,13 +42,16 @@ def test_precision_mode_passes(triton_backend_class, linear, attention, device):
     assert report.passed, report.summary()
 
 
-@pytest.mark.parametrize("apart", [False, True], ids=["heads-in-one-program", "heads-apart"])
-def test_narrow_plan_attention_layouts(triton_backend_class, apart, device, monkeypatch):
-    """Attention inside attention_ffn, or apart with a program per (block, head): both pass."""
+@pytest.mark.parametrize("apart, apart_rows", [(False, 0), (True, 0), (True, 16)],
+                         ids=["heads-in-one-program", "heads-apart", "heads-apart-16-rows"])
+def test_narrow_plan_attention_layouts(triton_backend_class, apart, apart_rows, device,
+                                       monkeypatch):
+    """Attention inside attention_ffn, or apart with a program per (block, head) at the
+    default or at 16 rows per program: all pass."""
     from layerbench.backends.triton import narrow_block
     from layerbench.backends.triton.layer import Precision, workspace
 
-    tiles = narrow_block.block_config()._replace(heads_apart=apart)
+    tiles = narrow_block.block_config()._replace(heads_apart=apart, apart_rows=apart_rows)
     monkeypatch.setattr(narrow_block, "block_config", lambda: tiles)
     shape = CI[11]  # 16 heads of 8
     prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=0, device=device)

@@ -160,12 +160,14 @@ class NarrowTiles(NamedTuple):
     qkv_parts: int  # of Q, K, V per norm_qkv program: 3 (rows read once), 1, 0 = by grid size
     heads_apart: bool | None  # attention in its own kernel, a program per (block, head);
     # None: when the batch has at most HEADS_APART_BLOCKS query blocks
+    apart_rows: int = 0  # rows per program of all three kernels when attention runs apart;
+    # 0: norm_qkv and attention_ffn take 64 and block_m rows, attention its own tiles
 
 
 HEADS_APART_BLOCKS = 128  # bench/PERFORMANCE.md, #25
 
 
-NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, None)  # bench/PERFORMANCE.md, #14, #19-20
+NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, None, 32)  # bench/PERFORMANCE.md, #14, #19-20, #28
 
 
 def block_config() -> NarrowTiles:
@@ -183,6 +185,15 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def apart_attention_tiles() -> tuple[int, int, int, int] | None:
+    """flash_attention's (BLOCK_M, BLOCK_N, warps, stages) when the narrow plan runs it apart
+    (None: attention's own choice)."""
+    tiles = block_config()
+    if not tiles.apart_rows:
+        return None
+    return tiles.apart_rows, min(tiles.apart_rows, tiles.block_n), tiles.warps, tiles.stages
+
+
 def heads_apart(config) -> bool:
     """Whether the narrow plan runs attention in its own kernel, a program per query block
     and head (more programs for a small batch), with out_proj and the FFN in attention_ffn."""
@@ -193,11 +204,11 @@ def heads_apart(config) -> bool:
 
 
 def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
-             config: NarrowTiles | None = None, products: int = 3) -> torch.Tensor:
-    """qkv[M, 3D] = LN1(x) @ Wqkv^T + b, one program per block of whole rows and parts, in
+             config: NarrowTiles | None = None, products: int = 3,
+             block_m: int = 64) -> torch.Tensor:
+    """qkv[M, 3D] = LN1(x) @ Wqkv^T + b, one program per block_m whole rows and parts, in
     three fp16 products (fp16x3) or one (fp16 operands)."""
     m, d = x.shape
-    block_m = 64
     row_blocks = triton.cdiv(m, block_m)
     parts = (config or block_config()).qkv_parts
     if parts == 0:  # a grid that leaves most of the GPU idle gets a program per Q, K, V part
@@ -225,10 +236,11 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
     f = p.ffn_in_bias.shape[0]
     head_dim = d // num_heads
     tiles = config or block_config()
-    if tiles.block_m % tiles.block_n:
+    block_m = tiles.apart_rows if ctx is not None and tiles.apart_rows else tiles.block_m
+    if ctx is None and tiles.block_m % tiles.block_n:
         raise ValueError(f"block_m {tiles.block_m} must be a multiple of block_n {tiles.block_n}")
     fn_w, fn_b = final if final is not None else (p.out_bias, p.out_bias)
-    grid = (triton.cdiv(seq_len, tiles.block_m), batch)
+    grid = (triton.cdiv(seq_len, block_m), batch)
     attention_ffn_kernel[grid](
         qkv, *(ctx or (qkv, qkv)), x, out, valid if valid is not None else qkv,
         key_end if valid is not None else qkv,
@@ -237,7 +249,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
         seq_len, d, f, softmax_scale(head_dim), eps,
         H=num_heads, HEAD_DIM=head_dim, HEAD_PAD=pad16(head_dim), D_PAD=pad16(d), F_PAD=pad16(f),
         HAS_VALID=valid is not None, FINAL=final is not None,
-        ATT_PRECISION=precision, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        ATT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         F_CHUNK=min(tiles.ffn_chunk, pad16(f)),
         CTX_IN_MEMORY=ctx is not None, **dependent_launch(),
         num_warps=tiles.warps, num_stages=tiles.stages,
