@@ -12,8 +12,8 @@ from layerbench.common.params import pack_params, param_bytes
 
 from .attention import flash_attention, key_extent
 from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear, split_linear
-from .narrow_block import (apart_attention_tiles, attention_ffn, block_config, fits, heads_apart,
-                           norm_qkv)
+from .narrow_block import (apart_attention_tiles, attention_ffn, fits, heads_apart, norm_qkv,
+                           rows_apart)
 from .norm import layer_norm
 from .precision import split_fp16
 
@@ -151,18 +151,18 @@ class TritonLayer(BuiltLayer):
         heads = self.config.num_heads
         src = x2
         last = len(self.params.layers) - 1
-        rows = (ctx is not None and block_config().apart_rows) or 64
+        rows = rows_apart(batch * s, x2.device) if ctx is not None else 64
         for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
             norm_qkv(src, qkv, p, w, products=self.precision.qkv_products, block_m=rows)
             if ctx is not None:
                 flash_attention(qkv, ctx, valid, key_end, batch=batch, seq_len=s,
                                 num_heads=heads, precision=self.precision.attention,
-                                config=apart_attention_tiles())
+                                config=apart_attention_tiles(rows))
             attention_ffn(
                 qkv, src, out2 if i == last else res, valid_rows, key_end, p, w,
                 final=(self.params.final_weight, self.params.final_bias) if i == last else None,
                 batch=batch, seq_len=s, num_heads=heads, precision=self.precision.attention,
-                ctx=ctx)
+                ctx=ctx, block_m=rows)
             src = res
 
     def _run_wide(self, x2, masks, out2, batch, s, work):

@@ -161,13 +161,13 @@ class NarrowTiles(NamedTuple):
     heads_apart: bool | None  # attention in its own kernel, a program per (block, head);
     # None: when the batch has at most HEADS_APART_BLOCKS query blocks
     apart_rows: int = 0  # rows per program of all three kernels when attention runs apart;
-    # 0: norm_qkv and attention_ffn take 64 and block_m rows, attention its own tiles
+    # 0: by grid size (rows_apart)
 
 
 HEADS_APART_BLOCKS = 128  # bench/PERFORMANCE.md, #25
 
 
-NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, None, 32)  # bench/PERFORMANCE.md, #14, #19-20, #28
+NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, None, 0)  # bench/PERFORMANCE.md, #14, #19-20, #28
 
 
 def block_config() -> NarrowTiles:
@@ -185,13 +185,21 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def apart_attention_tiles() -> tuple[int, int, int, int] | None:
-    """flash_attention's (BLOCK_M, BLOCK_N, warps, stages) when the narrow plan runs it apart
-    (None: attention's own choice)."""
+def rows_apart(rows: int, device: torch.device) -> int:
+    """Rows per program of the three kernels when attention runs apart: the tiles' apart_rows,
+    or the fewest of 16 and 32 that keep the grid within one program per multiprocessor
+    (else 64)."""
+    chosen = block_config().apart_rows
+    if chosen:
+        return chosen
+    sms = _multiprocessors(device)
+    return next((r for r in (16, 32) if triton.cdiv(rows, r) <= sms), 64)
+
+
+def apart_attention_tiles(rows: int) -> tuple[int, int, int, int]:
+    """flash_attention's (BLOCK_M, BLOCK_N, warps, stages) when it runs apart, rows per program."""
     tiles = block_config()
-    if not tiles.apart_rows:
-        return None
-    return tiles.apart_rows, min(tiles.apart_rows, tiles.block_n), tiles.warps, tiles.stages
+    return rows, min(rows, tiles.block_n), tiles.warps, tiles.stages
 
 
 def heads_apart(config) -> bool:
@@ -224,19 +232,20 @@ def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
 
 def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, key_end, p, w,
                   *, final=None, batch: int, seq_len: int, num_heads: int,
-                  precision: str, eps: float = 1e-5, config=None, ctx=None) -> torch.Tensor:
+                  precision: str, eps: float = 1e-5, config=None, ctx=None,
+                  block_m: int | None = None) -> torch.Tensor:
     """out = the block's output rows from its qkv and input rows x (x and out may alias).
 
     valid is the flat [B*S] mask or None, key_end its key_extent; p holds the layer's fp32
     parameters, w its (hi, lo) weights; final is (weight, bias) of the final LayerNorm to
     apply after this block; ctx, an fp16 (hi, lo) pair, is attention's output when it ran
-    apart (then qkv is not read).
+    apart (then qkv is not read, and block_m, if given, sets the rows per program).
     """
     d = x.shape[1]
     f = p.ffn_in_bias.shape[0]
     head_dim = d // num_heads
     tiles = config or block_config()
-    block_m = tiles.apart_rows if ctx is not None and tiles.apart_rows else tiles.block_m
+    block_m = block_m if ctx is not None and block_m else tiles.block_m
     if ctx is None and tiles.block_m % tiles.block_n:
         raise ValueError(f"block_m {tiles.block_m} must be a multiple of block_n {tiles.block_n}")
     fn_w, fn_b = final if final is not None else (p.out_bias, p.out_bias)
