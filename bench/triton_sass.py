@@ -74,12 +74,14 @@ def cases() -> list[Case]:
                {"qkv_ptr": "*fp16", "ctx_ptr": "*fp16", "ctx_lo_ptr": "*fp16",
                 "valid_ptr": "*u8", "key_end_ptr": "*i32", "S": "i32", "H": "i32", "D": "i32",
                 "qk_scale": "fp32", "HEAD_DIM": hd, "HEAD_PAD": hd, "HAS_VALID": True,
-                "SPLIT_OUT": True, "PRECISION": "fp16", "BLOCK_M": att[0], "BLOCK_N": att[1],
-                "PDL": launch.DEPENDENT_LAUNCH},
-               att[2], att[3], "MMA")
-          for hd, shapes, att in ((64, "14", attention.attention_config(64, "fp16")),
-                                  (32, "1-4 apart", attention.attention_config(32, "fp16")),
-                                  (32, "1-4 apart, 16 rows", (16, 16, 4, 3)))),
+                "SPLIT_OUT": True, "PRECISION": "fp16", "BLOCK_M": att.block_m,
+                "BLOCK_N": att.block_n, "PDL": launch.DEPENDENT_LAUNCH, "HALVES": att.halves},
+               att.warps, att.stages, "MMA")
+          for hd, shapes, att in (
+              (64, "14", attention.AttentionTiles(*attention.attention_config(64, "fp16"))),
+              (64, "14, two halves", attention.AttentionTiles(128, 64, 4, 3, True)),
+              (32, "1-4 apart", attention.AttentionTiles(*attention.attention_config(32, "fp16"))),
+              (32, "1-4 apart, 16 rows", attention.AttentionTiles(16, 16, 4, 3)))),
         Case("norm_qkv d 128 (1-6, 9-13)", narrow_block.norm_qkv_kernel,
              {"x_ptr": "*fp32", "qkv_ptr": "*fp16", **_ptrs("n1_w n1_b bq_ptr", "fp32"),
               **_ptrs("wq_hi wq_lo", "fp16"), "M": "i32", "D": "i32", "eps": "fp32",

@@ -93,3 +93,25 @@ def test_batch_chunks_respect_the_attention_grid(triton_backend_class, device):
     layer = triton_backend_class().build(cfg, make_reference(cfg).state_dict(), device=device)
     chunk = layer._sequences_per_chunk(cfg.batch_size, cfg.seq_len)
     assert 1 <= chunk and chunk * cfg.num_heads <= MAX_GRID_Y
+
+
+@pytest.mark.parametrize("mask", ["prefix", "hole"])
+def test_attention_in_two_halves_passes(triton_backend_class, mask, device, monkeypatch):
+    """flash_attention with two pipelined query halves (16 rows each, 16-key blocks, so the
+    pipelined loop runs several steps) keeps the contract, with a prefix and a holed mask."""
+    from layerbench.backends.triton import attention
+
+    tiles = attention.AttentionTiles(32, 16, 4, 1, True)
+    monkeypatch.setattr(attention, "attention_config", lambda head_pad, precision: tiles)
+    shape = CI[14]  # head dim 64, 100 tokens: up to 6 pipelined key steps per query block
+    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=0, device=device)
+    x, valid = prepared.x, prepared.mask.clone()
+    if mask == "hole":  # not a prefix: every key block loads the mask
+        valid[:, 5] = False
+    layer = triton_backend_class().build(shape.config, prepared.model.state_dict(),
+                                         device=device)
+    with torch.no_grad():
+        out = layer(x, valid)
+    expected = reference_forward(prepared.model.to(device), x, valid)
+    report = compare(out, expected)
+    assert report.passed, report.summary()
