@@ -51,9 +51,9 @@ def mma_split(a, b_hi, b_lo, acc):
 def store_rows(ptr, lo_ptr, offsets, x, mask, SPLIT: tl.constexpr):
     """Store x at ptr in ptr's dtype, or (SPLIT) its fp16 (hi, lo) parts at ptr and lo_ptr."""
     if SPLIT:
-        hi = x.to(tl.float16)
+        hi, lo = split_halves(x)
         tl.store(ptr + offsets, hi, mask=mask)
-        tl.store(lo_ptr + offsets, (x - hi.to(tl.float32)).to(tl.float16), mask=mask)
+        tl.store(lo_ptr + offsets, lo, mask=mask)
     else:
         tl.store(ptr + offsets, x.to(ptr.dtype.element_ty), mask=mask)
 
