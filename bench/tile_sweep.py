@@ -189,6 +189,9 @@ def main() -> int:
     elif args.study == "narrow":
         rows = sweep_layer(args.shapes, narrow_block, "NARROW_TILES", NARROW, args.rounds)
     elif args.study == "launch":  # programmatic dependent launch on and off
+        if not launch.AVAILABLE:
+            print("this Triton cannot launch kernels as programmatic dependents", file=sys.stderr)
+            return 2
         rows = sweep_layer(args.shapes, launch, "DEPENDENT_LAUNCH", [True, False], args.rounds)
     elif args.study == "wide":
         rows = sweep_layer(args.shapes, linear, "SPLIT_TILES", WIDE, args.rounds)

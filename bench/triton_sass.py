@@ -75,7 +75,8 @@ def cases() -> list[Case]:
                 "valid_ptr": "*u8", "key_end_ptr": "*i32", "S": "i32", "H": "i32", "D": "i32",
                 "qk_scale": "fp32", "HEAD_DIM": hd, "HEAD_PAD": hd, "HAS_VALID": True,
                 "SPLIT_OUT": True, "PRECISION": "fp16", "BLOCK_M": att.block_m,
-                "BLOCK_N": att.block_n, "PDL": launch.DEPENDENT_LAUNCH, "HALVES": att.halves},
+                "BLOCK_N": att.block_n, "PDL": launch.dependent_launch()["PDL"],
+                "HALVES": att.halves},
                att.warps, att.stages, "MMA")
           for hd, shapes, att in (
               (64, "14", attention.AttentionTiles(*attention.attention_config(64, "fp16"))),
@@ -86,7 +87,7 @@ def cases() -> list[Case]:
              {"x_ptr": "*fp32", "qkv_ptr": "*fp16", **_ptrs("n1_w n1_b bq_ptr", "fp32"),
               **_ptrs("wq_hi wq_lo", "fp16"), "M": "i32", "D": "i32", "eps": "fp32",
               "D_PAD": 128, "BLOCK_M": 64, "PARTS": 3, "PRODUCTS": 3,
-              "PDL": launch.DEPENDENT_LAUNCH}, 4, 1,
+              "PDL": launch.dependent_launch()["PDL"]}, 4, 1,
              "MMA"),
         *(Case(f"attention_ffn d 128, hd 32 (1, 6){label}", narrow_block.attention_ffn_kernel,
                {"qkv_ptr": "*fp16", "ctx_hi_ptr": "*fp16", "ctx_lo_ptr": "*fp16",
@@ -97,7 +98,7 @@ def cases() -> list[Case]:
                 "eps": "fp32", "H": 4, "HEAD_DIM": 32, "HEAD_PAD": 32, "D_PAD": 128, "F_PAD": 128,
                 "HAS_VALID": True, "FINAL": False, "ATT_PRECISION": "fp16",
                 "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "F_CHUNK": f_chunk,
-                "CTX_IN_MEMORY": apart, "PDL": launch.DEPENDENT_LAUNCH},
+                "CTX_IN_MEMORY": apart, "PDL": launch.dependent_launch()["PDL"]},
                tiles.warps, tiles.stages, "MMA")
           for label, f_chunk, apart, block_m in (
               ("", tiles.ffn_chunk, False, tiles.block_m),

@@ -23,7 +23,8 @@ def _available() -> bool:
             and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents"))
 
 
-DEPENDENT_LAUNCH = False  # slower on the H200: bench/PERFORMANCE.md, #27
+AVAILABLE = not INTERPRETER and _available()
+DEPENDENT_LAUNCH = False  # slower on the H200 (bench/PERFORMANCE.md, #27); used where AVAILABLE
 
 
 @triton.jit
@@ -36,6 +37,6 @@ def start_after_previous(PDL: tl.constexpr):
 
 def dependent_launch() -> dict:
     """Keyword arguments of a kernel launch: its PDL flag and, when on, the launch option."""
-    if DEPENDENT_LAUNCH:
+    if DEPENDENT_LAUNCH and AVAILABLE:
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
