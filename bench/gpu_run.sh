@@ -4,9 +4,11 @@
 # run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
-#   bash bench/gpu_run.sh [all|conformance|bench|collect]
+#   bash bench/gpu_run.sh [all|conformance|bench|collect|study]
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
-# KEXPR is a pytest -k expression; EXTRA adds more pytest arguments.
+#   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
+# KEXPR is a pytest -k expression; EXTRA adds more pytest arguments; STUDIES holds
+# ';'-separated arguments of bench/tile_sweep.py (rows to $OUT/study-N.json, log study.log).
 set -uo pipefail
 stage=${1:-all}
 OUT=${OUT:-out/gpu}
@@ -33,6 +35,16 @@ if [[ $stage == all || $stage == bench ]]; then
         --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds \
         --benchmark-sort=fullname ${KEXPR:+-k "$KEXPR"} $EXTRA 2>&1 | tee -a "$OUT/bench.log"
     status=$((status | ${PIPESTATUS[0]}))
+fi
+if [[ $stage == study ]]; then
+    IFS=';' read -ra studies <<< "${STUDIES:-}"
+    n=0
+    for study in "${studies[@]}"; do
+        n=$((n + 1))
+        # shellcheck disable=SC2086  # each study is a list of arguments
+        python3 bench/tile_sweep.py $study --out "$OUT/study-$n.json" 2>&1 | tee -a "$OUT/study.log"
+        status=$((status | ${PIPESTATUS[0]}))
+    done
 fi
 if [[ $stage == all || $stage == collect ]] && [[ -f $OUT/conformance.jsonl && -f $OUT/bench.json ]]; then
     # Keep this run's raw files next to the results, then rebuild them from every kept run.
