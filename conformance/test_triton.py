@@ -93,3 +93,18 @@ def test_batch_chunks_respect_the_attention_grid(triton_backend_class, device):
     layer = triton_backend_class().build(cfg, make_reference(cfg).state_dict(), device=device)
     chunk = layer._sequences_per_chunk(cfg.batch_size, cfg.seq_len)
     assert 1 <= chunk and chunk * cfg.num_heads <= MAX_GRID_Y
+
+
+def test_rows_per_program_when_attention_runs_apart(triton_backend_class, monkeypatch):
+    """16 or 32 rows while the grid stays within one program per SM, else 64; a set
+    apart_rows wins."""
+    from layerbench.backends.triton import narrow_block
+
+    monkeypatch.setattr(narrow_block, "_multiprocessors", lambda device: 132)
+    tiles = narrow_block.NARROW_TILES._replace(apart_rows=0)
+    monkeypatch.setattr(narrow_block, "block_config", lambda: tiles)
+    cuda = torch.device("cuda")
+    chosen = {rows: narrow_block.rows_apart(rows, cuda) for rows in (128, 2048, 4096, 8192)}
+    assert chosen == {128: 16, 2048: 16, 4096: 32, 8192: 64}
+    tiles = tiles._replace(apart_rows=32)
+    assert narrow_block.rows_apart(128, cuda) == 32
