@@ -115,3 +115,18 @@ def test_attention_in_two_halves_passes(triton_backend_class, mask, device, monk
     expected = reference_forward(prepared.model.to(device), x, valid)
     report = compare(out, expected)
     assert report.passed, report.summary()
+
+
+def test_rows_per_program_when_attention_runs_apart(triton_backend_class, monkeypatch):
+    """16 or 32 rows while the grid stays within one program per SM, else 64; a set
+    apart_rows wins."""
+    from layerbench.backends.triton import narrow_block
+
+    monkeypatch.setattr(narrow_block, "_multiprocessors", lambda device: 132)
+    tiles = narrow_block.NARROW_TILES._replace(apart_rows=0)
+    monkeypatch.setattr(narrow_block, "block_config", lambda: tiles)
+    cuda = torch.device("cuda")
+    chosen = {rows: narrow_block.rows_apart(rows, cuda) for rows in (128, 2048, 4096, 8192)}
+    assert chosen == {128: 16, 2048: 16, 4096: 32, 8192: 64}
+    tiles = tiles._replace(apart_rows=32)
+    assert narrow_block.rows_apart(128, cuda) == 32
