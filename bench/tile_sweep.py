@@ -76,7 +76,7 @@ def _time_candidates(candidates, run, expected, rounds, label=""):
 
 
 def sweep_layer(shapes, module, attr, candidates, rounds):
-    """Time the eager forward with module.attr set to each candidate; rows of results."""
+    """Time the forward (graph replay) with module.attr set to each candidate; result rows."""
     rows = []
     default = getattr(module, attr)
     for shape in resolve_shapes(shapes):

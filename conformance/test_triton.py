@@ -23,23 +23,35 @@ def triton_backend_class():
     return TritonBackend
 
 
+def _prepare(shape, device):
+    """The case's model and inputs (padding 0.25, so the mask has invalid keys)."""
+    return runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=0, device=device)
+
+
+def _assert_keeps_contract(layer, prepared, device, mask=None):
+    """Run layer on the prepared inputs (with mask instead of theirs, if given) and assert its
+    output keeps the contract against the reference."""
+    mask = prepared.mask if mask is None else mask
+    with torch.no_grad():
+        out = layer(prepared.x, mask)
+    expected = reference_forward(prepared.model.to(device), prepared.x, mask)
+    report = compare(out, expected)
+    assert report.passed, report.summary()
+
+
 @pytest.mark.parametrize("linear,attention", MODES, ids=[f"{a}-{b}" for a, b in MODES])
 def test_precision_mode_passes(triton_backend_class, linear, attention, device):
     """Each (linear, attention) precision pair computes the stack within the contract."""
     from layerbench.backends.triton.layer import Precision
 
     shape = CI[2]
-    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=0, device=device)
+    prepared = _prepare(shape, device)
     backend = triton_backend_class(Precision(linear, attention))
     try:
         layer = backend.build(shape.config, prepared.model.state_dict(), device=device)
     except Unsupported as exc:
         pytest.skip(str(exc))
-    with torch.no_grad():
-        out = layer(prepared.x, prepared.mask)
-    expected = reference_forward(prepared.model.to(device), prepared.x, prepared.mask)
-    report = compare(out, expected)
-    assert report.passed, report.summary()
+    _assert_keeps_contract(layer, prepared, device)
 
 
 @pytest.mark.parametrize("apart, apart_rows", [(False, 0), (True, 0), (True, 16)],
@@ -54,15 +66,11 @@ def test_narrow_plan_attention_layouts(triton_backend_class, apart, apart_rows, 
     tiles = narrow_block.block_config()._replace(heads_apart=apart, apart_rows=apart_rows)
     monkeypatch.setattr(narrow_block, "block_config", lambda: tiles)
     shape = CI[11]  # 16 heads of 8
-    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=0, device=device)
+    prepared = _prepare(shape, device)
     layer = triton_backend_class().build(shape.config, prepared.model.state_dict(),
                                          device=device)
     assert ("ctx_hi" in workspace(shape.config, Precision())) == apart
-    with torch.no_grad():
-        out = layer(prepared.x, prepared.mask)
-    expected = reference_forward(prepared.model.to(device), prepared.x, prepared.mask)
-    report = compare(out, expected)
-    assert report.passed, report.summary()
+    _assert_keeps_contract(layer, prepared, device)
 
 
 @pytest.mark.parametrize("number", [1, 8], ids=["narrow", "wide"])
@@ -73,14 +81,10 @@ def test_qkv_in_fp16_passes(triton_backend_class, number, device):
     shape = CI[number]
     precision = Precision("fp16x3", "fp16", qkv="fp16")
     assert plan(shape.config, precision) == ("narrow" if number == 1 else "wide")
-    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=0, device=device)
+    prepared = _prepare(shape, device)
     layer = triton_backend_class(precision).build(shape.config, prepared.model.state_dict(),
                                                   device=device)
-    with torch.no_grad():
-        out = layer(prepared.x, prepared.mask)
-    expected = reference_forward(prepared.model.to(device), prepared.x, prepared.mask)
-    report = compare(out, expected)
-    assert report.passed, report.summary()
+    _assert_keeps_contract(layer, prepared, device)
 
 
 def test_batch_chunks_respect_the_attention_grid(triton_backend_class, device):
@@ -123,10 +127,11 @@ def test_rows_per_program_when_attention_runs_apart(triton_backend_class, monkey
     from layerbench.backends.triton import narrow_block
 
     monkeypatch.setattr(narrow_block, "_multiprocessors", lambda device: 132)
-    tiles = narrow_block.NARROW_TILES._replace(apart_rows=0)
-    monkeypatch.setattr(narrow_block, "block_config", lambda: tiles)
+    by_grid = narrow_block.NARROW_TILES._replace(apart_rows=0)
+    monkeypatch.setattr(narrow_block, "block_config", lambda: by_grid)
     cuda = torch.device("cuda")
     chosen = {rows: narrow_block.rows_apart(rows, cuda) for rows in (128, 2048, 4096, 8192)}
     assert chosen == {128: 16, 2048: 16, 4096: 32, 8192: 64}
-    tiles = tiles._replace(apart_rows=32)
+    set_rows = by_grid._replace(apart_rows=32)
+    monkeypatch.setattr(narrow_block, "block_config", lambda: set_rows)
     assert narrow_block.rows_apart(128, cuda) == 32
