@@ -108,17 +108,13 @@ def test_attention_in_two_halves_passes(triton_backend_class, mask, device, monk
     tiles = attention.AttentionTiles(32, 16, 4, 1, True)
     monkeypatch.setattr(attention, "attention_config", lambda head_pad, precision: tiles)
     shape = CI[14]  # head dim 64, 100 tokens: up to 6 pipelined key steps per query block
-    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=0, device=device)
-    x, valid = prepared.x, prepared.mask.clone()
+    prepared = _prepare(shape, device)
+    valid = prepared.mask.clone()
     if mask == "hole":  # not a prefix: every key block loads the mask
         valid[:, 5] = False
     layer = triton_backend_class().build(shape.config, prepared.model.state_dict(),
                                          device=device)
-    with torch.no_grad():
-        out = layer(x, valid)
-    expected = reference_forward(prepared.model.to(device), x, valid)
-    report = compare(out, expected)
-    assert report.passed, report.summary()
+    _assert_keeps_contract(layer, prepared, device, valid)
 
 
 def test_rows_per_program_when_attention_runs_apart(triton_backend_class, monkeypatch):

@@ -58,6 +58,23 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, 
 
 
 @triton.jit
+def _load_queries(base, offs_m, S, row_stride, q_cols, d_ok):
+    """The query rows offs_m of one head."""
+    return tl.load(base + offs_m[:, None].to(tl.int64) * row_stride + q_cols[None, :],
+                   mask=(offs_m < S)[:, None] & d_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N: tl.constexpr):
+    """(key_end, full_end) of sequence b: keys past key_end are masked (S unless the valid keys
+    form a prefix), and the whole key blocks before full_end (<= diag) need no mask test."""
+    prefix_end = tl.load(key_end_ptr + b)
+    key_end = tl.where(prefix_end >= 0, prefix_end, S)
+    full_end = tl.where(prefix_end >= 0, tl.minimum(diag, (key_end // BLOCK_N) * BLOCK_N), 0)
+    return key_end, full_end
+
+
+@triton.jit
 def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
                 HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
                 PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -75,8 +92,7 @@ def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
     row_stride = 3 * D
     base = qkv_ptr + b.to(tl.int64) * S * row_stride
     q_cols = h * HEAD_DIM + offs_d
-    q = tl.load(base + offs_m[:, None].to(tl.int64) * row_stride + q_cols[None, :],
-                mask=(offs_m < S)[:, None] & d_ok[None, :], other=0.0)
+    q = _load_queries(base, offs_m, S, row_stride, q_cols, d_ok)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -84,10 +100,7 @@ def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
     diag = q_start  # a multiple of BLOCK_N
     diag_end = tl.minimum(diag + BLOCK_M, S)
     if HAS_VALID:
-        prefix_end = tl.load(key_end_ptr + b)
-        key_end = tl.where(prefix_end >= 0, prefix_end, S)
-        full_end = tl.where(prefix_end >= 0,
-                            tl.minimum(diag, (key_end // BLOCK_N) * BLOCK_N), 0)
+        key_end, full_end = _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N)
         acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
                                        q_cols, offs_m, d_ok, 0, full_end, qk_scale, False,
                                        False, PRECISION, BLOCK_M, BLOCK_N)
@@ -148,13 +161,6 @@ def _attend_halves_unmasked(acc_a, m_a, l_a, acc_b, m_b, l_b, q_a, q_b, base, D,
 
 
 @triton.jit
-def _load_queries(base, offs_m, S, row_stride, q_cols, d_ok):
-    """The query rows offs_m of one head."""
-    return tl.load(base + offs_m[:, None].to(tl.int64) * row_stride + q_cols[None, :],
-                   mask=(offs_m < S)[:, None] & d_ok[None, :], other=0.0)
-
-
-@triton.jit
 def attend_head_halves(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
                        HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
                        HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
@@ -181,10 +187,7 @@ def attend_head_halves(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_
     key_end = S
     full_end = diag
     if HAS_VALID:
-        prefix_end = tl.load(key_end_ptr + b)
-        key_end = tl.where(prefix_end >= 0, prefix_end, S)
-        full_end = tl.where(prefix_end >= 0,
-                            tl.minimum(diag, (key_end // BLOCK_N) * BLOCK_N), 0)
+        key_end, full_end = _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N)
     acc_a, m_a, l_a, acc_b, m_b, l_b = _attend_halves_unmasked(
         acc_a, m_a, l_a, acc_b, m_b, l_b, q_a, q_b, base, D, q_cols, d_ok, 0, full_end,
         qk_scale, PRECISION, BLOCK_N)
