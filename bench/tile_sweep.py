@@ -38,7 +38,8 @@ WIDE = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 2), (256, 128, 64, 8, 2), (128, 
         (128, 128, 32, 8, 4), (128, 256, 32, 8, 3)]
 _A = attention.AttentionTiles
 ATTENTION = [_A(128, 64, 4, 3), _A(128, 64, 4, 4), _A(128, 64, 8, 3), _A(128, 64, 4, 3, True),
-             _A(128, 64, 4, 2, True), _A(128, 64, 8, 3, True), _A(256, 64, 8, 3, True)]
+             _A(128, 64, 4, 2, True), _A(128, 64, 8, 3, True), _A(256, 64, 8, 3, True),
+             _A(128, 128, 8, 2, True), _A(128, 32, 4, 3, True)]
 
 
 BATCH = None  # --batch: run the shapes with this batch size instead
