@@ -75,12 +75,10 @@ def cases() -> list[Case]:
                 "valid_ptr": "*u8", "key_end_ptr": "*i32", "S": "i32", "H": "i32", "D": "i32",
                 "qk_scale": "fp32", "HEAD_DIM": hd, "HEAD_PAD": hd, "HAS_VALID": True,
                 "SPLIT_OUT": True, "PRECISION": "fp16", "BLOCK_M": att.block_m,
-                "BLOCK_N": att.block_n, "PDL": launch.dependent_launch()["PDL"],
-                "HALVES": att.halves},
+                "BLOCK_N": att.block_n, "PDL": launch.dependent_launch()["PDL"]},
                att.warps, att.stages, "MMA")
           for hd, shapes, att in (
               (64, "14", attention.AttentionTiles(*attention.attention_config(64, "fp16"))),
-              (64, "14, two halves", attention.AttentionTiles(128, 64, 4, 3, True)),
               (32, "1-4 apart", attention.AttentionTiles(*attention.attention_config(32, "fp16"))),
               (32, "1-4 apart, 16 rows", attention.AttentionTiles(16, 16, 4, 3)))),
         Case("norm_qkv d 128 (1-6, 9-13)", narrow_block.norm_qkv_kernel,

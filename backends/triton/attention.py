@@ -66,10 +66,13 @@ def _load_queries(base, offs_m, S, row_stride, q_cols, d_ok):
 
 @triton.jit
 def _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N: tl.constexpr):
-    """(key_end, full_end) of sequence b: keys past key_end are masked (S unless the valid keys
-    form a prefix), and the whole key blocks before full_end (<= diag) need no mask test."""
+    """(key_end, full_end) of sequence b for the query block from diag: keys past key_end are
+    masked (S unless the valid keys form a prefix), and the whole key blocks before full_end
+    (<= diag) need no mask test. A query block wholly past a prefix's end holds padding rows,
+    whose context out_proj discards: key_end 0 skips every key block (output 0)."""
     prefix_end = tl.load(key_end_ptr + b)
     key_end = tl.where(prefix_end >= 0, prefix_end, S)
+    key_end = tl.where((prefix_end >= 0) & (diag >= prefix_end), 0, key_end)
     full_end = tl.where(prefix_end >= 0, tl.minimum(diag, (key_end // BLOCK_N) * BLOCK_N), 0)
     return key_end, full_end
 
@@ -123,95 +126,6 @@ def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i, qk_scale):
-    """Online-softmax update of one unmasked score tile: (p, alpha, l, m)."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s * qk_scale - m_new[:, None])
-    return p, alpha, l_i * alpha + tl.sum(p, axis=1), m_new
-
-
-@triton.jit
-def _attend_halves_unmasked(acc_a, m_a, l_a, acc_b, m_b, l_b, q_a, q_b, base, D, q_cols,
-                            d_ok, lo, hi, qk_scale, PRECISION: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    """Key blocks [lo, hi) with no test, for two query halves a and b, pipelined by one step:
-    half a's PV product and its next QK product are issued before half b's softmax, so the
-    exponentials of b run while those products are in flight."""
-    row_stride = 3 * D
-    offs = tl.arange(0, BLOCK_N)
-    k_cols = (D + q_cols)[:, None]
-    k_t = tl.load(base + (lo + offs).to(tl.int64)[None, :] * row_stride + k_cols,
-                  mask=((lo + offs) < hi)[None, :] & d_ok[:, None], other=0.0)
-    s_a = mma(q_a, k_t, tl.zeros([q_a.shape[0], BLOCK_N], dtype=tl.float32), PRECISION)
-    for n0 in range(lo, hi, BLOCK_N):
-        rows_n = (n0 + offs).to(tl.int64) * row_stride
-        v = tl.load(base + rows_n[:, None] + (2 * D + q_cols)[None, :], mask=d_ok[None, :],
-                    other=0.0)
-        s_b = mma(q_b, k_t, tl.zeros([q_b.shape[0], BLOCK_N], dtype=tl.float32), PRECISION)
-        p, alpha, l_a, m_a = _softmax_step(s_a, m_a, l_a, qk_scale)
-        acc_a = mma(p, v, acc_a * alpha[:, None], PRECISION)
-        next_n = n0 + BLOCK_N + offs
-        k_t = tl.load(base + next_n.to(tl.int64)[None, :] * row_stride + k_cols,
-                      mask=(next_n < hi)[None, :] & d_ok[:, None], other=0.0)
-        s_a = mma(q_a, k_t, tl.zeros([q_a.shape[0], BLOCK_N], dtype=tl.float32), PRECISION)
-        p, alpha, l_b, m_b = _softmax_step(s_b, m_b, l_b, qk_scale)
-        acc_b = mma(p, v, acc_b * alpha[:, None], PRECISION)
-    return acc_a, m_a, l_a, acc_b, m_b, l_b
-
-
-@triton.jit
-def attend_head_halves(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
-                       HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr,
-                       HAS_VALID: tl.constexpr, PRECISION: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """attend_head's output as two halves of BLOCK_M // 2 rows: the unmasked key blocks run
-    both halves in one pipelined loop; the masked and diagonal blocks run per half."""
-    HALF: tl.constexpr = BLOCK_M // 2
-    offs_a = q_start + tl.arange(0, HALF)
-    offs_b = offs_a + HALF
-    offs_d = tl.arange(0, HEAD_PAD)
-    d_ok = offs_d < HEAD_DIM
-    row_stride = 3 * D
-    base = qkv_ptr + b.to(tl.int64) * S * row_stride
-    q_cols = h * HEAD_DIM + offs_d
-    q_a = _load_queries(base, offs_a, S, row_stride, q_cols, d_ok)
-    q_b = _load_queries(base, offs_b, S, row_stride, q_cols, d_ok)
-    m_a = tl.full([HALF], float("-inf"), dtype=tl.float32)
-    m_b = tl.full([HALF], float("-inf"), dtype=tl.float32)
-    l_a = tl.zeros([HALF], dtype=tl.float32)
-    l_b = tl.zeros([HALF], dtype=tl.float32)
-    acc_a = tl.zeros([HALF, HEAD_PAD], dtype=tl.float32)
-    acc_b = tl.zeros([HALF, HEAD_PAD], dtype=tl.float32)
-    diag = q_start
-    key_end = S
-    full_end = diag
-    if HAS_VALID:
-        key_end, full_end = _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N)
-    acc_a, m_a, l_a, acc_b, m_b, l_b = _attend_halves_unmasked(
-        acc_a, m_a, l_a, acc_b, m_b, l_b, q_a, q_b, base, D, q_cols, d_ok, 0, full_end,
-        qk_scale, PRECISION, BLOCK_N)
-    if HAS_VALID:
-        masked_end = tl.minimum(diag, key_end)
-        acc_a, m_a, l_a = _attend_blocks(acc_a, m_a, l_a, q_a, base, valid_ptr, b, S, key_end,
-                                         D, q_cols, offs_a, d_ok, full_end, masked_end,
-                                         qk_scale, False, True, PRECISION, HALF, BLOCK_N)
-        acc_b, m_b, l_b = _attend_blocks(acc_b, m_b, l_b, q_b, base, valid_ptr, b, S, key_end,
-                                         D, q_cols, offs_b, d_ok, full_end, masked_end,
-                                         qk_scale, False, True, PRECISION, HALF, BLOCK_N)
-    acc_a, m_a, l_a = _attend_blocks(acc_a, m_a, l_a, q_a, base, valid_ptr, b, S, key_end, D,
-                                     q_cols, offs_a, d_ok, diag,
-                                     tl.minimum(tl.minimum(diag + HALF, S), key_end),
-                                     qk_scale, True, HAS_VALID, PRECISION, HALF, BLOCK_N)
-    acc_b, m_b, l_b = _attend_blocks(acc_b, m_b, l_b, q_b, base, valid_ptr, b, S, key_end, D,
-                                     q_cols, offs_b, d_ok, diag,
-                                     tl.minimum(tl.minimum(diag + BLOCK_M, S), key_end),
-                                     qk_scale, True, HAS_VALID, PRECISION, HALF, BLOCK_N)
-    return (acc_a / tl.where(l_a > 0, l_a, 1.0)[:, None],
-            acc_b / tl.where(l_b > 0, l_b, 1.0)[:, None])
-
-
-@triton.jit
 def key_extent_kernel(valid_ptr, key_end_ptr, S, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """key_end[b] = the number of valid keys of sequence b if they form a prefix, else -1."""
     start_after_previous(PDL)
@@ -232,28 +146,19 @@ def flash_attention_kernel(
     qkv_ptr, ctx_ptr, ctx_lo_ptr, valid_ptr, key_end_ptr, S, H, D, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
     SPLIT_OUT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, HALVES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One block of BLOCK_M queries of one (sequence, head), whole or as two pipelined halves
-    (HALVES); the context is stored as is or as an fp16 (hi, lo) pair."""
+    """One block of BLOCK_M queries of one (sequence, head); the context is stored as is or
+    as an fp16 (hi, lo) pair."""
     start_after_previous(PDL)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    if HALVES:
-        out_a, out_b = attend_head_halves(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D,
-                                          pid_m * BLOCK_M, qk_scale, HEAD_DIM, HEAD_PAD,
-                                          HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
-        _store_context(ctx_ptr, ctx_lo_ptr, out_a, b, h, S, D, pid_m * BLOCK_M,
-                       HEAD_DIM, HEAD_PAD, SPLIT_OUT)
-        _store_context(ctx_ptr, ctx_lo_ptr, out_b, b, h, S, D, pid_m * BLOCK_M + BLOCK_M // 2,
-                       HEAD_DIM, HEAD_PAD, SPLIT_OUT)
-    else:
-        out = attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, pid_m * BLOCK_M,
-                          qk_scale, HEAD_DIM, HEAD_PAD, HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
-        _store_context(ctx_ptr, ctx_lo_ptr, out, b, h, S, D, pid_m * BLOCK_M,
-                       HEAD_DIM, HEAD_PAD, SPLIT_OUT)
+    out = attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, pid_m * BLOCK_M, qk_scale,
+                      HEAD_DIM, HEAD_PAD, HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
+    _store_context(ctx_ptr, ctx_lo_ptr, out, b, h, S, D, pid_m * BLOCK_M,
+                   HEAD_DIM, HEAD_PAD, SPLIT_OUT)
 
 
 @triton.jit
@@ -273,7 +178,6 @@ class AttentionTiles(NamedTuple):
     block_n: int
     warps: int
     stages: int
-    halves: bool = False  # two pipelined query halves of block_m // 2 rows
 
 
 def attention_config(head_pad: int, precision: str) -> tuple[int, int, int, int]:
@@ -317,12 +221,10 @@ def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, key_end=
     d = ctx_hi.shape[1]
     head_dim = d // num_heads
     pad = pad16(head_dim)
-    block_m, block_n, num_warps, num_stages, halves = AttentionTiles(
+    block_m, block_n, num_warps, num_stages = AttentionTiles(
         *(config or attention_config(pad, precision)))
     if block_m % block_n:
         raise ValueError(f"block_m {block_m} must be a multiple of block_n {block_n}")
-    if halves and block_m < 32:
-        raise ValueError(f"two query halves need block_m of at least 32, got {block_m}")
     grid = (triton.cdiv(seq_len, block_m), batch * num_heads)
     flash_attention_kernel[grid](
         qkv, ctx_hi, ctx_lo, valid if valid is not None else qkv,
@@ -330,6 +232,6 @@ def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, key_end=
         softmax_scale(head_dim),
         HEAD_DIM=head_dim, HEAD_PAD=pad, HAS_VALID=valid is not None,
         SPLIT_OUT=isinstance(ctx, tuple), PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-        HALVES=halves, num_warps=num_warps, num_stages=num_stages, **dependent_launch(),
+        num_warps=num_warps, num_stages=num_stages, **dependent_launch(),
     )
     return ctx
