@@ -31,9 +31,8 @@ from layerbench.common.shapes import resolve_shapes
 from layerbench.common.timing import alternating_medians_ms
 
 _T = narrow_block.NarrowTiles
-NARROW = [_T(64, 64, 4, 3, 64, 0, None, 0), _T(64, 64, 4, 3, 64, 0, None, 64),
-          _T(64, 64, 4, 3, 64, 0, None, 16), _T(64, 64, 4, 3, 64, 0, True, 64),
-          _T(64, 64, 4, 3, 64, 0, False, 0)]
+NARROW = [_T(64, 64, 4, 3, 64, 0, True, 0), _T(64, 64, 4, 3, 64, 0, True, 64),
+          _T(64, 64, 4, 3, 64, 0, True, 16), _T(64, 64, 4, 3, 64, 0, False, 0)]
 WIDE = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 2), (256, 128, 64, 8, 2), (128, 128, 64, 4, 3),
         (128, 128, 32, 8, 4), (128, 256, 32, 8, 3)]
 _A = attention.AttentionTiles

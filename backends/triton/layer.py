@@ -72,7 +72,7 @@ def workspace(config, precision: Precision) -> dict[str, tuple[int, torch.dtype]
     d, f = config.d_model, config.ffn_dim
     buffers = {"residual": (d, torch.float32), "qkv": (3 * d, precision.qkv_dtype)}
     kind = plan(config, precision)
-    if kind == "narrow" and heads_apart(config):  # attention's output, two fp16 halves
+    if kind == "narrow" and heads_apart():  # attention's output, two fp16 halves
         buffers.update(ctx_hi=(d, torch.float16), ctx_lo=(d, torch.float16))
     elif kind == "wide":  # the normed rows and the context share "rows"; two fp16 halves each
         buffers.update(rows_hi=(d, torch.float16), rows_lo=(d, torch.float16),
@@ -142,8 +142,8 @@ class TritonLayer(BuiltLayer):
         return out
 
     def _run_narrow(self, x2, masks, out2, batch, s, work):
-        """Per block: norm1 + Q/K/V, then one kernel for the rest (and the final norm); for a
-        small batch attention runs apart, a program per query block and head."""
+        """Per block: norm1 + Q/K/V, attention apart (a program per query block and head),
+        then one kernel for the rest (and the final norm)."""
         res, qkv = work["residual"], work["qkv"]
         ctx = (work["ctx_hi"], work["ctx_lo"]) if "ctx_hi" in work else None
         valid, key_end = masks

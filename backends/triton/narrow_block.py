@@ -158,22 +158,19 @@ class NarrowTiles(NamedTuple):
     stages: int
     ffn_chunk: int  # hidden columns attention_ffn holds at once
     qkv_parts: int  # of Q, K, V per norm_qkv program: 3 (rows read once), 1, 0 = by grid size
-    heads_apart: bool | None  # attention in its own kernel, a program per (block, head);
-    # None: when the batch has at most HEADS_APART_BLOCKS query blocks
+    heads_apart: bool = True  # attention in its own kernel, a program per (block, head);
+    # False: attention_ffn runs the heads one after another
     apart_rows: int = 0  # rows per program of all three kernels when attention runs apart;
     # 0: by grid size (rows_apart)
 
 
-HEADS_APART_BLOCKS = 128  # bench/PERFORMANCE.md, #25
-
-
-NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, None, 0)  # bench/PERFORMANCE.md, #14, #19-20, #28
+NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, True, 0)  # bench/PERFORMANCE.md, #14, #19-20, #25, #28, #35
 
 
 def block_config() -> NarrowTiles:
     """The narrow plan's tile choices here (small tiles in the interpreter)."""
     if INTERPRETER:  # several FFN chunks and a split Q/K/V grid, so both paths run on CPU
-        return NarrowTiles(64, 64, 4, 1, 32, 1, None)
+        return NarrowTiles(64, 64, 4, 1, 32, 1, True)
     return NARROW_TILES
 
 
@@ -202,13 +199,10 @@ def apart_attention_tiles(rows: int) -> tuple[int, int, int, int]:
     return rows, min(rows, tiles.block_n), tiles.warps, tiles.stages
 
 
-def heads_apart(config) -> bool:
+def heads_apart() -> bool:
     """Whether the narrow plan runs attention in its own kernel, a program per query block
-    and head (more programs for a small batch), with out_proj and the FFN in attention_ffn."""
-    tiles = block_config()
-    if tiles.heads_apart is not None:
-        return tiles.heads_apart
-    return config.batch_size * triton.cdiv(config.seq_len, tiles.block_m) <= HEADS_APART_BLOCKS
+    and head, with out_proj and the FFN in attention_ffn."""
+    return block_config().heads_apart
 
 
 def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
