@@ -1,10 +1,11 @@
 """A block in two kernels when whole rows fit a tile (d_model and ffn_dim up to 128).
 
-norm_qkv: norm1 and the Q/K/V projection of a block of whole rows. attention_ffn: a program
-runs attention head by head for its query block and feeds each head's context straight into
-out_proj, then adds the residual, applies norm2, ffn_in with GELU, ffn_out and the second
-residual, and (after the last block) the final LayerNorm. The context and FFN hidden rows
-never reach memory.
+norm_qkv: norm1 and the Q/K/V projection of a block of whole rows. Attention runs in between
+as flash_attention (a program per query block and head), which writes the context as an fp16
+pair. attention_ffn: a program reads its rows' context into out_proj (or, with heads_apart
+off, runs attention head by head and feeds each head's context straight into out_proj), then
+adds the residual, applies norm2, ffn_in with GELU, ffn_out and the second residual, and
+(after the last block) the final LayerNorm. The FFN hidden rows never reach memory.
 """
 from __future__ import annotations
 
