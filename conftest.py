@@ -24,7 +24,8 @@ def pytest_addoption(parser):
                     choices=["float32", "float16", "bfloat16"],
                     help="input dtypes to test (repeatable; default all three)")
     group.addoption("--padding", action="append", type=float, default=None,
-                    help="padding ratios for the float32 cases (repeatable; default 0 and 0.25)")
+                    help="padding ratios for the float32 cases (repeatable; default 0 and 0.25); "
+                         "the benchmark pads its inputs at the first (default 0)")
     group.addoption("--seed", type=int, default=None,
                     help="seed of inputs and parameters (default: fresh each run, printed)")
     group.addoption("--device", default=None, help="'cuda' or 'cpu' (default: cuda if present)")

@@ -26,8 +26,8 @@ class ShapeState:
     """The inputs, reference and baseline layer of the shape being benchmarked (one at a time,
     so that a huge shape's buffers are freed before the next shape starts)."""
 
-    def __init__(self, device, seed):
-        self.device, self.seed = device, seed
+    def __init__(self, device, seed, padding=0.0):
+        self.device, self.seed, self.padding = device, seed, padding
         self.shape = None
         self.prepared = self.reference = self.baseline = None
         self.baseline_reason = ""
@@ -42,8 +42,8 @@ class ShapeState:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.shape = shape
-        self.prepared = runner.prepare(shape, padding=0.0, dtype=torch.float32, seed=self.seed,
-                                       device=self.device)
+        self.prepared = runner.prepare(shape, padding=self.padding, dtype=torch.float32,
+                                       seed=self.seed, device=self.device)
         try:
             self.baseline = runner.build(BASELINE, self.prepared)
         except Unsupported as exc:
@@ -52,6 +52,6 @@ class ShapeState:
 
 
 @pytest.fixture(scope="session")
-def shape_state(device, seed) -> ShapeState:
-    """The session's current-shape state."""
-    return ShapeState(device, seed)
+def shape_state(device, seed, pytestconfig) -> ShapeState:
+    """The session's current-shape state; inputs padded at the first --padding ratio (else 0)."""
+    return ShapeState(device, seed, (pytestconfig.getoption("--padding") or [0.0])[0])

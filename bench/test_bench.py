@@ -38,7 +38,8 @@ def test_forward(benchmark, bench_case, shape_state):
         pytest.skip(str(exc))
     report, state.reference = runner.check(layer, prepared, state.reference)
     benchmark.extra_info.update({"backend": name, "shape": shape.number,
-                                 "shape_kind": shape.kind, "passed": report.passed,
+                                 "shape_kind": shape.kind, "padding": state.padding,
+                                 "passed": report.passed,
                                  "max_abs_error": report.max_abs_error,
                                  "peak_memory_bytes": report.peak_memory_bytes})
     if not report.passed:

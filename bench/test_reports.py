@@ -59,6 +59,23 @@ def test_collect_writes_results_with_provenance(tmp_path):
     assert "commit `abc`" in (out / "results.md").read_text()
 
 
+def test_padded_run_is_labelled(tmp_path):
+    """Rows keep the benchmark's padding ratio, and results.md says a run was padded."""
+    data = _bench_json(MEDIANS)
+    for bench in data["benchmarks"]:
+        bench["extra_info"]["padding"] = 0.25
+    assert {r["padding"] for r in rows_from_benchmark_json(data)} == {0.25}
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(data))
+    prov = tmp_path / "prov.json"
+    prov.write_text(json.dumps({"commit": "abc", "date": "today", "driver": "1", "gpu": "G",
+                                "versions": {"torch": "x"}}))
+    out = collect_results([], [bench], tmp_path / "out", [prov])
+    assert "inputs padded at 0.25" in (out / "results.md").read_text()
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {r["bench_padding"] for r in rows} == {0.25}
+
+
 def test_report_command(tmp_path, capsys):
     """layerbench report turns a saved run into table.md and speedup.png."""
     run = tmp_path / "0001_run.json"

@@ -18,6 +18,7 @@ def rows_from_benchmark_json(data: dict) -> list[dict]:
             "backend": info["backend"],
             "shape": info["shape"],
             "shape_kind": info.get("shape_kind", "official"),
+            "padding": info.get("padding", 0.0),
             "passed": info.get("passed"),
             "max_abs_error": info.get("max_abs_error"),
             "median_ms": stats["median"] * 1e3 if "median" in stats else info.get(

@@ -75,6 +75,7 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
             "fraction_of_fp16_floor": timed.get("fraction_of_fp16_floor"),
             "peak_memory_bytes": timed.get("peak_memory_bytes"),
             "run": timed.get("run"),
+            "bench_padding": timed.get("padding"),
             "cases": [{k: c[k] for k in ("dtype", "padding", "passed", "failed_elements",
                                          "total_elements", "max_abs_error", "worst_ratio",
                                          "oracle_sequences")} for c in checked],
@@ -91,8 +92,10 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
                                                          run["versions"].items())
                      + f"; timed here: {', '.join(names) or 'nothing'}")
     for index, timed_here in enumerate(per_run):
+        paddings = sorted({r["padding"] for r in timed_here if r["padding"]})
+        padded = f", inputs padded at {', '.join(map(str, paddings))}" if paddings else ""
         lines += ["", f"Run {index}: median latency per forward (speedup over torch-baseline "
-                  "of the same run).", "", markdown_table(timed_here)]
+                  f"of the same run{padded}).", "", markdown_table(timed_here)]
     lines += ["", "Conformance (all cases of each backend and shape, official contract):", "",
              "| backend | shape | passed | cases | max abs error | worst error/allowed |",
              "|---|---|---|---|---|---|"]
