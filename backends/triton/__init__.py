@@ -14,7 +14,7 @@ from .layer import DEFAULT_PRECISION, Precision, TritonLayer, working_bytes_per_
 
 
 class TritonBackend(Backend):
-    """The stack in Triton kernels (two or three per block when rows fit a tile, seven otherwise),
+    """The stack in Triton kernels (three per block when rows fit a tile, seven otherwise),
     replayed as one CUDA graph where the input allows."""
 
     name = "triton"

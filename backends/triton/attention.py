@@ -58,13 +58,6 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, 
 
 
 @triton.jit
-def _load_queries(base, offs_m, S, row_stride, q_cols, d_ok):
-    """The query rows offs_m of one head."""
-    return tl.load(base + offs_m[:, None].to(tl.int64) * row_stride + q_cols[None, :],
-                   mask=(offs_m < S)[:, None] & d_ok[None, :], other=0.0)
-
-
-@triton.jit
 def _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N: tl.constexpr):
     """(key_end, full_end) of sequence b for the query block from diag: keys past key_end are
     masked (S unless the valid keys form a prefix), and the whole key blocks before full_end
@@ -95,7 +88,8 @@ def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
     row_stride = 3 * D
     base = qkv_ptr + b.to(tl.int64) * S * row_stride
     q_cols = h * HEAD_DIM + offs_d
-    q = _load_queries(base, offs_m, S, row_stride, q_cols, d_ok)
+    q = tl.load(base + offs_m[:, None].to(tl.int64) * row_stride + q_cols[None, :],
+                mask=(offs_m < S)[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -155,17 +149,9 @@ def flash_attention_kernel(
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     out = attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, pid_m * BLOCK_M, qk_scale,
                       HEAD_DIM, HEAD_PAD, HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
-    _store_context(ctx_ptr, ctx_lo_ptr, out, b, h, S, D, pid_m * BLOCK_M,
-                   HEAD_DIM, HEAD_PAD, SPLIT_OUT)
-
-
-@triton.jit
-def _store_context(ctx_ptr, ctx_lo_ptr, out, b, h, S, D, row_start, HEAD_DIM: tl.constexpr,
-                   HEAD_PAD: tl.constexpr, SPLIT_OUT: tl.constexpr):
-    """Store head h's context rows [row_start, row_start + len(out)) of sequence b."""
-    offs_m = row_start + tl.arange(0, out.shape[0])
     offs_d = tl.arange(0, HEAD_PAD)
     ctx_offsets = ((b.to(tl.int64) * S + offs_m) * D)[:, None] + (h * HEAD_DIM + offs_d)[None, :]
     ok = (offs_m < S)[:, None] & (offs_d < HEAD_DIM)[None, :]
