@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from layerbench.backends.triton import attention, launch, linear, narrow_block, norm
+from layerbench.backends.triton.layer import DEFAULT_PRECISION
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -79,15 +80,18 @@ def cases() -> list[Case]:
                att.warps, att.stages, "MMA")
           for hd, shapes, att in (
               (64, "14", attention.AttentionTiles(*attention.attention_config(64, "fp16"))),
-              (32, "1-4 apart", attention.AttentionTiles(*attention.attention_config(32, "fp16"))),
-              (32, "1-4 apart, 16 rows", attention.AttentionTiles(16, 16, 4, 3)))),
-        Case("norm_qkv d 128 (1-6, 9-13)", narrow_block.norm_qkv_kernel,
+              (32, "1, 5, 6, 13: 64 rows",
+               attention.AttentionTiles(*narrow_block.apart_attention_tiles(64))),
+              (32, "2-4, 12: 16 rows",
+               attention.AttentionTiles(*narrow_block.apart_attention_tiles(16))))),
+        Case("norm_qkv d 128, 64 rows (1, 5, 6, 9-11, 13)", narrow_block.norm_qkv_kernel,
              {"x_ptr": "*fp32", "qkv_ptr": "*fp16", **_ptrs("n1_w n1_b bq_ptr", "fp32"),
               **_ptrs("wq_hi wq_lo", "fp16"), "M": "i32", "D": "i32", "eps": "fp32",
-              "D_PAD": 128, "BLOCK_M": 64, "PARTS": 3, "PRODUCTS": 3,
+              "D_PAD": 128, "BLOCK_M": 64, "PARTS": 3,
+              "PRODUCTS": DEFAULT_PRECISION.qkv_products,
               "PDL": launch.dependent_launch()["PDL"]}, 4, 1,
              "MMA"),
-        *(Case(f"attention_ffn d 128, hd 32 (1, 6){label}", narrow_block.attention_ffn_kernel,
+        *(Case(f"attention_ffn d 128, hd 32 ({label})", narrow_block.attention_ffn_kernel,
                {"qkv_ptr": "*fp16", "ctx_hi_ptr": "*fp16", "ctx_lo_ptr": "*fp16",
                 "x_ptr": "*fp32", "out_ptr": "*fp32", "valid_ptr": "*u8", "key_end_ptr": "*i32",
                 **_ptrs("wo_hi wo_lo wi_hi wi_lo wf_hi wf_lo", "fp16"),
@@ -99,11 +103,11 @@ def cases() -> list[Case]:
                 "CTX_IN_MEMORY": apart, "PDL": launch.dependent_launch()["PDL"]},
                tiles.warps, tiles.stages, "MMA")
           for label, f_chunk, apart, block_m in (
-              ("", tiles.ffn_chunk, False, tiles.block_m),
-              (", FFN chunk 32", 32, False, tiles.block_m),
-              (", attention apart", tiles.ffn_chunk, True, tiles.block_m),
-              (", attention apart, 32 rows", tiles.ffn_chunk, True, 32),
-              (", attention apart, 16 rows", tiles.ffn_chunk, True, 16))),
+              ("1, 5, 6, 13: 64 rows", tiles.ffn_chunk, True, tiles.block_m),
+              ("2-4, 12: 16 rows", tiles.ffn_chunk, True, 16),
+              ("32 rows", tiles.ffn_chunk, True, 32),
+              ("heads in the program", tiles.ffn_chunk, False, tiles.block_m),
+              ("heads in the program, FFN chunk 32", 32, False, tiles.block_m))),
         Case("layer_norm pair d 1024 (8, 14)", norm.layer_norm_kernel,
              {"x_ptr": "*fp32", "out_ptr": "*fp16", "out_lo_ptr": "*fp16", "w_ptr": "*fp32",
               "b_ptr": "*fp32", "valid_ptr": "*u8", "M": "i32", "D": "i32", "eps": "fp32",
