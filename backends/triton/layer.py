@@ -12,8 +12,8 @@ from layerbench.common.params import pack_params, param_bytes
 
 from .attention import flash_attention, key_extent
 from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear, split_linear
-from .narrow_block import (apart_attention_tiles, attention_ffn, fits, heads_apart, norm_qkv,
-                           rows_apart)
+from .narrow_block import (apart_attention_tiles, attention_ffn, block_config, fits,
+                           heads_apart, norm_qkv, rows_apart)
 from .norm import layer_norm
 from .precision import split_fp16
 
@@ -151,7 +151,7 @@ class TritonLayer(BuiltLayer):
         heads = self.config.num_heads
         src = x2
         last = len(self.params.layers) - 1
-        rows = rows_apart(batch * s, x2.device) if ctx is not None else 64
+        rows = rows_apart(batch * s, x2.device) if ctx is not None else block_config().block_m
         for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
             norm_qkv(src, qkv, p, w, products=self.precision.qkv_products, block_m=rows)
             if ctx is not None:

@@ -165,7 +165,8 @@ class NarrowTiles(NamedTuple):
     # 0: by grid size (rows_apart)
 
 
-NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, True, 0)  # bench/PERFORMANCE.md, #14, #19-20, #25, #28, #35
+# bench/PERFORMANCE.md, #14, #19-20, #25, #28, #35
+NARROW_TILES = NarrowTiles(64, 64, 4, 3, 64, 0, True, 0)
 
 
 def block_config() -> NarrowTiles:
