@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class LayerConfig:
-    """Sizes of a causal pre-norm Transformer stack (see SPEC: batch, seq, d_model, heads, ffn, layers)."""
+    """Sizes of a causal pre-norm Transformer stack (see docs/spec.md: batch, seq, d_model, heads, ffn, layers)."""
 
     batch_size: int
     seq_len: int

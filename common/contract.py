@@ -1,4 +1,4 @@
-"""The tolerance contract of SPEC.md: |u - r| <= atol  OR  |u - r| <= rtol * |r|, per element."""
+"""The tolerance contract of docs/spec.md: |u - r| <= atol  OR  |u - r| <= rtol * |r|, per element."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

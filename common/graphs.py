@@ -10,12 +10,13 @@ import torch
 class GraphedForward:
     """Replays a captured graph when called again with the same input buffers and shapes.
 
-    The graph reads x and the mask straight from the caller's buffers (no copy in) and
-    writes into a private output buffer, cloned on return so earlier outputs stay valid.
-    Any other inputs run the eager forward and are captured on their second use.
+    The graph reads x and the mask straight from the caller's buffers (no copy in). Without
+    an out buffer it writes into a private output, cloned on return so earlier outputs stay
+    valid; with one (keyed like the inputs) it writes straight into it. Any other buffers run
+    the eager forward and are captured on their second use.
     """
 
-    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+    def __init__(self, forward: Callable[..., torch.Tensor],
                  max_graphs: int = 2, max_elements: int = 1 << 26):
         self.forward = forward
         self.max_graphs = max_graphs
@@ -27,44 +28,47 @@ class GraphedForward:
         self.uncapturable: set[tuple] = set()
 
     @staticmethod
-    def _key(x, mask):
+    def _key(x, mask, out):
         mask_key = None if mask is None else (mask.data_ptr(), tuple(mask.shape))
-        return (x.data_ptr(), tuple(x.shape), x.dtype, mask_key)
+        return (x.data_ptr(), tuple(x.shape), x.dtype, mask_key,
+                None if out is None else out.data_ptr())
 
-    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Forward of (x, mask), through a graph once these buffers have been seen twice."""
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward of (x, mask) into out (or a new tensor), through a graph once these
+        buffers have been seen twice."""
         if (x.device.type != "cuda" or x.numel() > self.max_elements
                 or torch.cuda.is_current_stream_capturing()):
-            return self.forward(x, mask)
-        key = self._key(x, mask)
+            return self.forward(x, mask, out)
+        key = self._key(x, mask, out)
         if key in self.uncapturable:
-            return self.forward(x, mask)
+            return self.forward(x, mask, out)
         if key in self.graphs:
-            graph, out = self.graphs[key]
+            graph, result = self.graphs[key]
             graph.replay()
-            return out.clone()
+            return result if out is not None else result.clone()
         if key not in self.seen:
             self.seen.add(key)
-            return self.forward(x, mask)
+            return self.forward(x, mask, out)
         try:
-            graph, out = self._capture(x, mask)
+            graph, result = self._capture(x, mask, out)
         except RuntimeError as exc:  # capture refused: run these buffers eagerly from now on
             warnings.warn(f"CUDA graph capture failed, running eagerly: {exc}")
             self.uncapturable.add(key)
-            return self.forward(x, mask)
+            return self.forward(x, mask, out)
         if len(self.graphs) >= self.max_graphs:
             self.graphs.pop(next(iter(self.graphs)))
-        self.graphs[key] = (graph, out)
+        self.graphs[key] = (graph, result)
         graph.replay()
-        return out.clone()
+        return result if out is not None else result.clone()
 
-    def _capture(self, x, mask):
+    def _capture(self, x, mask, out):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.forward(x, mask)  # warm-up: compile and autotune outside the capture
+            self.forward(x, mask, out)  # warm-up: compile and autotune outside the capture
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = self.forward(x, mask)
-        return graph, out
+            result = self.forward(x, mask, out)
+        return graph, result

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 import torch
@@ -10,7 +10,7 @@ import torch
 from .config import LayerConfig
 from .errors import Unsupported
 from .memory import MemoryPlan, check_fits
-from .validation import validate_inputs
+from .validation import validate_inputs, validate_output
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,13 @@ class Capabilities:
             "max_tokens": self.max_tokens,
             "notes": self.notes,
         }
+
+
+def default_device() -> torch.device:
+    """The current CUDA device when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class Backend(ABC):
@@ -75,12 +82,18 @@ class Backend(ABC):
             check_fits(plan, device, what=f"{self.name} on {config}")
 
     def build(self, config: LayerConfig, state_dict: Mapping[str, torch.Tensor], *,
-              device: torch.device | str = "cuda", dtype: torch.dtype = torch.float32
+              device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
               ) -> "BuiltLayer":
-        """Check the case, then build a callable layer from a reference state_dict."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        """Check the case, then build a callable layer from a reference state_dict.
+
+        device defaults to the current CUDA device when there is one, else the CPU.
+        """
+        device = default_device() if device is None else torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise Unsupported(f"{self.name}: needs a CUDA device, and this machine has none")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
         self.check(config, device, dtype)
         return self._build(config, state_dict, device, dtype)
 
@@ -95,7 +108,12 @@ class Backend(ABC):
 
 
 class BuiltLayer(ABC):
-    """A layer built by a backend, called like the baseline: layer(x, valid_token_mask) -> out."""
+    """A layer built by a backend, called like the baseline: layer(x, valid_token_mask) -> out.
+
+    Layers are inference-only: they keep no autograd graph, and an input that requires a
+    gradient (with gradients enabled) is refused. A layer built for one batch size and
+    sequence length accepts inputs of any other batch size and length.
+    """
 
     def __init__(self, backend: Backend, config: LayerConfig, device: torch.device,
                  dtype: torch.dtype):
@@ -104,20 +122,31 @@ class BuiltLayer(ABC):
         self.device = device
         self.dtype = dtype
 
-    def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-        """Validate the inputs, then run the forward; an empty batch gives an empty output."""
+    def __call__(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None = None, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Validate the inputs, then run the forward; an empty batch gives an empty output.
+
+        With out (PyTorch's convention: a contiguous tensor of x's shape, dtype and device)
+        the result is written into it and out is returned.
+        """
+        who = self.backend.name
         validate_inputs(x, valid_token_mask, config=self.config, device=self.device,
-                        dtype=self.dtype, padding=self.backend.capabilities.padding,
-                        who=self.backend.name)
+                        dtype=self.dtype, padding=self.backend.capabilities.padding, who=who)
+        if x.requires_grad and torch.is_grad_enabled():
+            raise RuntimeError(f"{who}: layers are inference-only and compute no gradient; "
+                               "call under torch.no_grad() or pass x.detach()")
+        if out is not None:
+            validate_output(out, x, who=who)
         if x.shape[0] == 0:
-            return torch.empty_like(x)
-        if x.shape[0] != self.config.batch_size:
-            plan = self.backend.memory_plan(self.config.with_batch(x.shape[0]), self.dtype)
+            return torch.empty_like(x) if out is None else out
+        if x.shape[0] != self.config.batch_size or x.shape[1] != self.config.seq_len:
+            cfg = replace(self.config, batch_size=x.shape[0], seq_len=x.shape[1])
+            plan = self.backend.memory_plan(cfg, self.dtype)
             if plan is not None:
-                check_fits(plan, self.device, what=f"{self.backend.name} on batch {x.shape[0]}")
-        return self.forward(x, valid_token_mask)
+                check_fits(plan, self.device, what=f"{who} on input {tuple(x.shape)}")
+        return self.forward(x, valid_token_mask, out)
 
     @abstractmethod
-    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None) -> torch.Tensor:
-        """Compute the stack on validated inputs."""
+    def forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute the stack on validated inputs, into out when given (else a new tensor)."""

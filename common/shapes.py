@@ -1,4 +1,4 @@
-"""The 14 official shapes of SPEC.md and their small CPU-sized variants for CI."""
+"""The 14 official shapes of docs/spec.md and their small CPU-sized variants for CI."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -45,3 +45,16 @@ def validate_inputs(x, valid_token_mask, *, config: LayerConfig, device: torch.d
         raise ValueError(f"{who}: valid_token_mask must be contiguous")
     if not padding:
         raise ValueError(f"{who}: this backend takes no valid_token_mask (pass None)")
+
+
+def validate_output(out, x, *, who: str = "layer") -> None:
+    """Raise TypeError/ValueError unless out is a contiguous tensor like x that does not overlap it."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{who}: out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"{who}: out must match x ({tuple(x.shape)}, {x.dtype}, {x.device}); "
+                         f"got ({tuple(out.shape)}, {out.dtype}, {out.device})")
+    if not out.is_contiguous():
+        raise ValueError(f"{who}: out must be contiguous")
+    if out.numel() and out.data_ptr() == x.data_ptr():
+        raise ValueError(f"{who}: out must not be x itself (the stack reads x to the end)")

@@ -21,7 +21,7 @@ SPEC_TABLE = [(64, 128, 128, 4, 128, 4), (1, 128, 128, 4, 128, 4), (4, 128, 128,
 
 
 def test_official_shapes_match_the_spec():
-    """The 14 official shapes are SPEC.md's table, all causal."""
+    """The 14 official shapes are the table of docs/spec.md, all causal."""
     got = [(s.config.batch_size, s.config.seq_len, s.config.d_model, s.config.num_heads,
             s.config.ffn_dim, s.config.num_layers) for s in OFFICIAL.values()]
     assert got == SPEC_TABLE
@@ -86,7 +86,7 @@ def test_oracle_matches_baseline(number, padding):
 
 
 def test_state_dict_names_are_the_spec_names():
-    """Parameter names follow SPEC.md so one state_dict loads anywhere (strict)."""
+    """Parameter names follow docs/spec.md so one state_dict loads anywhere (strict)."""
     cfg = LayerConfig(1, 8, 16, 2, 32, 2)
     names = set(make_reference(cfg).state_dict())
     assert "layers.1.attention.out_proj.bias" in names and "final_norm.weight" in names

@@ -1,4 +1,4 @@
-"""The baseline stack of SPEC.md and its exact oracles."""
+"""The baseline stack of docs/spec.md and its exact oracles."""
 from .model import BaselineStack, make_reference, reference_forward
 from .exact import exact_output
 from .oracle import streaming_forward

@@ -1,4 +1,4 @@
-"""The baseline stack exactly as SPEC.md describes it (it forms the full [B,H,S,S] scores)."""
+"""The baseline stack exactly as docs/spec.md describes it (it forms the full [B,H,S,S] scores)."""
 from __future__ import annotations
 
 import torch

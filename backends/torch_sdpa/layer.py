@@ -66,7 +66,7 @@ class SdpaLayer(BuiltLayer):
             return self.step(x, self.params, self.config.num_heads, attn_mask, row_mask).clone()
         return self.step(x, self.params, self.config.num_heads, attn_mask, row_mask)
 
-    def forward(self, x, valid_token_mask):
+    def forward(self, x, valid_token_mask, out=None):
         """Choose the mask path once, then run the stack chunk by chunk."""
         b, s, _ = x.shape
         general = False
@@ -81,7 +81,7 @@ class SdpaLayer(BuiltLayer):
         per_seq = working_bytes_per_sequence(replace(self.config, batch_size=1, seq_len=s),
                                              general)
         chunk = sequences_per_chunk(per_seq, param_bytes(self.config), b, self.device)
-        out = torch.empty_like(x)
+        out = torch.empty_like(x) if out is None else out
         with fp32_matmul("tf32"), torch.no_grad():
             for b0 in range(0, b, chunk):
                 xs = x[b0:b0 + chunk].float()

@@ -116,11 +116,12 @@ class TritonLayer(BuiltLayer):
             self.chunks[(b, s)] = max(1, min(chunk, MAX_GRID_Y // self.config.num_heads))
         return self.chunks[(b, s)]
 
-    def forward(self, x, valid_token_mask):
+    def forward(self, x, valid_token_mask, out=None):
         """Run the kernels, through a CUDA graph once these input buffers repeat."""
-        return self.graphed(x, valid_token_mask)
+        return self.graphed(x, valid_token_mask, out)
 
-    def _forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         b, s, d = x.shape
         chunk = self._sequences_per_chunk(b, s)
         rows = min(chunk, b) * s
@@ -130,7 +131,7 @@ class TritonLayer(BuiltLayer):
         if valid_token_mask is not None:
             valid = valid_token_mask.view(torch.uint8)
             key_end = key_extent(valid, torch.empty(b, device=x.device, dtype=torch.int32))
-        out = torch.empty_like(x)
+        out = torch.empty_like(x) if out is None else out
         run = {"narrow": self._run_narrow, "wide": self._run_wide,
                "general": self._run_general}[plan(self.config, self.precision)]
         for b0 in range(0, b, chunk):
