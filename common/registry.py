@@ -22,10 +22,12 @@ BUILTIN = {
     "torch-baseline": "layerbench.backends.torch_baseline:TorchBaselineBackend",
     "torch-sdpa": "layerbench.backends.torch_sdpa:TorchSdpaBackend",
     "torch-compile": "layerbench.backends.torch_compile:TorchCompileBackend",
+    "torch-fp16": "layerbench.backends.torch_fp16:TorchFp16Backend",
     "triton": "layerbench.backends.triton:TritonBackend",
 }
 
-PEERS = ("torch-baseline", "torch-sdpa", "torch-compile")
+# The plain-PyTorch forms every table ranks against; torch-baseline is the speedup denominator.
+PEERS = ("torch-baseline", "torch-sdpa", "torch-compile", "torch-fp16")
 
 _extra: dict[str, object] = {}
 _cache: dict[str, Backend] = {}

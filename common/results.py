@@ -8,6 +8,31 @@ from . import provenance
 from .report import heatmap, markdown_table, rows_from_benchmark_json
 
 
+def append_json_line(path, row: dict) -> None:
+    """Append row to the file at path as one JSON line."""
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
+def add_best_peer(rows: list[dict]) -> list[dict]:
+    """Give each row of one run best_peer and speedup_vs_best_peer: the ratio of the median of
+    the fastest peer (PEERS) that passed the contract on that shape to the row's median.
+
+    A peer is ranked against the other peers; rows without a median or passing peer get None.
+    """
+    from .registry import PEERS
+
+    for row in rows:
+        rivals = [r for r in rows if r["shape"] == row["shape"]
+                  and r.get("shape_kind") == row.get("shape_kind") and r["backend"] in PEERS
+                  and r["backend"] != row["backend"] and r.get("passed") and r.get("median_ms")]
+        best = min(rivals, key=lambda r: r["median_ms"], default=None)
+        row["best_peer"] = None if best is None else best["backend"]
+        row["speedup_vs_best_peer"] = (best["median_ms"] / row["median_ms"]
+                                       if best is not None and row.get("median_ms") else None)
+    return rows
+
+
 def raw_inputs(raw: Path) -> tuple[list[Path], list[Path], list[Path]]:
     """(conformance logs, benchmark files, provenance files) of a folder of kept runs.
 
@@ -45,8 +70,8 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
     bench: dict[tuple[str, int], dict] = {}
     per_run: list[list[dict]] = []
     for index, path in enumerate(bench_jsons):
-        timed_here = [row for row in rows_from_benchmark_json(json.loads(path.read_text()))
-                      if row["shape_kind"] == "official"]
+        timed_here = add_best_peer([row for row in rows_from_benchmark_json(
+            json.loads(path.read_text())) if row["shape_kind"] == "official"])
         baseline = {r["shape"]: r["median_ms"] for r in timed_here
                     if r["backend"] == "torch-baseline"}
         for row in timed_here:
@@ -69,6 +94,8 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
             "median_ms": timed.get("median_ms"),
             "events_median_ms": timed.get("events_median_ms"),
             "speedup": timed.get("speedup"),
+            "speedup_vs_best_peer": timed.get("speedup_vs_best_peer"),
+            "best_peer": timed.get("best_peer"),
             "baseline_ms": timed.get("baseline_ms"),
             "benchmark_over_events": timed.get("benchmark_over_events"),
             "tflops": timed.get("tflops"),

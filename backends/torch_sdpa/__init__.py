@@ -14,12 +14,13 @@ class TorchSdpaBackend(Backend):
     """PyTorch ops with a fused QKV weight and SDPA; streams the batch when memory is short."""
 
     name = "torch-sdpa"
-    summary = "PyTorch ops: fused QKV, SDPA, mask elision, TF32 matmuls, batch streaming"
+    summary = "PyTorch ops: fused QKV, SDPA, mask elision, TF32 matmuls (CUDA), batch streaming"
     capabilities = Capabilities(
         devices=("cuda", "cpu"),
         notes="fp16/bf16 inputs are computed in fp32 and cast back",
     )
     compiled = False
+    half = None
 
     def memory_plan(self, config, dtype):
         """One sequence's working set (the layer streams the batch) plus a weight copy."""
@@ -29,4 +30,5 @@ class TorchSdpaBackend(Backend):
         })
 
     def _build(self, config, state_dict, device, dtype):
-        return SdpaLayer(self, config, state_dict, device, dtype, compiled=self.compiled)
+        return SdpaLayer(self, config, state_dict, device, dtype, compiled=self.compiled,
+                         half=self.half)
