@@ -24,6 +24,7 @@ BUILTIN = {
     "torch-compile": "layerbench.backends.torch_compile:TorchCompileBackend",
     "torch-fp16": "layerbench.backends.torch_fp16:TorchFp16Backend",
     "triton": "layerbench.backends.triton:TritonBackend",
+    "wmma": "layerbench.backends.wmma:WmmaBackend",
 }
 
 # The plain-PyTorch forms every table ranks against; torch-baseline is the speedup denominator.

@@ -1,0 +1,65 @@
+"""wmma: the whole stack in CUDA C++ on nvcuda::wmma tensor-core fragments, compiled just in
+time (fp16x3 split linears, fp16 flash attention, fp32 LayerNorm/softmax/residual)."""
+from __future__ import annotations
+
+import torch
+
+from layerbench.common.cuda_host import max_shared_memory_per_block
+from layerbench.common.errors import Unsupported
+from layerbench.common.interface import Backend, Capabilities
+from layerbench.common.memory import MemoryPlan
+
+from . import build
+from .attention import max_seq_len, shared_bytes, supported_head_dim
+from .layer import WmmaLayer, weight_bytes, working_bytes_per_sequence
+from .tiles import choose_tiles
+
+
+class WmmaBackend(Backend):
+    """The stack in CUDA C++ kernels on wmma fragments (seven per block plus the final norm),
+    replayed as one CUDA graph where the input allows."""
+
+    name = "wmma"
+    summary = "CUDA C++ on nvcuda::wmma: fp16x3 linears, flash attention, CUDA graph"
+    capabilities = Capabilities(
+        devices=("cuda",),
+        head_dims=tuple(range(8, 257, 8)),
+        notes="JIT-built with nvcc (sm_80+); fp32 residual stream; fp16/bf16 computed in fp32",
+    )
+
+    def unavailable_reason(self, device):
+        """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
+        if build.cuda_home() is None:
+            return build.toolkit_missing()
+        if device.type == "cuda" and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(device)
+            if major < 8:
+                return f"needs compute capability 8.0 or newer, not {major}.{minor}"
+        return None
+
+    def memory_plan(self, config, dtype):
+        """One sequence's workspace (the layer streams the batch) plus the packed weights."""
+        return MemoryPlan({"one sequence": working_bytes_per_sequence(config),
+                           "parameters": weight_bytes(config)})
+
+    def check(self, config, device, dtype):
+        """The shapes the kernels take, then the interface's checks."""
+        if not supported_head_dim(config.head_dim):
+            raise Unsupported(f"wmma: head dim {config.head_dim} is not a multiple of 8 in "
+                              "8..256")
+        if config.ffn_dim % 8:
+            raise Unsupported(f"wmma: ffn_dim {config.ffn_dim} is not a multiple of 8")
+        if config.seq_len > max_seq_len():
+            raise Unsupported(f"wmma: seq_len {config.seq_len} exceeds {max_seq_len()}")
+        super().check(config, device, dtype)
+
+    def _build(self, config, state_dict, device, dtype):
+        ext = build.load(device)
+        block_n = choose_tiles(1, config.d_model, config.ffn_dim, config.head_dim,
+                               1).attention_block_n
+        limit = max_shared_memory_per_block(device)
+        need = shared_bytes(ext, config.head_dim, block_n)
+        if limit is not None and need > limit:
+            raise Unsupported(f"wmma: attention needs {need} bytes of shared memory per block, "
+                              f"the device allows {limit}")
+        return WmmaLayer(self, config, state_dict, device, dtype, ext)

@@ -1,0 +1,129 @@
+"""Just-in-time build of the wmma extension: toolchain lookup, flags, one build per source hash
+and architecture, reused across processes."""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from layerbench.common.errors import Unsupported
+
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = ("ops.cpp", "norm.cu", "linear.cu", "attention.cu")  # compiled and linked
+HEADERS = ("common.cuh",)
+ARCHES = ("80", "90")  # compute capabilities the CPU test compiles for
+CACHE_ENV = "LAYERBENCH_WMMA_CACHE"
+
+
+def cuda_home() -> str | None:
+    """The CUDA toolkit root: $CUDA_HOME, $CUDA_PATH, the toolkit of nvcc on PATH, or
+    /usr/local/cuda; None when none has nvcc and the runtime headers."""
+    def complete(root) -> bool:
+        root = Path(root)
+        return (root / "bin" / "nvcc").exists() and (root / "include" / "cuda_runtime.h").exists()
+
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent)
+    candidates.append("/usr/local/cuda")
+    return next((str(c) for c in candidates if c and complete(c)), None)
+
+
+def nvcc_path() -> str | None:
+    """The nvcc executable, or None when no toolkit is found."""
+    home = cuda_home()
+    return str(Path(home) / "bin" / "nvcc") if home else None
+
+
+def device_arch(device: torch.device) -> str:
+    """The compute capability of device as digits, e.g. '90' for an H100/H200."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+def cuda_flags(arch: str) -> list[str]:
+    """nvcc flags of the .cu sources for one architecture (besides PyTorch's own).
+
+    No --use_fast_math: it flushes denormals and approximates division and square roots
+    everywhere; exact GELU needs erff, and exp2f in the softmax is fast without it.
+    """
+    return ["-O3", "-std=c++17", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+
+
+def host_flags() -> list[str]:
+    """Host compiler flags of ops.cpp."""
+    return ["-O3", "-std=c++17"]
+
+
+def nvcc_command(source: str | Path, arch: str, output: str | Path,
+                 strict: bool = False) -> list[str]:
+    """The nvcc command compiling one .cu source to an object file, as the JIT build does
+    (PyTorch's nvcc flags, cuda_flags, the headers beside it); strict turns every warning of
+    nvcc and ptxas (spills included) into an error."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise Unsupported(f"wmma: {toolkit_missing()}")
+    command = [nvcc, "-c", str(source), "-o", str(output), *COMMON_NVCC_FLAGS,
+               *cuda_flags(arch), "-Xcompiler", "-fPIC", f"-I{SOURCE_DIR}"]
+    if strict:
+        command += ["-Werror", "all-warnings", "-Xptxas", "-warn-spills,-warn-lmem-usage"]
+    return command
+
+
+def toolkit_missing() -> str:
+    """The reason given when no CUDA toolkit is found."""
+    return ("no CUDA toolkit found (nvcc on PATH, $CUDA_HOME or /usr/local/cuda); "
+            "the wmma kernels are compiled just in time")
+
+
+def source_hash(arch: str) -> str:
+    """A short hash of the sources, headers, flags and PyTorch version."""
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update(name.encode())
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(" ".join(cuda_flags(arch) + host_flags()).encode())
+    digest.update(torch.__version__.encode())
+    return digest.hexdigest()[:16]
+
+
+def build_directory(arch: str) -> Path:
+    """~/.cache/layerbench/wmma/<hash>-sm<arch> (or under $LAYERBENCH_WMMA_CACHE)."""
+    root = Path(os.environ.get(CACHE_ENV, Path.home() / ".cache" / "layerbench" / "wmma"))
+    return root / f"{source_hash(arch)}-sm{arch}"
+
+
+@functools.cache
+def _load(arch: str):
+    """Build (or reuse) and import the extension for arch."""
+    from torch.utils import cpp_extension
+
+    home = cuda_home()
+    if home is None:
+        raise Unsupported(f"wmma: {toolkit_missing()}")
+    os.environ.setdefault("CUDA_HOME", home)
+    if cpp_extension.CUDA_HOME is None:
+        cpp_extension.CUDA_HOME = home
+    directory = build_directory(arch)
+    directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=f"layerbench_wmma_{directory.name.replace('-', '_')}",
+        sources=[str(SOURCE_DIR / name) for name in SOURCES],
+        extra_cflags=host_flags(),
+        extra_cuda_cflags=cuda_flags(arch),
+        extra_include_paths=[str(SOURCE_DIR)],
+        build_directory=str(directory),
+        verbose=os.environ.get("LAYERBENCH_WMMA_VERBOSE") == "1",
+    )
+
+
+def load(device: torch.device):
+    """The compiled extension for device's architecture (built on first use)."""
+    return _load(device_arch(device))

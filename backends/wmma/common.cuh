@@ -1,0 +1,138 @@
+// Launch parameters shared by the kernels (.cu) and the bindings (ops.cpp), and small device
+// helpers. Every pointer is device memory; matrices are row-major and contiguous.
+#pragma once
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace lbw {
+
+// Element type of a tensor that kernels read or write in more than one type.
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// What the linear kernel does with each accumulator element v = (a @ w^T)[row, col].
+enum class Epilogue : int {
+  kHalf = 0,            // out_hi = half(v + bias)                                  (Q/K/V)
+  kGeluPair = 1,        // (out_hi, out_lo) = split(gelu(v + bias))                 (ffn_in)
+  kResidualUpdate = 2,  // out = residual + (valid ? v + bias : 0)                  (out_proj)
+  kResidualSum = 3,     // out = valid ? residual + v + bias : 0                    (ffn_out)
+};
+
+// The result of one launch: the CUDA error (cudaSuccess if none) and the kernel's name.
+struct LaunchResult {
+  cudaError_t error;
+  const char* kernel;
+};
+
+// norm_split: LayerNorm of each row, written as an fp16 (hi, lo) pair.
+struct NormSplitParams {
+  const void* x;          // [rows, cols] in x_type
+  DType x_type;
+  const float* weight;    // [cols] fp32
+  const float* bias;      // [cols] fp32
+  __half* hi;             // [rows, cols] fp16: half(y)
+  __half* lo;             // [rows, cols] fp16: half(y - hi), or null
+  float* copy;            // [rows, cols] fp32 copy of x, or null
+  int64_t rows;
+  int cols;
+  float eps;
+};
+
+// norm_out: LayerNorm of each fp32 row into the output type; invalid rows written as 0.
+struct NormOutParams {
+  const float* x;         // [rows, cols] fp32
+  const float* weight;    // [cols] fp32
+  const float* bias;      // [cols] fp32
+  void* out;              // [rows, cols] in out_type
+  DType out_type;
+  const uint8_t* valid;   // [rows] uint8 (nonzero = valid token), or null (all valid)
+  int64_t rows;
+  int cols;
+  float eps;
+};
+
+// linear: out[M, N] = epilogue(a[M, K] @ w[N, K]^T + bias) on the tensor cores.
+struct LinearParams {
+  const __half* a_hi;     // [M, K] fp16 high part of the activations
+  const __half* a_lo;     // [M, K] fp16 low part, or null with one product
+  const __half* w_hi;     // [N, K] fp16 high part of the weight (PyTorch's [out, in] layout)
+  const __half* w_lo;     // [N, K] fp16 low part, or null with one product
+  const float* bias;      // [N] fp32
+  const float* residual;  // [M, N] fp32 (residual epilogues; may alias out_f32), else null
+  const uint8_t* valid;   // [M] uint8 (nonzero = valid token), or null (all valid)
+  float* out_f32;         // [M, N] fp32 (residual epilogues), else null
+  __half* out_hi;         // [M, N] fp16 (kHalf, kGeluPair), else null
+  __half* out_lo;         // [M, N] fp16 (kGeluPair), else null
+  int64_t M;
+  int N;
+  int K;                  // a multiple of 8
+};
+
+// attention: flash attention of every (sequence, head) from the packed Q/K/V rows.
+struct AttentionParams {
+  const __half* qkv;      // [batch * seq_len, 3 * d_model] fp16: q | k | v, head h at h * head_dim
+  __half* ctx_hi;         // [batch * seq_len, d_model] fp16 high part of the context
+  __half* ctx_lo;         // [batch * seq_len, d_model] fp16 low part of the context
+  const uint8_t* valid;   // [batch, seq_len] uint8 (nonzero = valid key), or null (all valid)
+  int batch;
+  int seq_len;
+  int heads;
+  int head_dim;           // a multiple of 8, at most 256
+  int head_pad;           // head_dim rounded up to a multiple of 16
+  int causal;             // 1: key j is visible to query i only if j <= i
+  float scale_log2;       // head_dim ** -0.5 * log2(e): scores go through exp2
+};
+
+// Tile choices the host passes down (see tiles.py).
+enum class GemmTile : int { k128x128 = 0, k64x64 = 1, k32x32 = 2 };
+
+LaunchResult launch_norm_split(const NormSplitParams& p, cudaStream_t stream);
+LaunchResult launch_norm_out(const NormOutParams& p, cudaStream_t stream);
+LaunchResult launch_linear(const LinearParams& p, GemmTile tile, int products,
+                           Epilogue epilogue, cudaStream_t stream);
+LaunchResult launch_attention(const AttentionParams& p, int block_n, cudaStream_t stream);
+int attention_smem_bytes(int head_pad, int block_n);  // dynamic shared memory of one block
+
+#ifdef __CUDACC__
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+
+// 16-byte asynchronous copy global -> shared; src_bytes 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(dst), "l"(gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+// fp16 (hi, lo) parts of x: hi + lo == x to about 22 bits.
+__device__ __forceinline__ void split_half(float x, __half& hi, __half& lo) {
+  hi = __float2half_rn(x);
+  lo = __float2half_rn(x - __half2float(hi));
+}
+
+#endif  // __CUDACC__
+
+}  // namespace lbw

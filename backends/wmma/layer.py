@@ -1,0 +1,111 @@
+"""The wmma layer: packs and splits the weights, plans the workspace, streams the batch in
+chunks and launches the kernels block by block (replayed from a CUDA graph where it can)."""
+from __future__ import annotations
+
+import torch
+
+from layerbench.common.cuda_host import ChunkPlan, mask_bytes, multiprocessor_count, split_fp16
+from layerbench.common.graphs import GraphedForward
+from layerbench.common.interface import BuiltLayer
+from layerbench.common.params import pack_params, param_bytes
+
+from .attention import attention
+from .linear import GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE, linear
+from .norm import norm_out, norm_split
+from .tiles import choose_tiles
+
+MAX_GRID_X = 2 ** 31 - 1  # attention blocks: sequences * heads in grid dimension x
+
+
+def workspace(config) -> dict[str, tuple[int, torch.dtype]]:
+    """Per-token workspace buffers: name -> (columns, dtype). "rows" holds the normed rows and,
+    after attention, the context; both as fp16 (hi, lo) pairs."""
+    d, f = config.d_model, config.ffn_dim
+    return {"residual": (d, torch.float32), "qkv": (3 * d, torch.float16),
+            "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16),
+            "hidden_hi": (f, torch.float16), "hidden_lo": (f, torch.float16)}
+
+
+def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
+    """Workspace bytes of one sequence (of seq_len tokens, default the config's)."""
+    per_token = sum(c * t.itemsize for c, t in workspace(config).values())
+    return (config.seq_len if seq_len is None else seq_len) * per_token
+
+
+def weight_bytes(config) -> int:
+    """Bytes of the packed fp32 parameters plus the fp16 weight parts (Q/K/V: hi only)."""
+    d, f = config.d_model, config.ffn_dim
+    split = config.num_layers * (3 * d * d * 2 + (d * d + 2 * d * f) * 4)
+    return param_bytes(config) + split
+
+
+class WmmaLayer(BuiltLayer):
+    """Per block: norm1, Q/K/V (one fp16 product), attention, out_proj (+ residual), norm2,
+    ffn_in (+ GELU), ffn_out (+ residual); then the final norm into the output."""
+
+    def __init__(self, backend, config, state_dict, device, dtype, ext):
+        super().__init__(backend, config, device, dtype)
+        self.ext = ext
+        self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
+        self.weights = [self._weights(p) for p in self.params.layers]
+        self.chunks = ChunkPlan(device, lambda s: working_bytes_per_sequence(config, s),
+                                weight_bytes(config), MAX_GRID_X // config.num_heads)
+        self.multiprocessors = multiprocessor_count(device)
+        self.graphed = GraphedForward(self._forward)
+
+    @staticmethod
+    def _weights(p) -> dict:
+        """fp16 (hi, lo) parts of the weights; Q/K/V keeps hi only (one product)."""
+        return {"qkv": (p.qkv_weight.to(torch.float16).contiguous(), None),
+                "out": split_fp16(p.out_weight), "ffn_in": split_fp16(p.ffn_in_weight),
+                "ffn_out": split_fp16(p.ffn_out_weight)}
+
+    def forward(self, x, valid_token_mask, out=None):
+        """Run the kernels, through a CUDA graph once these input buffers repeat."""
+        return self.graphed(x, valid_token_mask, out)
+
+    def _forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, d = x.shape
+        chunk = self.chunks(b, s)
+        rows = min(chunk, b) * s
+        work = {name: torch.empty(rows, cols, device=x.device, dtype=dtype)
+                for name, (cols, dtype) in workspace(self.config).items()}
+        valid = mask_bytes(valid_token_mask)
+        out = torch.empty_like(x) if out is None else out
+        for b0 in range(0, b, chunk):
+            b1 = min(b, b0 + chunk)
+            t = (b1 - b0) * s
+            self._run(x[b0:b1].view(-1, d), None if valid is None else valid[b0:b1],
+                      out[b0:b1].view(-1, d), b1 - b0, s, {k: v[:t] for k, v in work.items()})
+        return out
+
+    def _run(self, x2, valid, out2, batch, s, work):
+        """The stack on one chunk: x2 [t, D] in the input dtype -> out2 [t, D]."""
+        ext, cfg = self.ext, self.config
+        res, qkv = work["residual"], work["qkv"]
+        rows = (work["rows_hi"], work["rows_lo"])
+        hidden = (work["hidden_hi"], work["hidden_lo"])
+        valid_rows = None if valid is None else valid.reshape(-1)
+        tiles = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
+                             self.multiprocessors)
+        src = x2
+        for p, w in zip(self.params.layers, self.weights):
+            if src.dtype != torch.float32:  # fp16/bf16 input: copied to the fp32 residual
+                norm_split(ext, src, p.norm1_weight, p.norm1_bias, (rows[0], None), copy=res)
+                src = res
+            else:
+                norm_split(ext, src, p.norm1_weight, p.norm1_bias, (rows[0], None))
+            linear(ext, (rows[0], None), w["qkv"], p.qkv_bias, epilogue=HALF, tile=tiles.qkv,
+                   out_pair=(qkv, None))
+            attention(ext, qkv, rows, valid, batch=batch, seq_len=s, num_heads=cfg.num_heads,
+                      causal=cfg.causal, block_n=tiles.attention_block_n)
+            linear(ext, rows, w["out"], p.out_bias, epilogue=RESIDUAL_UPDATE,
+                   tile=tiles.out_proj, out=res, residual=src, valid_rows=valid_rows)
+            norm_split(ext, res, p.norm2_weight, p.norm2_bias, rows)
+            linear(ext, rows, w["ffn_in"], p.ffn_in_bias, epilogue=GELU_PAIR, tile=tiles.ffn_in,
+                   out_pair=hidden)
+            linear(ext, hidden, w["ffn_out"], p.ffn_out_bias, epilogue=RESIDUAL_SUM,
+                   tile=tiles.ffn_out, out=res, residual=res, valid_rows=valid_rows)
+            src = res
+        norm_out(ext, src, self.params.final_weight, self.params.final_bias, out2, valid_rows)

@@ -1,0 +1,185 @@
+// Python bindings: check the tensors, fill the launch parameters, launch on PyTorch's current
+// stream, and raise (TORCH_CHECK) naming the kernel if a launch fails.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "common.cuh"
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// PyTorch's current stream on the current device (what at::cuda::getCurrentCUDAStream returns;
+// this header needs no CUDA math libraries).
+cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+void check_launch(const lbw::LaunchResult& result) {
+  TORCH_CHECK(result.error == cudaSuccess, "layerbench wmma: ", result.kernel, " failed: ",
+              cudaGetErrorString(result.error));
+}
+
+void check(const Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// Operands the kernels copy in 16-byte pieces.
+void check_aligned(const Tensor& t, const char* name) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0,
+              name, " must be 16-byte aligned");
+}
+
+void check_rows(const Tensor& t, int64_t rows, int64_t cols, at::ScalarType dtype,
+                const char* name) {
+  check(t, dtype, name);
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, " must be [",
+              rows, ", ", cols, "], got ", t.sizes());
+}
+
+lbw::DType dtype_of(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return lbw::DType::kFloat32;
+    case at::kHalf: return lbw::DType::kFloat16;
+    case at::kBFloat16: return lbw::DType::kBFloat16;
+    default: break;
+  }
+  TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
+  return lbw::DType::kFloat32;
+}
+
+template <typename T>
+T* ptr(const OptTensor& t) {
+  return t.has_value() ? reinterpret_cast<T*>(t->data_ptr()) : nullptr;
+}
+
+// hi (and lo) = fp16 parts of LayerNorm(x) * weight + bias; copy = fp32 x when given.
+void norm_split(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& hi,
+                const OptTensor& lo, const OptTensor& copy, double eps) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  check_rows(x, rows, cols, x.scalar_type(), "x");
+  check_rows(weight.view({1, cols}), 1, cols, at::kFloat, "weight");
+  check_rows(bias.view({1, cols}), 1, cols, at::kFloat, "bias");
+  check_rows(hi, rows, cols, at::kHalf, "hi");
+  if (lo) check_rows(*lo, rows, cols, at::kHalf, "lo");
+  if (copy) check_rows(*copy, rows, cols, at::kFloat, "copy");
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  lbw::NormSplitParams p{x.data_ptr(), dtype_of(x), weight.data_ptr<float>(),
+                         bias.data_ptr<float>(), reinterpret_cast<__half*>(hi.data_ptr()),
+                         ptr<__half>(lo), ptr<float>(copy), rows, static_cast<int>(cols),
+                         static_cast<float>(eps)};
+  check_launch(lbw::launch_norm_split(p, current_stream()));
+}
+
+// out = LayerNorm(x) * weight + bias in out's dtype; rows with valid 0 are 0.
+void norm_out(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& out,
+              const OptTensor& valid, double eps) {
+  const int64_t rows = x.size(0), cols = x.size(1);
+  check_rows(x, rows, cols, at::kFloat, "x");
+  check_rows(weight.view({1, cols}), 1, cols, at::kFloat, "weight");
+  check_rows(bias.view({1, cols}), 1, cols, at::kFloat, "bias");
+  check_rows(out, rows, cols, out.scalar_type(), "out");
+  if (valid) check_rows(valid->view({rows, 1}), rows, 1, at::kByte, "valid");
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  lbw::NormOutParams p{x.data_ptr<float>(), weight.data_ptr<float>(), bias.data_ptr<float>(),
+                       out.data_ptr(), dtype_of(out), ptr<uint8_t>(valid), rows,
+                       static_cast<int>(cols), static_cast<float>(eps)};
+  check_launch(lbw::launch_norm_out(p, current_stream()));
+}
+
+// out = epilogue(a @ w^T + bias); products 3 uses the lo parts (fp16x3), 1 only the hi parts.
+void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
+            const OptTensor& w_lo, const Tensor& bias, int64_t epilogue,
+            const OptTensor& residual, const OptTensor& valid, const OptTensor& out_f32,
+            const OptTensor& out_hi, const OptTensor& out_lo, int64_t tile) {
+  const int64_t m = a_hi.size(0), k = a_hi.size(1), n = w_hi.size(0);
+  const int products = a_lo.has_value() ? 3 : 1;
+  TORCH_CHECK(a_lo.has_value() == w_lo.has_value(), "a_lo and w_lo come together");
+  TORCH_CHECK(k % 8 == 0, "the inner dimension must be a multiple of 8, got ", k);
+  check_rows(a_hi, m, k, at::kHalf, "a_hi");
+  check_rows(w_hi, n, k, at::kHalf, "w_hi");
+  check_aligned(a_hi, "a_hi");
+  check_aligned(w_hi, "w_hi");
+  if (a_lo) {
+    check_rows(*a_lo, m, k, at::kHalf, "a_lo");
+    check_aligned(*a_lo, "a_lo");
+  }
+  if (w_lo) {
+    check_rows(*w_lo, n, k, at::kHalf, "w_lo");
+    check_aligned(*w_lo, "w_lo");
+  }
+  check_rows(bias.view({1, n}), 1, n, at::kFloat, "bias");
+  const auto kind = static_cast<lbw::Epilogue>(epilogue);
+  const bool residual_epilogue =
+      kind == lbw::Epilogue::kResidualUpdate || kind == lbw::Epilogue::kResidualSum;
+  TORCH_CHECK(epilogue >= 0 && epilogue <= 3, "unknown epilogue ", epilogue);
+  if (residual_epilogue) {
+    TORCH_CHECK(residual && out_f32, "residual epilogues need residual and out_f32");
+    check_rows(*residual, m, n, at::kFloat, "residual");
+    check_rows(*out_f32, m, n, at::kFloat, "out_f32");
+  } else {
+    TORCH_CHECK(out_hi, "this epilogue needs out_hi");
+    check_rows(*out_hi, m, n, at::kHalf, "out_hi");
+  }
+  if (kind == lbw::Epilogue::kGeluPair) {
+    TORCH_CHECK(out_lo, "the GELU epilogue needs out_lo");
+    check_rows(*out_lo, m, n, at::kHalf, "out_lo");
+  }
+  if (valid) check_rows(valid->view({m, 1}), m, 1, at::kByte, "valid");
+  TORCH_CHECK(tile >= 0 && tile <= 2, "unknown tile ", tile);
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(a_hi.device());
+  lbw::LinearParams p{reinterpret_cast<const __half*>(a_hi.data_ptr()), ptr<const __half>(a_lo),
+                      reinterpret_cast<const __half*>(w_hi.data_ptr()), ptr<const __half>(w_lo),
+                      bias.data_ptr<float>(), ptr<const float>(residual), ptr<uint8_t>(valid),
+                      ptr<float>(out_f32), ptr<__half>(out_hi), ptr<__half>(out_lo), m,
+                      static_cast<int>(n), static_cast<int>(k)};
+  check_launch(lbw::launch_linear(p, static_cast<lbw::GemmTile>(tile), products, kind,
+                                  current_stream()));
+}
+
+// (ctx_hi, ctx_lo) = fp16 parts of softmax(q k^T / sqrt(head_dim)) v for every head.
+void attention(const Tensor& qkv, const Tensor& ctx_hi, const Tensor& ctx_lo,
+               const OptTensor& valid, int64_t batch, int64_t seq_len, int64_t heads,
+               bool causal, int64_t block_n) {
+  const int64_t rows = batch * seq_len, d_model = ctx_hi.size(1);
+  const int64_t head_dim = d_model / heads;
+  TORCH_CHECK(d_model % heads == 0 && head_dim % 8 == 0 && head_dim <= 256,
+              "head dims must be a multiple of 8 up to 256, got ", head_dim);
+  TORCH_CHECK((seq_len + 63) / 64 <= 65535, "seq_len ", seq_len, " is too long");
+  check_rows(qkv, rows, 3 * d_model, at::kHalf, "qkv");
+  check_aligned(qkv, "qkv");
+  check_rows(ctx_hi, rows, d_model, at::kHalf, "ctx_hi");
+  check_rows(ctx_lo, rows, d_model, at::kHalf, "ctx_lo");
+  if (valid) check_rows(valid->view({rows, 1}), rows, 1, at::kByte, "valid");
+  if (rows == 0) return;
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  const int head_pad = static_cast<int>((head_dim + 15) / 16 * 16);
+  lbw::AttentionParams p{reinterpret_cast<const __half*>(qkv.data_ptr()),
+                         reinterpret_cast<__half*>(ctx_hi.data_ptr()),
+                         reinterpret_cast<__half*>(ctx_lo.data_ptr()), ptr<uint8_t>(valid),
+                         static_cast<int>(batch), static_cast<int>(seq_len),
+                         static_cast<int>(heads), static_cast<int>(head_dim), head_pad,
+                         causal ? 1 : 0,
+                         static_cast<float>(1.4426950408889634 / std::sqrt(double(head_dim)))};
+  check_launch(lbw::launch_attention(p, static_cast<int>(block_n),
+                                     current_stream()));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "layerbench wmma kernels";
+  m.def("norm_split", &norm_split, "LayerNorm rows into an fp16 (hi, lo) pair");
+  m.def("norm_out", &norm_out, "final LayerNorm into the output dtype, invalid rows zero");
+  m.def("linear", &linear, "a @ w^T + bias with an epilogue, on wmma tensor cores");
+  m.def("attention", &attention, "causal or full flash attention, context as an fp16 pair");
+  m.def("attention_smem_bytes", &lbw::attention_smem_bytes,
+        "dynamic shared memory of one attention block");
+}

@@ -1,0 +1,62 @@
+"""Host-side helpers shared by the CUDA-kernel backends: device facts, the fp16 (hi, lo)
+weight split, uint8 masks and the per-shape chunk plan."""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from .memory import sequences_per_chunk
+
+
+@functools.cache
+def multiprocessor_count(device: torch.device) -> int:
+    """The device's multiprocessor count (1 on a CPU)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def max_shared_memory_per_block(device: torch.device) -> int | None:
+    """Dynamic shared memory one block may opt in to, in bytes (None if PyTorch cannot tell)."""
+    if device.type != "cuda":
+        return None
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin",
+                   None)
+
+
+def split_fp16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) fp16 tensors with hi + lo == t to about 22 bits."""
+    hi = t.to(torch.float16)
+    lo = (t - hi.to(t.dtype)).to(torch.float16)
+    return hi.contiguous(), lo.contiguous()
+
+
+def mask_bytes(valid_token_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The bool [B, S] mask viewed as uint8 (no copy), or None."""
+    return None if valid_token_mask is None else valid_token_mask.view(torch.uint8)
+
+
+class ChunkPlan:
+    """Sequences per chunk for each input [batch, seq_len], planned once per shape (never
+    while a CUDA graph is being captured: the plan asks the device for free memory)."""
+
+    def __init__(self, device: torch.device, per_sequence_bytes: Callable[[int], int],
+                 fixed_bytes: int, max_sequences: int | None = None):
+        self.device = device
+        self.per_sequence_bytes = per_sequence_bytes  # seq_len -> workspace bytes
+        self.fixed_bytes = fixed_bytes
+        self.max_sequences = max_sequences
+        self.chunks: dict[tuple[int, int], int] = {}
+
+    def __call__(self, batch: int, seq_len: int) -> int:
+        """Sequences per chunk for a [batch, seq_len] input (at least 1)."""
+        if (batch, seq_len) not in self.chunks:
+            chunk = sequences_per_chunk(self.per_sequence_bytes(seq_len), self.fixed_bytes,
+                                        batch, self.device)
+            if self.max_sequences is not None:
+                chunk = min(chunk, self.max_sequences)
+            self.chunks[(batch, seq_len)] = max(1, chunk)
+        return self.chunks[(batch, seq_len)]
