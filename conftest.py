@@ -1,4 +1,4 @@
-"""Command-line options shared by the conformance and benchmark suites."""
+"""Command-line options shared by the conformance and benchmark suites, checked once at start."""
 from __future__ import annotations
 
 import os
@@ -18,22 +18,44 @@ def pytest_addoption(parser):
                     help="backend name to test (repeatable, comma lists, 'all' or 'peers'; "
                          "default all)")
     group.addoption("--shapes", default=None,
-                    help="'official', 'ci', or numbers such as '1,8,13' / 'ci3' "
+                    help="'official', 'ci', or a list such as '1,8,13' / 'ci3' "
                          "(default: official on a GPU, ci on a CPU)")
     group.addoption("--dtype", action="append", default=None,
                     choices=["float32", "float16", "bfloat16"],
                     help="input dtypes to test (repeatable; default all three)")
     group.addoption("--padding", action="append", type=float, default=None,
-                    help="padding ratios for the float32 cases (repeatable; default 0 and 0.25); "
-                         "the benchmark pads its inputs at the first (default 0)")
+                    help="padding ratios in [0, 1) for the float32 cases (repeatable; default "
+                         "0 and 0.25); the benchmark pads its inputs at the first (default 0)")
     group.addoption("--seed", type=int, default=None,
-                    help="seed of inputs and parameters (default: fresh each run, printed)")
-    group.addoption("--device", default=None, help="'cuda' or 'cpu' (default: cuda if present)")
+                    help="non-negative seed of inputs and parameters (default: fresh each run, "
+                         "printed)")
+    group.addoption("--device", default=None,
+                    help="'cuda' (needs a CUDA device) or 'cpu' (default: cuda if present)")
     group.addoption("--results-file", default=None,
                     help="append one JSON line per conformance case to this file")
 
 
+def _check_options(config) -> None:
+    """Raise pytest.UsageError (exit 4, one line) for a bad layerbench option."""
+    from layerbench.common.cli import (check_backends, check_device, check_padding,
+                                       check_seed, check_shapes)
+
+    checks = [("--backend", check_backends, config.getoption("--backend")),
+              ("--shapes", check_shapes, config.getoption("--shapes")),
+              ("--device", check_device, config.getoption("--device")),
+              ("--seed", check_seed, config.getoption("--seed"))]
+    checks += [("--padding", check_padding, p) for p in config.getoption("--padding") or []]
+    for option, check, value in checks:
+        if value is None:
+            continue
+        try:
+            check(value)
+        except ValueError as exc:
+            raise pytest.UsageError(f"{option}: {exc}") from None
+
+
 def pytest_configure(config):
+    _check_options(config)
     if config.getoption("--seed") is None:
         config.option.seed = random.SystemRandom().randrange(1 << 30)
 

@@ -25,7 +25,18 @@ def main() -> int:
     parser.add_argument("--forwards", type=int, default=2)
     parser.add_argument("--padding", type=float, default=0.25)
     args = parser.parse_args()
-    shape = resolve_shapes(args.shape)[0]
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device, and this machine has none")
+    try:
+        shape = resolve_shapes(args.shape)[0]
+    except ValueError as exc:
+        parser.error(f"argument --shape: {exc}")
+    try:
+        get_backend(args.backend)
+    except KeyError as exc:
+        parser.error(f"argument --backend: {exc.args[0]}")
+    if not 0.0 <= args.padding < 1.0:
+        parser.error(f"argument --padding: must be in [0, 1), got {args.padding:g}")
     prepared = runner.prepare(shape, padding=args.padding, dtype=torch.float32, seed=0,
                               device=torch.device("cuda"))
     layer = get_backend(args.backend).build(shape.config, prepared.model.state_dict(),

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 
 from layerbench.common.cli import main as cli_main
-from layerbench.common.report import markdown_table, rows_from_benchmark_json
+from layerbench.common.report import (fmt_speedup, heatmap, heatmap_figure, markdown_table,
+                                      rows_from_benchmark_json, shape_label, text_colour)
 from layerbench.common.results import collect_results
 
 
@@ -77,11 +78,14 @@ def test_padded_run_is_labelled(tmp_path):
 
 
 def test_report_command(tmp_path, capsys):
-    """layerbench report turns a saved run into table.md and speedup.png."""
+    """layerbench report turns a saved run into table.md and speedup.png, with the speedup
+    over the fastest peer of the run."""
     run = tmp_path / "0001_run.json"
     run.write_text(json.dumps(_bench_json(MEDIANS)))
     assert cli_main(["report", str(run), "--out", str(tmp_path / "rep")]) == 0
-    assert "triton" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "triton" in out
+    assert "| 1 | - | 8.00x (torch-baseline) |" in out  # ranked against the peers of the run
     assert (tmp_path / "rep" / "speedup.png").exists()
 
 
@@ -101,3 +105,78 @@ def test_collect_from_kept_runs_orders_them_by_date(tmp_path):
     assert [r["commit"] for r in data["runs"]] == ["run-old", "run-new"]
     rows = {(r["backend"], r["shape"]): r for r in data["rows"]}
     assert rows[("triton", 1)]["median_ms"] == 0.5 and rows[("triton", 1)]["run"] == 1
+
+
+def _ci_rows(best_peer: bool = False) -> list[dict]:
+    """Rows of a CPU run on CI shapes 1 and 8; triton far slower (the interpreter)."""
+    data = _bench_json({("torch-baseline", 1): 1.5, ("torch-sdpa", 1): 0.9, ("triton", 1): 1200.0,
+                        ("torch-baseline", 8): 40.0, ("torch-sdpa", 8): 30.0,
+                        ("triton", 8): 25000.0})
+    for bench in data["benchmarks"]:
+        info = bench["extra_info"]
+        info["shape_kind"] = "ci"
+        if best_peer:
+            peer = "torch-baseline" if info["backend"] == "torch-sdpa" else "torch-sdpa"
+            peer_ms = {"torch-baseline": {1: 1.5, 8: 40.0}, "torch-sdpa": {1: 0.9, 8: 30.0}}
+            info["best_peer"] = peer
+            info["speedup_vs_best_peer"] = (peer_ms[peer][info["shape"]]
+                                            / (bench["stats"]["median"] * 1e3))
+    return rows_from_benchmark_json(data)
+
+
+def test_ci_shapes_are_labelled_and_small_speedups_keep_digits():
+    """CI shapes read ci1/ci8, the geomean names them, and 0.00125x keeps 3 significant digits."""
+    table = markdown_table(_ci_rows())
+    assert "| ci1 | 1.500 ms (1.00x) | 0.900 ms (1.67x) | 1.20 s (0.00125x) |" in table
+    assert "| ci8 |" in table and "| 1 |" not in table
+    footer = table.splitlines()[-1]
+    assert footer.startswith("| geomean speedup, shapes ci1, ci8 |")
+    assert "0.00x" not in table and "1-13" not in table
+    assert fmt_speedup(0.001234) == "0.00123x" and fmt_speedup(21.584) == "21.58x"
+    assert fmt_speedup(0.5) == "0.500x" and fmt_speedup(None) == "-"
+
+
+def test_official_footer_and_labels():
+    """Official shapes keep their plain numbers and the footer says shapes 1-13."""
+    medians = {(b, s): ms * s for s in range(1, 15) for b, ms in (("torch-baseline", 2.0),
+                                                                   ("triton", 0.5))}
+    table = markdown_table(rows_from_benchmark_json(_bench_json(medians)))
+    assert "| 14 |" in table
+    assert table.splitlines()[-1].startswith("| geomean speedup, shapes 1-13 |")
+    assert shape_label("ci", 3) == "ci3" and shape_label("official-noncausal", 8) == "nc8"
+
+
+def test_best_peer_table_when_rows_carry_it():
+    """Rows with speedup_vs_best_peer get a second table naming the peer; others do not."""
+    assert "fastest peer" not in markdown_table(_ci_rows())
+    table = markdown_table(_ci_rows(best_peer=True))
+    assert "fastest peer" in table
+    assert "| ci1 | 0.600x (torch-sdpa) | 1.67x (torch-baseline) | 0.000750x (torch-sdpa) |" \
+        in table
+    assert "geomean vs best peer, shapes ci1, ci8" in table
+
+
+def test_heatmap_fits_its_title_and_has_colour_bars(tmp_path):
+    """With two shapes the title lies inside the figure; each panel has a colour bar; cell
+    labels are white on dark cells and black on light ones."""
+    import matplotlib.pyplot as plt
+
+    for best_peer, panels in ((False, 1), (True, 2)):
+        title = "speedup over torch-baseline of the same run"
+        fig = heatmap_figure(_ci_rows(best_peer), title)
+        try:
+            assert len(fig.axes) == 2 * panels  # a heatmap and its colour bar per panel
+            renderer = fig.canvas.get_renderer()
+            width = fig.bbox.width
+            heat = fig.axes[0]
+            box = heat.title.get_window_extent(renderer)
+            assert heat.get_title() == title and box.x0 >= 0 and box.x1 <= width
+            colours = {t.get_text().split("\n")[0]: t.get_color() for t in heat.texts}
+            assert colours["0.00125x"] == "white"  # deep red
+            assert colours["1.00x"] == "black"  # pale yellow
+        finally:
+            plt.close(fig)
+    assert text_colour((0.0, 0.3, 0.1, 1.0)) == "white"
+    assert text_colour((0.9, 0.9, 0.6, 1.0)) == "black"
+    png = heatmap(_ci_rows(True), tmp_path / "speedup.png")
+    assert png.stat().st_size > 1000

@@ -183,6 +183,14 @@ def main() -> int:
                         default="all-valid", help="attention study: the key mask passed")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device, and this machine has none")
+    try:
+        resolve_shapes(args.shapes)
+    except ValueError as exc:
+        parser.error(f"argument --shapes: {exc}")
+    if not 0.0 <= args.padding < 1.0:
+        parser.error(f"argument --padding: must be in [0, 1), got {args.padding:g}")
     global BATCH, PADDING
     BATCH, PADDING = args.batch, args.padding
     if args.study == "profile":

@@ -15,11 +15,12 @@ class TorchBaselineBackend(Backend):
     """The baseline nn.Module, TF32 on; forms the full [B, H, S, S] score tensor."""
 
     name = "torch-baseline"
-    summary = "reference nn.Module stack, TF32 matmuls (the harness's baseline)"
+    summary = "reference nn.Module stack (the harness's baseline); TF32 matmuls on CUDA"
     capabilities = Capabilities(
         devices=("cuda", "cpu"),
         dtypes=(torch.float32,),
-        notes="fp32 only: the harness's configuration; forms [B,H,S,S] scores",
+        notes="fp32 only: the harness's configuration; forms [B,H,S,S] scores; TF32 "
+              "applies on CUDA only (on a CPU the matmuls are plain fp32)",
     )
 
     def memory_plan(self, config, dtype):
