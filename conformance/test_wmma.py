@@ -145,6 +145,7 @@ def _layer_and_reference(cfg, seed=3):
     x, mask = make_inputs(cfg, padding_ratio=0.25, seed=seed + 1, device="cuda")
     layer = WmmaBackend().build(cfg, model.state_dict(), device="cuda")
     expected = reference_forward(model.to("cuda"), x, mask)
+    _layer_and_reference.model = model
     return layer, x, mask, expected
 
 
@@ -175,3 +176,21 @@ def test_writes_into_out(wmma_selected):
     assert result is out
     report = compare(out, expected)
     assert report.passed, report.summary()
+
+
+@needs_gpu
+@pytest.mark.parametrize("number", [1, 7, 12], ids=["d128", "d32", "seq32"])
+def test_narrow_and_wide_plans_pass(wmma_selected, number):
+    """The three-kernel block (whole rows in one tile) and the seven-kernel block both keep
+    the contract on the same case."""
+    from layerbench.common.shapes import CI
+
+    cfg = CI[number].config
+    layer, x, mask, expected = _layer_and_reference(cfg)
+    wide = WmmaBackend(narrow=False).build(cfg, _layer_and_reference.model.state_dict(),
+                                          device="cuda")
+    assert layer.narrow and not wide.narrow
+    with torch.no_grad():
+        for built in (layer, wide):
+            report = compare(built(x, mask), expected)
+            assert report.passed, report.summary()

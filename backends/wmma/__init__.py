@@ -9,15 +9,16 @@ from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import MemoryPlan
 
-from . import build
+from . import block, build
 from .attention import max_seq_len, shared_bytes, supported_head_dim
 from .layer import WmmaLayer, weight_bytes, working_bytes_per_sequence
 from .tiles import choose_tiles
 
 
 class WmmaBackend(Backend):
-    """The stack in CUDA C++ kernels on wmma fragments (seven per block plus the final norm),
-    replayed as one CUDA graph where the input allows."""
+    """The stack in CUDA C++ kernels on wmma fragments (three per block when whole rows fit
+    one tile, else seven plus the final norm), replayed as one CUDA graph where the input
+    allows."""
 
     name = "wmma"
     summary = "CUDA C++ on nvcuda::wmma: fp16x3 linears, flash attention, CUDA graph"
@@ -26,6 +27,9 @@ class WmmaBackend(Backend):
         head_dims=tuple(range(8, 257, 8)),
         notes="JIT-built with nvcc (sm_80+); fp32 residual stream; fp16/bf16 computed in fp32",
     )
+
+    def __init__(self, narrow: bool = True):
+        self.narrow = narrow  # False: the wide plan for every layer
 
     def unavailable_reason(self, device):
         """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
@@ -38,8 +42,9 @@ class WmmaBackend(Backend):
         return None
 
     def memory_plan(self, config, dtype):
-        """One sequence's workspace (the layer streams the batch) plus the packed weights."""
-        return MemoryPlan({"one sequence": working_bytes_per_sequence(config),
+        """One sequence's workspace (the layer streams the batch; the wide plan's, the larger)
+        plus the packed weights."""
+        return MemoryPlan({"one sequence": working_bytes_per_sequence(config, narrow=False),
                            "parameters": weight_bytes(config)})
 
     def check(self, config, device, dtype):
@@ -62,4 +67,7 @@ class WmmaBackend(Backend):
         if limit is not None and need > limit:
             raise Unsupported(f"wmma: attention needs {need} bytes of shared memory per block, "
                               f"the device allows {limit}")
-        return WmmaLayer(self, config, state_dict, device, dtype, ext)
+        narrow = (self.narrow and block.fits(config.d_model, config.ffn_dim)
+                  and (limit is None
+                       or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
+        return WmmaLayer(self, config, state_dict, device, dtype, ext, narrow)

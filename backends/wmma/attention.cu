@@ -3,7 +3,7 @@
 // Q, K, V and P are fp16 tensor-core operands with fp32 accumulation; the online softmax runs
 // in fp32 (base 2). [S, S] scores never reach memory: each warp owns 16 query rows, computes
 // their scores against a key block into shared memory, updates its rows' running max and sum
-// in registers, writes P as fp16, and accumulates P V into the context rows it keeps in
+// in registers (two lanes per row), writes P as fp16, and accumulates P V into the context rows it keeps in
 // shared fp32 (loaded as accumulator fragments for each product). Key blocks above the causal
 // diagonal are skipped; masked keys get -inf; a row with no visible key gets context 0.
 #include <math_constants.h>
@@ -24,7 +24,7 @@ constexpr int kThreads = kWarps * 32;
 struct Layout {
   int ldh, lds, ldp, ldo;                   // row strides: Q/K/V (halves), S (floats), P
                                             // (halves), O (floats)
-  int q, k, v, s, p, o, bytes;
+  int q, k, v, s, p, o, key_ok, bytes;
 };
 
 __host__ __device__ inline Layout layout(int head_pad, int block_n) {
@@ -39,7 +39,8 @@ __host__ __device__ inline Layout layout(int head_pad, int block_n) {
   l.s = l.v + block_n * l.ldh * 2;
   l.p = l.s + kBlockM * l.lds * 4;
   l.o = l.p + kBlockM * l.ldp * 2;
-  l.bytes = l.o + kBlockM * l.ldo * 4;
+  l.key_ok = l.o + kBlockM * l.ldo * 4;
+  l.bytes = l.key_ok + block_n * 4;
   return l;
 }
 
@@ -63,7 +64,7 @@ __device__ __forceinline__ void load_rows(__half* dst, int ld, const AttentionPa
 template <int BLOCK_N>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) {
   constexpr int kKeyFrags = BLOCK_N / 16;
-  constexpr int kPerLane = BLOCK_N / 32;    // score columns per lane in the softmax
+  constexpr int kPerLane = BLOCK_N / 2;     // score columns per lane in the softmax
   extern __shared__ __align__(128) unsigned char smem[];
   const Layout L = layout(p.head_pad, BLOCK_N);
   __half* q_s = reinterpret_cast<__half*>(smem + L.q);
@@ -72,6 +73,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   float* s_s = reinterpret_cast<float*>(smem + L.s);
   __half* p_s = reinterpret_cast<__half*>(smem + L.p);
   float* o_s = reinterpret_cast<float*>(smem + L.o);
+  int* key_ok_s = reinterpret_cast<int*>(smem + L.key_ok);   // 1: key exists and is valid
 
   const int b = blockIdx.x / p.heads, h = blockIdx.x % p.heads;
   const int q0 = (gridDim.y - 1 - blockIdx.y) * kBlockM;   // longest causal blocks first
@@ -85,31 +87,43 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
   cp_async_commit();
   for (int i = threadIdx.x; i < kBlockM * L.ldo; i += kThreads) o_s[i] = 0.f;
 
-  float m_run[16], l_run[16];               // running max (base 2) and sum of this warp's rows
-#pragma unroll
-  for (int r = 0; r < 16; ++r) {
-    m_run[r] = -CUDART_INF_F;
-    l_run[r] = 0.f;
-  }
+  // Softmax state: lanes 2r and 2r+1 share row0 + r (each half of the key block's columns).
+  const int r_own = lane >> 1, half = lane & 1;
+  const int row_own = row0 + r_own;
+  const int query_own = q0 + row_own;
+  float m_run = -CUDART_INF_F;              // running max of the row (base 2)
+  float l_run = 0.f;                        // running sum of the row
 
   const int key_end = p.causal ? min(p.seq_len, q0 + kBlockM) : p.seq_len;
+  const int warp_last_query = q0 + row0 + 15;
   for (int n0 = 0; n0 < key_end; n0 += BLOCK_N) {
-    __syncthreads();                        // every warp is done with the previous K and V
+    __syncthreads();                        // every warp is done with the previous block
     load_rows(k_s, L.ldh, p, seq_base, n0, BLOCK_N, k_col);
     load_rows(v_s, L.ldh, p, seq_base, n0, BLOCK_N, v_col);
     cp_async_commit();
+    if (threadIdx.x < BLOCK_N) {
+      const int key = n0 + threadIdx.x;
+      key_ok_s[threadIdx.x] =
+          key < p.seq_len && (p.valid == nullptr || p.valid[seq_base + key] != 0);
+    }
     cp_async_wait<0>();
     __syncthreads();
 
-    // Scores of this warp's 16 rows against the key block.
+    // Scores of this warp's 16 rows against the key block; 16-key tiles wholly above the
+    // causal diagonal of these rows are left at 0 (the softmax masks them).
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> s_acc[kKeyFrags];
+    bool live[kKeyFrags];
 #pragma unroll
-    for (int j = 0; j < kKeyFrags; ++j) wmma::fill_fragment(s_acc[j], 0.f);
+    for (int j = 0; j < kKeyFrags; ++j) {
+      wmma::fill_fragment(s_acc[j], 0.f);
+      live[j] = !p.causal || n0 + 16 * j <= warp_last_query;
+    }
     for (int kd = 0; kd < p.head_pad; kd += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> q_frag;
       wmma::load_matrix_sync(q_frag, q_s + row0 * L.ldh + kd, L.ldh);
 #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j) {
+        if (!live[j]) continue;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> k_frag;
         wmma::load_matrix_sync(k_frag, k_s + (j * 16) * L.ldh + kd, L.ldh);
         wmma::mma_sync(s_acc[j], q_frag, k_frag, s_acc[j]);
@@ -122,41 +136,32 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     }
     __syncwarp();
 
-    // Which of this lane's keys exist and are valid (the causal test is per row).
-    int key[kPerLane];
-    bool key_ok[kPerLane];
+    // Online softmax of the lane's row: columns half, half + 2, ...; P stored as fp16 and
+    // the row's context rescaled in place.
+    float s[kPerLane];
+    float block_max = -CUDART_INF_F;
 #pragma unroll
-    for (int t = 0; t < kPerLane; ++t) {
-      key[t] = n0 + lane + 32 * t;
-      key_ok[t] = key[t] < p.seq_len && (p.valid == nullptr || p.valid[seq_base + key[t]] != 0);
+    for (int j = 0; j < kPerLane; ++j) {
+      const int c = half + 2 * j;
+      const bool visible = key_ok_s[c] && (!p.causal || n0 + c <= query_own);
+      s[j] = visible ? s_s[row_own * L.lds + c] * p.scale_log2 : -CUDART_INF_F;
+      block_max = fmaxf(block_max, s[j]);
     }
-
-    // Online softmax, one row at a time across the warp; O rows rescaled in place.
+    const float m_new = fmaxf(m_run, fmaxf(block_max, __shfl_xor_sync(kFullMask, block_max, 1)));
+    const float m_safe = m_new == -CUDART_INF_F ? 0.f : m_new;   // no visible key yet
+    float sum = 0.f;
 #pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      const int row = row0 + r;
-      const int query = q0 + row;
-      float s[kPerLane];
-      float block_max = -CUDART_INF_F;
-#pragma unroll
-      for (int t = 0; t < kPerLane; ++t) {
-        const bool visible = key_ok[t] && (!p.causal || key[t] <= query);
-        s[t] = visible ? s_s[row * L.lds + lane + 32 * t] * p.scale_log2 : -CUDART_INF_F;
-        block_max = fmaxf(block_max, s[t]);
-      }
-      const float m_new = fmaxf(m_run[r], warp_max(block_max));
-      const float m_safe = m_new == -CUDART_INF_F ? 0.f : m_new;   // no visible key yet
-      float sum = 0.f;
-#pragma unroll
-      for (int t = 0; t < kPerLane; ++t) {
-        const float e = exp2f(s[t] - m_safe);
-        sum += e;
-        p_s[row * L.ldp + lane + 32 * t] = __float2half_rn(e);
-      }
-      const float alpha = exp2f(m_run[r] - m_safe);
-      l_run[r] = l_run[r] * alpha + warp_sum(sum);
-      m_run[r] = m_new;
-      for (int d = lane; d < p.head_pad; d += 32) o_s[row * L.ldo + d] *= alpha;
+    for (int j = 0; j < kPerLane; ++j) {
+      const float e = exp2f(s[j] - m_safe);
+      sum += e;
+      p_s[row_own * L.ldp + half + 2 * j] = __float2half_rn(e);
+    }
+    sum += __shfl_xor_sync(kFullMask, sum, 1);
+    const float alpha = exp2f(m_run - m_safe);
+    l_run = l_run * alpha + sum;
+    m_run = m_new;
+    if (alpha != 1.f) {
+      for (int d = half; d < p.head_pad; d += 2) o_s[row_own * L.ldo + d] *= alpha;
     }
     __syncwarp();
 
@@ -164,13 +169,14 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> p_frag[kKeyFrags];
 #pragma unroll
     for (int j = 0; j < kKeyFrags; ++j) {
-      wmma::load_matrix_sync(p_frag[j], p_s + row0 * L.ldp + j * 16, L.ldp);
+      if (live[j]) wmma::load_matrix_sync(p_frag[j], p_s + row0 * L.ldp + j * 16, L.ldp);
     }
     for (int d0 = 0; d0 < p.head_pad; d0 += 16) {
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> o_acc;
       wmma::load_matrix_sync(o_acc, o_s + row0 * L.ldo + d0, L.ldo, wmma::mem_row_major);
 #pragma unroll
       for (int j = 0; j < kKeyFrags; ++j) {
+        if (!live[j]) continue;
         wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> v_frag;
         wmma::load_matrix_sync(v_frag, v_s + (j * 16) * L.ldh + d0, L.ldh);
         wmma::mma_sync(o_acc, p_frag[j], v_frag, o_acc);
@@ -180,14 +186,13 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) 
     __syncwarp();
   }
 
-  // Normalise and store this warp's rows as an fp16 (hi, lo) pair.
+  // Normalise and store this warp's rows as an fp16 (hi, lo) pair, a row at a time.
   cp_async_wait<0>();   // a block with no key block still waits for its Q copy
   __syncwarp();
-#pragma unroll
   for (int r = 0; r < 16; ++r) {
+    const float l = __shfl_sync(kFullMask, l_run, 2 * r);
     const int query = q0 + row0 + r;
     if (query >= p.seq_len) continue;
-    const float l = l_run[r];
     const int64_t out = (seq_base + query) * d_model + q_col;
     for (int d = lane; d < p.head_dim; d += 32) {
       const float o = o_s[(row0 + r) * L.ldo + d];

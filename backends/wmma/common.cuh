@@ -85,6 +85,53 @@ struct AttentionParams {
   float scale_log2;       // head_dim ** -0.5 * log2(e): scores go through exp2
 };
 
+// norm_qkv: LayerNorm of whole rows in the GEMM prologue, then Q/K/V = normed @ w^T + bias
+// with one fp16 product (d_model up to 256).
+struct NormQkvParams {
+  const void* x;          // [M, K] in x_type: the block's input rows
+  DType x_type;
+  const float* norm_w;    // [K] fp32 norm1 weight
+  const float* norm_b;    // [K] fp32 norm1 bias
+  const __half* w;        // [N, K] fp16 (hi part of the fused Q/K/V weight)
+  const float* bias;      // [N] fp32
+  __half* out;            // [M, N] fp16 Q/K/V rows
+  float* copy;            // [M, K] fp32 copy of x (written by the first column block), or null
+  int64_t M;
+  int N;
+  int K;                  // a multiple of 8, at most 256
+  float eps;
+};
+
+// ffn_block: from the attention context to the block's output rows for 32 whole rows
+// (d_model and ffn_dim up to 128): out_proj + bias, invalid rows zeroed, residual; norm2;
+// ffn_in + bias + exact GELU; ffn_out + bias + residual, invalid rows zeroed; optionally the
+// final LayerNorm. Every product fp16x3; the hidden rows stay in shared memory.
+struct FfnBlockParams {
+  const __half* ctx_hi;   // [M, D] fp16 high part of the attention context
+  const __half* ctx_lo;   // [M, D] fp16 low part
+  const float* residual;  // [M, D] fp32 block input rows (may alias out when not final)
+  const uint8_t* valid;   // [M] uint8 (nonzero = valid token), or null (all valid)
+  const __half* wo_hi;    // [D, D] fp16 parts of out_proj's weight
+  const __half* wo_lo;
+  const float* bo;        // [D] fp32
+  const float* n2_w;      // [D] fp32 norm2 weight
+  const float* n2_b;      // [D] fp32 norm2 bias
+  const __half* wi_hi;    // [F, D] fp16 parts of ffn_in's weight
+  const __half* wi_lo;
+  const float* bi;        // [F] fp32
+  const __half* wf_hi;    // [D, F] fp16 parts of ffn_out's weight
+  const __half* wf_lo;
+  const float* bf;        // [D] fp32
+  const float* fn_w;      // [D] fp32 final norm weight, or null (no final norm)
+  const float* fn_b;      // [D] fp32 final norm bias, or null
+  void* out;              // [M, D]: fp32 block output, or (final norm) rows in out_type
+  DType out_type;
+  int64_t M;
+  int D;                  // multiples of 8, at most 128
+  int F;
+  float eps;
+};
+
 // Tile choices the host passes down (see tiles.py).
 enum class GemmTile : int { k128x128 = 0, k64x64 = 1, k32x32 = 2 };
 
@@ -94,6 +141,9 @@ LaunchResult launch_linear(const LinearParams& p, GemmTile tile, int products,
                            Epilogue epilogue, cudaStream_t stream);
 LaunchResult launch_attention(const AttentionParams& p, int block_n, cudaStream_t stream);
 int attention_smem_bytes(int head_pad, int block_n);  // dynamic shared memory of one block
+LaunchResult launch_norm_qkv(const NormQkvParams& p, cudaStream_t stream);
+LaunchResult launch_ffn_block(const FfnBlockParams& p, cudaStream_t stream);
+int ffn_block_smem_bytes(int d_model, int ffn_dim);      // dynamic shared memory of one block
 
 #ifdef __CUDACC__
 
@@ -125,6 +175,54 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+__device__ __forceinline__ float gelu(float x) {  // exact (erf) GELU
+  return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
+}
+
+__device__ __forceinline__ float load_as_float(const float* p, int64_t i) { return p[i]; }
+__device__ __forceinline__ float load_as_float(const __half* p, int64_t i) {
+  return __half2float(p[i]);
+}
+__device__ __forceinline__ float load_as_float(const __nv_bfloat16* p, int64_t i) {
+  return __bfloat162float(p[i]);
+}
+
+__device__ __forceinline__ void store_from_float(float* p, int64_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void store_from_float(__half* p, int64_t i, float v) {
+  p[i] = __float2half_rn(v);
+}
+__device__ __forceinline__ void store_from_float(__nv_bfloat16* p, int64_t i, float v) {
+  p[i] = __float2bfloat16_rn(v);
+}
+
+// (mean, 1 / std) of the row x[0, cols) for the calling warp (two passes, fp32).
+template <typename T>
+__device__ __forceinline__ float2 row_stats(const T* x, int cols, float eps, int lane) {
+  float sum = 0.f;
+  for (int c = lane; c < cols; c += 32) sum += load_as_float(x, c);
+  const float mean = warp_sum(sum) / cols;
+  float sq = 0.f;
+  for (int c = lane; c < cols; c += 32) {
+    const float d = load_as_float(x, c) - mean;
+    sq += d * d;
+  }
+  return make_float2(mean, 1.f / sqrtf(warp_sum(sq) / cols + eps));
+}
+
+// Copy a rows x cols tile of src (row stride ld_src halves, valid_rows x valid_cols of it
+// real) into dst (row stride ld_dst) by 16-byte cp.async; the rest is zero-filled. cols and
+// valid_cols are multiples of 8.
+__device__ __forceinline__ void copy_tile_async(__half* dst, int ld_dst, const __half* src,
+                                                int64_t ld_src, int rows, int cols,
+                                                int64_t valid_rows, int valid_cols) {
+  const int vecs = cols / 8;
+  for (int v = threadIdx.x; v < rows * vecs; v += blockDim.x) {
+    const int r = v / vecs, c = (v % vecs) * 8;
+    const bool ok = r < valid_rows && c < valid_cols;
+    cp_async16(dst + r * ld_dst + c, ok ? src + r * ld_src + c : src, ok ? 16 : 0);
+  }
 }
 
 // fp16 (hi, lo) parts of x: hi + lo == x to about 22 bits.

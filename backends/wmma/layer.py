@@ -10,6 +10,7 @@ from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params, param_bytes
 
 from .attention import attention
+from .block import ffn_block, norm_qkv
 from .linear import GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE, linear
 from .norm import norm_out, norm_split
 from .tiles import choose_tiles
@@ -17,18 +18,20 @@ from .tiles import choose_tiles
 MAX_GRID_X = 2 ** 31 - 1  # attention blocks: sequences * heads in grid dimension x
 
 
-def workspace(config) -> dict[str, tuple[int, torch.dtype]]:
-    """Per-token workspace buffers: name -> (columns, dtype). "rows" holds the normed rows and,
-    after attention, the context; both as fp16 (hi, lo) pairs."""
+def workspace(config, narrow: bool) -> dict[str, tuple[int, torch.dtype]]:
+    """Per-token workspace buffers of the plan: name -> (columns, dtype). "rows" holds the
+    context as an fp16 (hi, lo) pair (and, in the wide plan, the normed rows before it)."""
     d, f = config.d_model, config.ffn_dim
-    return {"residual": (d, torch.float32), "qkv": (3 * d, torch.float16),
-            "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16),
-            "hidden_hi": (f, torch.float16), "hidden_lo": (f, torch.float16)}
+    buffers = {"residual": (d, torch.float32), "qkv": (3 * d, torch.float16),
+               "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16)}
+    if not narrow:
+        buffers.update(hidden_hi=(f, torch.float16), hidden_lo=(f, torch.float16))
+    return buffers
 
 
-def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
+def working_bytes_per_sequence(config, narrow: bool = False, seq_len: int | None = None) -> int:
     """Workspace bytes of one sequence (of seq_len tokens, default the config's)."""
-    per_token = sum(c * t.itemsize for c, t in workspace(config).values())
+    per_token = sum(c * t.itemsize for c, t in workspace(config, narrow).values())
     return (config.seq_len if seq_len is None else seq_len) * per_token
 
 
@@ -40,15 +43,19 @@ def weight_bytes(config) -> int:
 
 
 class WmmaLayer(BuiltLayer):
-    """Per block: norm1, Q/K/V (one fp16 product), attention, out_proj (+ residual), norm2,
-    ffn_in (+ GELU), ffn_out (+ residual); then the final norm into the output."""
+    """Narrow plan (whole rows fit one tile), three kernels per block: norm_qkv, attention,
+    ffn_block (the last one also applies the final norm). Wide plan, seven: norm1, Q/K/V (one
+    fp16 product), attention, out_proj (+ residual), norm2, ffn_in (+ GELU), ffn_out (+
+    residual); then the final norm into the output."""
 
-    def __init__(self, backend, config, state_dict, device, dtype, ext):
+    def __init__(self, backend, config, state_dict, device, dtype, ext, narrow: bool):
         super().__init__(backend, config, device, dtype)
         self.ext = ext
+        self.narrow = narrow
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [self._weights(p) for p in self.params.layers]
-        self.chunks = ChunkPlan(device, lambda s: working_bytes_per_sequence(config, s),
+        self.chunks = ChunkPlan(device,
+                                lambda s: working_bytes_per_sequence(config, narrow, s),
                                 weight_bytes(config), MAX_GRID_X // config.num_heads)
         self.multiprocessors = multiprocessor_count(device)
         self.graphed = GraphedForward(self._forward)
@@ -70,18 +77,39 @@ class WmmaLayer(BuiltLayer):
         chunk = self.chunks(b, s)
         rows = min(chunk, b) * s
         work = {name: torch.empty(rows, cols, device=x.device, dtype=dtype)
-                for name, (cols, dtype) in workspace(self.config).items()}
+                for name, (cols, dtype) in workspace(self.config, self.narrow).items()}
         valid = mask_bytes(valid_token_mask)
         out = torch.empty_like(x) if out is None else out
+        run = self._run_narrow if self.narrow else self._run_wide
         for b0 in range(0, b, chunk):
             b1 = min(b, b0 + chunk)
             t = (b1 - b0) * s
-            self._run(x[b0:b1].view(-1, d), None if valid is None else valid[b0:b1],
-                      out[b0:b1].view(-1, d), b1 - b0, s, {k: v[:t] for k, v in work.items()})
+            run(x[b0:b1].view(-1, d), None if valid is None else valid[b0:b1],
+                out[b0:b1].view(-1, d), b1 - b0, s, {k: v[:t] for k, v in work.items()})
         return out
 
-    def _run(self, x2, valid, out2, batch, s, work):
-        """The stack on one chunk: x2 [t, D] in the input dtype -> out2 [t, D]."""
+    def _run_narrow(self, x2, valid, out2, batch, s, work):
+        """The stack on one chunk, three kernels per block: x2 [t, D] -> out2 [t, D]."""
+        ext, cfg = self.ext, self.config
+        res, qkv = work["residual"], work["qkv"]
+        ctx = (work["rows_hi"], work["rows_lo"])
+        valid_rows = None if valid is None else valid.reshape(-1)
+        block_n = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
+                               self.multiprocessors).attention_block_n
+        final = (self.params.final_weight, self.params.final_bias)
+        last = len(self.params.layers) - 1
+        src = x2
+        for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
+            copy = res if src.dtype != torch.float32 else None  # fp16/bf16 input, first block
+            norm_qkv(ext, src, p, w["qkv"][0], qkv, copy=copy)
+            attention(ext, qkv, ctx, valid, batch=batch, seq_len=s, num_heads=cfg.num_heads,
+                      causal=cfg.causal, block_n=block_n)
+            ffn_block(ext, ctx, src if copy is None else res, out2 if i == last else res,
+                      valid_rows, p, w, final if i == last else None)
+            src = res
+
+    def _run_wide(self, x2, valid, out2, batch, s, work):
+        """The stack on one chunk, seven kernels per block: x2 [t, D] -> out2 [t, D]."""
         ext, cfg = self.ext, self.config
         res, qkv = work["residual"], work["qkv"]
         rows = (work["rows_hi"], work["rows_lo"])

@@ -32,10 +32,6 @@ struct Tile {
       kOperandBytes > kEpilogueBytes ? kOperandBytes : kEpilogueBytes;
 };
 
-__device__ __forceinline__ float gelu(float x) {
-  return 0.5f * x * (1.f + erff(x * 0.70710678118654752f));
-}
-
 // Copy rows [row0, row0 + rows) x columns [k0, k0 + kBK) of src [limit, K] into dst
 // [rows][kLds]; out-of-range vectors are zero-filled.
 template <int ROWS, int THREADS>

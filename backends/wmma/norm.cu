@@ -6,36 +6,6 @@ namespace {
 
 constexpr int kRowsPerBlock = 8;  // warps per block, one row each
 
-__device__ __forceinline__ float load_as_float(const float* p, int64_t i) { return p[i]; }
-__device__ __forceinline__ float load_as_float(const __half* p, int64_t i) {
-  return __half2float(p[i]);
-}
-__device__ __forceinline__ float load_as_float(const __nv_bfloat16* p, int64_t i) {
-  return __bfloat162float(p[i]);
-}
-
-__device__ __forceinline__ void store_from_float(float* p, int64_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store_from_float(__half* p, int64_t i, float v) {
-  p[i] = __float2half_rn(v);
-}
-__device__ __forceinline__ void store_from_float(__nv_bfloat16* p, int64_t i, float v) {
-  p[i] = __float2bfloat16_rn(v);
-}
-
-// (mean, 1 / std) of row x[0, cols) for the calling warp.
-template <typename T>
-__device__ __forceinline__ float2 row_stats(const T* x, int cols, float eps, int lane) {
-  float sum = 0.f;
-  for (int c = lane; c < cols; c += 32) sum += load_as_float(x, c);
-  const float mean = warp_sum(sum) / cols;
-  float sq = 0.f;
-  for (int c = lane; c < cols; c += 32) {
-    const float d = load_as_float(x, c) - mean;
-    sq += d * d;
-  }
-  return make_float2(mean, 1.f / sqrtf(warp_sum(sq) / cols + eps));
-}
-
 // NormSplitParams: x [rows, cols] (T) -> hi, lo [rows, cols] fp16, copy [rows, cols] fp32.
 template <typename T>
 __global__ void __launch_bounds__(kRowsPerBlock * 32) norm_split_kernel(NormSplitParams p) {

@@ -172,6 +172,76 @@ void attention(const Tensor& qkv, const Tensor& ctx_hi, const Tensor& ctx_lo,
                                      current_stream()));
 }
 
+// out = LayerNorm(x) @ w^T + bias (fp16, one product); copy = fp32 x when given.
+void norm_qkv(const Tensor& x, const Tensor& norm_w, const Tensor& norm_b, const Tensor& w,
+              const Tensor& bias, const Tensor& out, const OptTensor& copy, double eps) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  TORCH_CHECK(k % 8 == 0 && k <= 256, "norm_qkv takes d_model a multiple of 8 up to 256, got ",
+              k);
+  check_rows(x, m, k, x.scalar_type(), "x");
+  check_rows(norm_w.view({1, k}), 1, k, at::kFloat, "norm_w");
+  check_rows(norm_b.view({1, k}), 1, k, at::kFloat, "norm_b");
+  check_rows(w, n, k, at::kHalf, "w");
+  check_aligned(w, "w");
+  check_rows(bias.view({1, n}), 1, n, at::kFloat, "bias");
+  check_rows(out, m, n, at::kHalf, "out");
+  if (copy) check_rows(*copy, m, k, at::kFloat, "copy");
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  lbw::NormQkvParams p{x.data_ptr(), dtype_of(x), norm_w.data_ptr<float>(),
+                       norm_b.data_ptr<float>(), reinterpret_cast<const __half*>(w.data_ptr()),
+                       bias.data_ptr<float>(), reinterpret_cast<__half*>(out.data_ptr()),
+                       ptr<float>(copy), m, static_cast<int>(n), static_cast<int>(k),
+                       static_cast<float>(eps)};
+  check_launch(lbw::launch_norm_qkv(p, current_stream()));
+}
+
+const __half* half_ptr(const Tensor& t) { return reinterpret_cast<const __half*>(t.data_ptr()); }
+
+// out = the block's output rows from the attention context (see FfnBlockParams); with
+// final_w/final_b the final LayerNorm is applied and out may be any float dtype.
+void ffn_block(const Tensor& ctx_hi, const Tensor& ctx_lo, const Tensor& residual,
+               const Tensor& out, const OptTensor& valid, const Tensor& wo_hi,
+               const Tensor& wo_lo, const Tensor& bo, const Tensor& n2_w, const Tensor& n2_b,
+               const Tensor& wi_hi, const Tensor& wi_lo, const Tensor& bi, const Tensor& wf_hi,
+               const Tensor& wf_lo, const Tensor& bf, const OptTensor& final_w,
+               const OptTensor& final_b, double eps) {
+  const int64_t m = ctx_hi.size(0), d = ctx_hi.size(1), f = wi_hi.size(0);
+  TORCH_CHECK(d % 8 == 0 && f % 8 == 0 && d <= 128 && f <= 128,
+              "ffn_block takes d_model and ffn_dim multiples of 8 up to 128, got ", d, ", ", f);
+  TORCH_CHECK(final_w.has_value() == final_b.has_value(), "final_w and final_b come together");
+  const Tensor* halves[] = {&ctx_hi, &ctx_lo, &wo_hi, &wo_lo, &wi_hi, &wi_lo, &wf_hi, &wf_lo};
+  const int64_t rows[] = {m, m, d, d, f, f, d, d};
+  const int64_t cols[] = {d, d, d, d, d, d, f, f};
+  const char* names[] = {"ctx_hi", "ctx_lo", "wo_hi", "wo_lo", "wi_hi", "wi_lo", "wf_hi",
+                         "wf_lo"};
+  for (int i = 0; i < 8; ++i) {
+    check_rows(*halves[i], rows[i], cols[i], at::kHalf, names[i]);
+    check_aligned(*halves[i], names[i]);
+  }
+  check_rows(residual, m, d, at::kFloat, "residual");
+  check_rows(out, m, d, final_w ? out.scalar_type() : at::kFloat, "out");
+  if (valid) check_rows(valid->view({m, 1}), m, 1, at::kByte, "valid");
+  const Tensor* vectors[] = {&bo, &n2_w, &n2_b, &bf};
+  for (const Tensor* v : vectors) check_rows(v->view({1, d}), 1, d, at::kFloat, "vector");
+  check_rows(bi.view({1, f}), 1, f, at::kFloat, "bi");
+  if (final_w) {
+    check_rows(final_w->view({1, d}), 1, d, at::kFloat, "final_w");
+    check_rows(final_b->view({1, d}), 1, d, at::kFloat, "final_b");
+  }
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(ctx_hi.device());
+  lbw::FfnBlockParams p{half_ptr(ctx_hi), half_ptr(ctx_lo), residual.data_ptr<float>(),
+                        ptr<uint8_t>(valid), half_ptr(wo_hi), half_ptr(wo_lo),
+                        bo.data_ptr<float>(), n2_w.data_ptr<float>(), n2_b.data_ptr<float>(),
+                        half_ptr(wi_hi), half_ptr(wi_lo), bi.data_ptr<float>(),
+                        half_ptr(wf_hi), half_ptr(wf_lo), bf.data_ptr<float>(),
+                        ptr<float>(final_w), ptr<float>(final_b), out.data_ptr(),
+                        dtype_of(out), m, static_cast<int>(d), static_cast<int>(f),
+                        static_cast<float>(eps)};
+  check_launch(lbw::launch_ffn_block(p, current_stream()));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -182,4 +252,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "causal or full flash attention, context as an fp16 pair");
   m.def("attention_smem_bytes", &lbw::attention_smem_bytes,
         "dynamic shared memory of one attention block");
+  m.def("norm_qkv", &norm_qkv, "norm1 fused into the Q/K/V GEMM (d_model up to 256)");
+  m.def("ffn_block", &ffn_block,
+        "out_proj, residual, norm2, FFN, residual (and the final norm) for whole rows");
+  m.def("ffn_block_smem_bytes", &lbw::ffn_block_smem_bytes,
+        "dynamic shared memory of one ffn_block block");
 }
