@@ -178,19 +178,21 @@ def test_writes_into_out(wmma_selected):
     assert report.passed, report.summary()
 
 
+PLANS = [(True, False), (True, True), (False, False)]
+
+
 @needs_gpu
+@pytest.mark.parametrize("fuse_qkv,fuse_ffn", PLANS, ids=["qkv", "qkv-ffn", "unfused"])
 @pytest.mark.parametrize("number", [1, 7, 12], ids=["d128", "d32", "seq32"])
-def test_narrow_and_wide_plans_pass(wmma_selected, number):
-    """The three-kernel block (whole rows in one tile) and the seven-kernel block both keep
-    the contract on the same case."""
+def test_plans_pass(wmma_selected, number, fuse_qkv, fuse_ffn):
+    """Every combination of the fused kernels keeps the contract on the same case."""
     from layerbench.common.shapes import CI
 
     cfg = CI[number].config
-    layer, x, mask, expected = _layer_and_reference(cfg)
-    wide = WmmaBackend(narrow=False).build(cfg, _layer_and_reference.model.state_dict(),
-                                          device="cuda")
-    assert layer.narrow and not wide.narrow
+    _, x, mask, expected = _layer_and_reference(cfg)
+    layer = WmmaBackend(fuse_qkv, fuse_ffn).build(
+        cfg, _layer_and_reference.model.state_dict(), device="cuda")
+    assert (layer.plan.fuse_qkv, layer.plan.fuse_ffn) == (fuse_qkv, fuse_ffn)
     with torch.no_grad():
-        for built in (layer, wide):
-            report = compare(built(x, mask), expected)
-            assert report.passed, report.summary()
+        report = compare(layer(x, mask), expected)
+    assert report.passed, report.summary()

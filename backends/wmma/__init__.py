@@ -11,14 +11,13 @@ from layerbench.common.memory import MemoryPlan
 
 from . import block, build
 from .attention import max_seq_len, shared_bytes, supported_head_dim
-from .layer import WmmaLayer, weight_bytes, working_bytes_per_sequence
+from .layer import Plan, WmmaLayer, weight_bytes, working_bytes_per_sequence
 from .tiles import choose_tiles
 
 
 class WmmaBackend(Backend):
-    """The stack in CUDA C++ kernels on wmma fragments (three per block when whole rows fit
-    one tile, else seven plus the final norm), replayed as one CUDA graph where the input
-    allows."""
+    """The stack in CUDA C++ kernels on wmma fragments (see Plan for the fused kernels),
+    replayed as one CUDA graph where the input allows."""
 
     name = "wmma"
     summary = "CUDA C++ on nvcuda::wmma: fp16x3 linears, flash attention, CUDA graph"
@@ -28,8 +27,9 @@ class WmmaBackend(Backend):
         notes="JIT-built with nvcc (sm_80+); fp32 residual stream; fp16/bf16 computed in fp32",
     )
 
-    def __init__(self, narrow: bool = True):
-        self.narrow = narrow  # False: the wide plan for every layer
+    def __init__(self, fuse_qkv: bool = True, fuse_ffn: bool = False):
+        self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
+        self.fuse_ffn = fuse_ffn  # ffn_block where whole rows fit its tile
 
     def unavailable_reason(self, device):
         """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
@@ -42,9 +42,9 @@ class WmmaBackend(Backend):
         return None
 
     def memory_plan(self, config, dtype):
-        """One sequence's workspace (the layer streams the batch; the wide plan's, the larger)
-        plus the packed weights."""
-        return MemoryPlan({"one sequence": working_bytes_per_sequence(config, narrow=False),
+        """One sequence's workspace (the layer streams the batch; the largest plan's) plus the
+        packed weights."""
+        return MemoryPlan({"one sequence": working_bytes_per_sequence(config),
                            "parameters": weight_bytes(config)})
 
     def check(self, config, device, dtype):
@@ -67,7 +67,8 @@ class WmmaBackend(Backend):
         if limit is not None and need > limit:
             raise Unsupported(f"wmma: attention needs {need} bytes of shared memory per block, "
                               f"the device allows {limit}")
-        narrow = (self.narrow and block.fits(config.d_model, config.ffn_dim)
-                  and (limit is None
-                       or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
-        return WmmaLayer(self, config, state_dict, device, dtype, ext, narrow)
+        fuse_ffn = (self.fuse_ffn and block.fits(config.d_model, config.ffn_dim)
+                    and (limit is None
+                         or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
+        plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn)
+        return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

@@ -47,17 +47,28 @@ def device_arch(device: torch.device) -> str:
 
 
 def cuda_flags(arch: str) -> list[str]:
-    """nvcc flags of the .cu sources for one architecture (besides PyTorch's own).
+    """nvcc flags of the .cu sources for one architecture (besides PyTorch's own, which
+    include its C++ standard).
 
     No --use_fast_math: it flushes denormals and approximates division and square roots
     everywhere; exact GELU needs erff, and exp2f in the softmax is fast without it.
     """
-    return ["-O3", "-std=c++17", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    return ["-O3", "-lineinfo", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
 
 
 def host_flags() -> list[str]:
-    """Host compiler flags of ops.cpp."""
-    return ["-O3", "-std=c++17"]
+    """Host compiler flags of ops.cpp. No -std: ops.cpp includes PyTorch's headers and must
+    use the standard PyTorch builds extensions with (another one changes the layout of
+    c10::Error, and a failed TORCH_CHECK then crashes instead of raising)."""
+    return ["-O3"]
+
+
+def torch_cxx_standard() -> str:
+    """The C++ standard PyTorch's extension builder passes to nvcc (c++20 or c++17)."""
+    from torch.utils import cpp_extension
+
+    text = Path(cpp_extension.__file__).read_text()
+    return "c++20" if "-std=c++20" in text else "c++17"
 
 
 def nvcc_command(source: str | Path, arch: str, output: str | Path,
@@ -71,7 +82,8 @@ def nvcc_command(source: str | Path, arch: str, output: str | Path,
     if nvcc is None:
         raise Unsupported(f"wmma: {toolkit_missing()}")
     command = [nvcc, "-c", str(source), "-o", str(output), *COMMON_NVCC_FLAGS,
-               *cuda_flags(arch), "-Xcompiler", "-fPIC", f"-I{SOURCE_DIR}"]
+               *cuda_flags(arch), f"-std={torch_cxx_standard()}", "-Xcompiler", "-fPIC",
+               f"-I{SOURCE_DIR}"]
     if strict:
         command += ["-Werror", "all-warnings", "-Xptxas", "-warn-spills,-warn-lmem-usage"]
     return command

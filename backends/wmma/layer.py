@@ -2,6 +2,8 @@
 chunks and launches the kernels block by block (replayed from a CUDA graph where it can)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from layerbench.common.cuda_host import ChunkPlan, mask_bytes, multiprocessor_count, split_fp16
@@ -18,20 +20,38 @@ from .tiles import choose_tiles
 MAX_GRID_X = 2 ** 31 - 1  # attention blocks: sequences * heads in grid dimension x
 
 
-def workspace(config, narrow: bool) -> dict[str, tuple[int, torch.dtype]]:
-    """Per-token workspace buffers of the plan: name -> (columns, dtype). "rows" holds the
-    context as an fp16 (hi, lo) pair (and, in the wide plan, the normed rows before it)."""
+@dataclass(frozen=True)
+class Plan:
+    """Which fused kernels run a block; the rest runs as separate LayerNorm and GEMM kernels.
+
+    fuse_qkv: norm1 in the Q/K/V GEMM's prologue (norm_qkv, d_model up to 256).
+    fuse_ffn: out_proj to the block's output (and the final norm) in one kernel (ffn_block,
+    d_model and ffn_dim up to 128).
+    """
+    fuse_qkv: bool
+    fuse_ffn: bool
+
+    @property
+    def kernels_per_block(self) -> int:
+        """Launches per block (the separate final norm not counted)."""
+        return (1 if self.fuse_qkv else 2) + 1 + (1 if self.fuse_ffn else 4)
+
+
+def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dtype]]:
+    """Per-token workspace buffers of the plan (None: the largest): name -> (columns, dtype).
+    "rows" holds the normed rows and then the context, as an fp16 (hi, lo) pair."""
     d, f = config.d_model, config.ffn_dim
     buffers = {"residual": (d, torch.float32), "qkv": (3 * d, torch.float16),
                "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16)}
-    if not narrow:
+    if plan is None or not plan.fuse_ffn:
         buffers.update(hidden_hi=(f, torch.float16), hidden_lo=(f, torch.float16))
     return buffers
 
 
-def working_bytes_per_sequence(config, narrow: bool = False, seq_len: int | None = None) -> int:
+def working_bytes_per_sequence(config, plan: Plan | None = None,
+                               seq_len: int | None = None) -> int:
     """Workspace bytes of one sequence (of seq_len tokens, default the config's)."""
-    per_token = sum(c * t.itemsize for c, t in workspace(config, narrow).values())
+    per_token = sum(c * t.itemsize for c, t in workspace(config, plan).values())
     return (config.seq_len if seq_len is None else seq_len) * per_token
 
 
@@ -43,19 +63,17 @@ def weight_bytes(config) -> int:
 
 
 class WmmaLayer(BuiltLayer):
-    """Narrow plan (whole rows fit one tile), three kernels per block: norm_qkv, attention,
-    ffn_block (the last one also applies the final norm). Wide plan, seven: norm1, Q/K/V (one
-    fp16 product), attention, out_proj (+ residual), norm2, ffn_in (+ GELU), ffn_out (+
-    residual); then the final norm into the output."""
+    """Per block: norm1 and Q/K/V (one fp16 product; fused: norm_qkv), attention, then
+    out_proj (+ residual), norm2, ffn_in (+ GELU), ffn_out (+ residual) (fused: ffn_block,
+    which also applies the final norm); the final norm into the output."""
 
-    def __init__(self, backend, config, state_dict, device, dtype, ext, narrow: bool):
+    def __init__(self, backend, config, state_dict, device, dtype, ext, plan: Plan):
         super().__init__(backend, config, device, dtype)
         self.ext = ext
-        self.narrow = narrow
+        self.plan = plan
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [self._weights(p) for p in self.params.layers]
-        self.chunks = ChunkPlan(device,
-                                lambda s: working_bytes_per_sequence(config, narrow, s),
+        self.chunks = ChunkPlan(device, lambda s: working_bytes_per_sequence(config, plan, s),
                                 weight_bytes(config), MAX_GRID_X // config.num_heads)
         self.multiprocessors = multiprocessor_count(device)
         self.graphed = GraphedForward(self._forward)
@@ -77,63 +95,50 @@ class WmmaLayer(BuiltLayer):
         chunk = self.chunks(b, s)
         rows = min(chunk, b) * s
         work = {name: torch.empty(rows, cols, device=x.device, dtype=dtype)
-                for name, (cols, dtype) in workspace(self.config, self.narrow).items()}
+                for name, (cols, dtype) in workspace(self.config, self.plan).items()}
         valid = mask_bytes(valid_token_mask)
         out = torch.empty_like(x) if out is None else out
-        run = self._run_narrow if self.narrow else self._run_wide
         for b0 in range(0, b, chunk):
             b1 = min(b, b0 + chunk)
             t = (b1 - b0) * s
-            run(x[b0:b1].view(-1, d), None if valid is None else valid[b0:b1],
+            self._run(x[b0:b1].view(-1, d), None if valid is None else valid[b0:b1],
                 out[b0:b1].view(-1, d), b1 - b0, s, {k: v[:t] for k, v in work.items()})
         return out
 
-    def _run_narrow(self, x2, valid, out2, batch, s, work):
-        """The stack on one chunk, three kernels per block: x2 [t, D] -> out2 [t, D]."""
-        ext, cfg = self.ext, self.config
+    def _run(self, x2, valid, out2, batch, s, work):
+        """The stack on one chunk: x2 [t, D] in the input dtype -> out2 [t, D]."""
+        ext, cfg, plan = self.ext, self.config, self.plan
         res, qkv = work["residual"], work["qkv"]
-        ctx = (work["rows_hi"], work["rows_lo"])
+        rows = (work["rows_hi"], work["rows_lo"])  # normed rows, then the context
         valid_rows = None if valid is None else valid.reshape(-1)
-        block_n = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
-                               self.multiprocessors).attention_block_n
+        tiles = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
+                             self.multiprocessors)
         final = (self.params.final_weight, self.params.final_bias)
         last = len(self.params.layers) - 1
         src = x2
         for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
             copy = res if src.dtype != torch.float32 else None  # fp16/bf16 input, first block
-            norm_qkv(ext, src, p, w["qkv"][0], qkv, copy=copy)
-            attention(ext, qkv, ctx, valid, batch=batch, seq_len=s, num_heads=cfg.num_heads,
-                      causal=cfg.causal, block_n=block_n)
-            ffn_block(ext, ctx, src if copy is None else res, out2 if i == last else res,
-                      valid_rows, p, w, final if i == last else None)
-            src = res
-
-    def _run_wide(self, x2, valid, out2, batch, s, work):
-        """The stack on one chunk, seven kernels per block: x2 [t, D] -> out2 [t, D]."""
-        ext, cfg = self.ext, self.config
-        res, qkv = work["residual"], work["qkv"]
-        rows = (work["rows_hi"], work["rows_lo"])
-        hidden = (work["hidden_hi"], work["hidden_lo"])
-        valid_rows = None if valid is None else valid.reshape(-1)
-        tiles = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
-                             self.multiprocessors)
-        src = x2
-        for p, w in zip(self.params.layers, self.weights):
-            if src.dtype != torch.float32:  # fp16/bf16 input: copied to the fp32 residual
-                norm_split(ext, src, p.norm1_weight, p.norm1_bias, (rows[0], None), copy=res)
-                src = res
+            if plan.fuse_qkv:
+                norm_qkv(ext, src, p, w["qkv"][0], qkv, copy=copy)
             else:
-                norm_split(ext, src, p.norm1_weight, p.norm1_bias, (rows[0], None))
-            linear(ext, (rows[0], None), w["qkv"], p.qkv_bias, epilogue=HALF, tile=tiles.qkv,
-                   out_pair=(qkv, None))
+                norm_split(ext, src, p.norm1_weight, p.norm1_bias, (rows[0], None), copy=copy)
+                linear(ext, (rows[0], None), w["qkv"], p.qkv_bias, epilogue=HALF,
+                       tile=tiles.qkv, out_pair=(qkv, None))
+            src = src if copy is None else res
             attention(ext, qkv, rows, valid, batch=batch, seq_len=s, num_heads=cfg.num_heads,
                       causal=cfg.causal, block_n=tiles.attention_block_n)
-            linear(ext, rows, w["out"], p.out_bias, epilogue=RESIDUAL_UPDATE,
-                   tile=tiles.out_proj, out=res, residual=src, valid_rows=valid_rows)
-            norm_split(ext, res, p.norm2_weight, p.norm2_bias, rows)
-            linear(ext, rows, w["ffn_in"], p.ffn_in_bias, epilogue=GELU_PAIR, tile=tiles.ffn_in,
-                   out_pair=hidden)
-            linear(ext, hidden, w["ffn_out"], p.ffn_out_bias, epilogue=RESIDUAL_SUM,
-                   tile=tiles.ffn_out, out=res, residual=res, valid_rows=valid_rows)
+            if plan.fuse_ffn:
+                ffn_block(ext, rows, src, out2 if i == last else res, valid_rows, p, w,
+                          final if i == last else None)
+            else:
+                hidden = (work["hidden_hi"], work["hidden_lo"])
+                linear(ext, rows, w["out"], p.out_bias, epilogue=RESIDUAL_UPDATE,
+                       tile=tiles.out_proj, out=res, residual=src, valid_rows=valid_rows)
+                norm_split(ext, res, p.norm2_weight, p.norm2_bias, rows)
+                linear(ext, rows, w["ffn_in"], p.ffn_in_bias, epilogue=GELU_PAIR,
+                       tile=tiles.ffn_in, out_pair=hidden)
+                linear(ext, hidden, w["ffn_out"], p.ffn_out_bias, epilogue=RESIDUAL_SUM,
+                       tile=tiles.ffn_out, out=res, residual=res, valid_rows=valid_rows)
             src = res
-        norm_out(ext, src, self.params.final_weight, self.params.final_bias, out2, valid_rows)
+        if not plan.fuse_ffn:
+            norm_out(ext, src, *final, out2, valid_rows)
