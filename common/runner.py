@@ -1,23 +1,34 @@
-"""One case end to end: build a backend from the reference, run it, check it, time it.
+"""One case end to end: admit it, build a backend from the reference, run it, check it, time it.
 
 The conformance suite, the benchmark suite and the compare command all go through here.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from .config import LayerConfig
 from .contract import ContractReport, compare
-from .flops import throughput
+from .errors import Unsupported
+from .flops import forward_flops, throughput
 from .inputs import make_inputs
 from .interface import BuiltLayer
+from .memory import MemoryPlan, check_fits
 from .registry import get_backend
 from .shapes import Shape
 from .timing import alternating_medians_ms
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# On a CPU, a case whose estimated time exceeds CPU_CASE_SECONDS is skipped unless slow cases
+# are allowed. The rate is a fast CPU's, so the estimate errs on the short side.
+CPU_FLOPS_PER_SECOND = 50e9
+CPU_CASE_SECONDS = 600.0
+
+# The outputs check() holds: the allocating call's and the NaN-filled out= buffer.
+CHECK_OUTPUTS = ("output", "out= buffer")
 
 
 def poison_cached_memory(device: torch.device, nbytes: int) -> None:
@@ -27,6 +38,71 @@ def poison_cached_memory(device: torch.device, nbytes: int) -> None:
         return
     block = torch.full((nbytes // 4 + 1,), float("nan"), device=device)
     del block
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _backend_plan(backend_name: str, config: LayerConfig, dtype: torch.dtype) -> MemoryPlan:
+    return get_backend(backend_name).memory_plan(config, dtype) or MemoryPlan()
+
+
+def case_plan(backend_name: str, config: LayerConfig, dtype: torch.dtype, device, *,
+              outputs: tuple[str, ...] = CHECK_OUTPUTS, reference: bool = True) -> MemoryPlan:
+    """Every byte a case allocates on device: the input and mask, each named output, the
+    backend's working set and (if reference) the reference's output and working set."""
+    from layerbench.reference import reference_plan
+
+    rows = config.tokens * config.d_model * _element_size(dtype)
+    plan = MemoryPlan({"input x": rows, "mask": config.tokens, **{name: rows for name in outputs}})
+    plan = plan.plus(_backend_plan(backend_name, config, dtype), prefix=f"{backend_name} ")
+    if reference:
+        plan = plan.plus(reference_plan(config, torch.device(device), dtype,
+                                     reserve_bytes=plan.total), prefix="reference ")
+    return plan
+
+
+def estimated_cpu_seconds(backend_name: str, config: LayerConfig, dtype: torch.dtype, *,
+                          forwards: int = len(CHECK_OUTPUTS), reference: bool = True) -> float:
+    """Seconds a case takes on a CPU at CPU_FLOPS_PER_SECOND: its forwards plus the reference
+    (over the sequences the reference covers)."""
+    from layerbench.reference import streams_reference
+    from layerbench.reference.exact import ORACLE_SEQUENCES
+
+    flops = forwards * forward_flops(config)
+    if reference:
+        reserve = case_plan(backend_name, config, dtype, "cpu", reference=False).total
+        covered = config.batch_size
+        if streams_reference(config, torch.device("cpu"), dtype, reserve):
+            covered = min(ORACLE_SEQUENCES, config.batch_size)
+        flops += forward_flops(config) * covered / max(1, config.batch_size)
+    return flops / CPU_FLOPS_PER_SECOND
+
+
+def admit(backend_name: str, config: LayerConfig, dtype: torch.dtype, device, *,
+          outputs: tuple[str, ...] = CHECK_OUTPUTS, reference: bool = True,
+          allow_slow: bool = False) -> MemoryPlan:
+    """Raise Unsupported unless the case can run here, before anything is allocated.
+
+    The backend must take it, everything the case allocates (case_plan) must fit the device
+    (else MemoryPlanError naming the numbers) and, on a CPU, its estimated time must stay
+    under CPU_CASE_SECONDS unless allow_slow. Returns the case's plan.
+    """
+    device = torch.device(device)
+    get_backend(backend_name).check(config, device, dtype)
+    plan = case_plan(backend_name, config, dtype, device, outputs=outputs, reference=reference)
+    check_fits(plan, device, what=f"the {backend_name} case on {config}")
+    if device.type == "cpu" and not allow_slow:
+        seconds = estimated_cpu_seconds(backend_name, config, dtype, forwards=len(outputs),
+                                        reference=reference)
+        if seconds > CPU_CASE_SECONDS:
+            raise Unsupported(
+                f"the {backend_name} case on {config} would take about {seconds / 60:.0f} min "
+                f"on a CPU (estimated at {CPU_FLOPS_PER_SECOND / 1e9:g} GFLOP/s), over the "
+                f"{CPU_CASE_SECONDS / 60:g} min limit for CPU cases; allow slow cases to run it "
+                "(pytest --allow-slow)")
+    return plan
 
 
 @dataclass
@@ -53,6 +129,31 @@ def prepare(shape: Shape, *, padding: float, dtype: torch.dtype, seed: int, devi
     return Prepared(shape, model, x, mask, padding, seed)
 
 
+def prepare_general_mask(shape: Shape, *, seed: int, device,
+                         dtype: torch.dtype = torch.float32) -> Prepared:
+    """A case whose mask is not suffix padding: sequence 0 has its first 3 tokens invalid
+    (leading padding) and sequence 1 tokens 5-8 (an interior hole); invalid rows of x are 0."""
+    from layerbench.reference import make_reference
+
+    cfg = shape.config
+    if cfg.batch_size < 2 or cfg.seq_len < 10:
+        raise ValueError(f"a general-mask case needs 2 sequences of 10 tokens, not {cfg}")
+    model = make_reference(cfg, seed=seed)
+    x, mask = make_inputs(cfg, seed=seed, device=device, dtype=dtype)
+    mask[0, :3] = False
+    mask[1, 5:9] = False
+    x[~mask] = 0
+    return Prepared(shape, model, x, mask, float((~mask).float().mean()), seed)
+
+
+def oracle_reference(prepared: Prepared) -> tuple[torch.Tensor, None]:
+    """The streaming oracle's output for the whole batch, as check() takes a reference."""
+    from layerbench.reference import streaming_forward
+
+    return streaming_forward(prepared.model.state_dict(), prepared.shape.config, prepared.x,
+                             prepared.mask), None
+
+
 def build(backend_name: str, prepared: Prepared) -> BuiltLayer:
     """Build backend_name for the case from the reference's state_dict."""
     backend = get_backend(backend_name)
@@ -60,30 +161,53 @@ def build(backend_name: str, prepared: Prepared) -> BuiltLayer:
                          device=prepared.x.device, dtype=prepared.x.dtype)
 
 
+def _badness(report: ContractReport) -> tuple:
+    ratio = report.worst_ratio
+    return (not report.passed, math.inf if math.isnan(ratio) else ratio, report.failed_elements)
+
+
 def check(layer: BuiltLayer, prepared: Prepared, reference=None
           ) -> tuple[ContractReport, tuple[torch.Tensor, list[int] | None]]:
-    """Run layer on the case (memory poisoned first) and apply the official contract.
+    """Run layer on the case twice and apply the official contract to both outputs.
 
-    reference is (output, batch indices) from a previous call, or None to compute it.
+    The first call allocates its output (on a GPU, the caching allocator is filled with NaN
+    first); the second writes into a NaN-filled out= buffer the suite owns, so an element a
+    backend never writes fails on every device. Returns the worse report (its reason names
+    the call) and the reference: (output, batch indices) from a previous call, or None to
+    compute it.
     """
     from layerbench.reference import exact_output
 
+    x, mask, device = prepared.x, prepared.mask, prepared.x.device
     if reference is None:
+        cfg = replace(layer.config, batch_size=x.shape[0], seq_len=x.shape[1])
+        reserve = len(CHECK_OUTPUTS) * x.numel() * x.element_size() \
+            + _backend_plan(layer.backend.name, cfg, layer.dtype).total
         gen = torch.Generator().manual_seed(prepared.seed)
-        reference = exact_output(prepared.model, prepared.x, prepared.mask, generator=gen)
+        reference = exact_output(prepared.model, x, mask, generator=gen, reserve_bytes=reserve)
     ref, indices = reference
-    device = prepared.x.device
-    poison_cached_memory(device, 2 * prepared.x.numel() * prepared.x.element_size())
+
+    def verdict(out: torch.Tensor, call: str) -> ContractReport:
+        report = compare(out if indices is None else out[indices], ref, "official")
+        report.reason = "; ".join(filter(None, [call, report.reason]))
+        return report
+
+    poison_cached_memory(device, 2 * x.numel() * x.element_size())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
-        out = layer(prepared.x, prepared.mask)
-    if indices is not None:
-        out = out[indices]
-    report = compare(out, ref, "official")
-    if device.type == "cuda":
-        report.peak_memory_bytes = int(torch.cuda.max_memory_allocated(device))
+        out = layer(x, mask)
+    peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    allocating = verdict(out, "layer(x, mask)")
+    del out
+    buffer = torch.full_like(x, float("nan"))
+    with torch.no_grad():
+        layer(x, mask, out=buffer)
+    into = verdict(buffer, "layer(x, mask, out=NaN-filled buffer)")
+    del buffer
+    report = max((allocating, into), key=_badness)
+    report.peak_memory_bytes = peak
     return report, reference
 
 

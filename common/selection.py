@@ -6,19 +6,35 @@ import torch
 from .registry import resolve_backends
 from .shapes import Shape, resolve_shapes
 
+# What the conformance suite runs when --shapes is not given.
+CONFORMANCE_DEFAULT = {"cuda": "official,noncausal,headdims", "cpu": "ci,ci-noncausal,headdims"}
+# Head-dim cases run float32 at this padding ratio only.
+HEAD_DIM_CASE = ("float32", 0.25)
+
 
 def selected_backends(config) -> list[str]:
     """Backends named by --backend (default: all registered)."""
     return resolve_backends(config.getoption("--backend") or ["all"])
 
 
+def _device_type(config) -> str:
+    device = config.getoption("--device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
 def selected_shapes(config) -> list[Shape]:
     """Shapes named by --shapes (default: official on a GPU run, ci on a CPU run)."""
     spec = config.getoption("--shapes")
     if spec is None:
-        device = config.getoption("--device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        spec = "official" if device.startswith("cuda") else "ci"
+        spec = "official" if _device_type(config) == "cuda" else "ci"
     return resolve_shapes(spec)
+
+
+def conformance_shapes(config) -> list[Shape]:
+    """Shapes named by --shapes; by default also the non-causal and head-dim shapes
+    (GPU: official + non-causal 1, 8, 13 + head dims; CPU: ci + non-causal ci + head dims)."""
+    spec = config.getoption("--shapes")
+    return resolve_shapes(spec if spec is not None else CONFORMANCE_DEFAULT[_device_type(config)])
 
 
 def selected_cases(config) -> list[tuple[str, float]]:
@@ -28,3 +44,31 @@ def selected_cases(config) -> list[tuple[str, float]]:
     cases = [("float32", p) for p in paddings] if "float32" in dtypes else []
     cases += [(d, paddings[0]) for d in dtypes if d != "float32"]
     return cases
+
+
+def shape_cases(shape: Shape, config) -> tuple[list[tuple[str, float]], str]:
+    """The (dtype, padding) cases the options select for shape, and why there are none if so.
+
+    Huge shapes run the float32 cases only; head-dim shapes run float32 at padding 0.25 only.
+    """
+    cases = selected_cases(config)
+    dtypes = ", ".join(config.getoption("--dtype") or [])
+    if shape.table == "headdim":
+        if any(d == "float32" for d, _ in cases):
+            return [HEAD_DIM_CASE], ""
+        return [], (f"{shape.id}: head-dim shapes run float32 at padding "
+                    f"{HEAD_DIM_CASE[1]:g} only, and --dtype selected {dtypes}")
+    if shape.huge:
+        kept = [c for c in cases if c[0] == "float32"]
+        if not kept:
+            return [], (f"{shape.id} runs float32 cases only (half-precision cases are left "
+                        f"out on huge shapes), and --dtype selected {dtypes}")
+        return kept, ""
+    return cases, ""
+
+
+def determinism_reason(shape: Shape) -> str:
+    """Why the determinism case of shape is not run, or '' when it is."""
+    if shape.huge:
+        return f"{shape.id}: the determinism case is not run on huge shapes"
+    return ""

@@ -5,9 +5,15 @@ import json
 
 import pytest
 
-from layerbench.common.selection import selected_backends, selected_cases, selected_shapes
+from layerbench.common.selection import (conformance_shapes, determinism_reason,
+                                         selected_backends, shape_cases)
 
-HUGE_SHAPES = {14}  # shapes whose extra cases (half dtypes, determinism) are left out
+
+def pytest_addoption(parser):
+    parser.getgroup("layerbench").addoption(
+        "--allow-slow", action="store_true", default=False,
+        help="run CPU cases estimated to take longer than common/runner.py CPU_CASE_SECONDS "
+             "(default: skip them with the estimate)")
 
 
 def pytest_generate_tests(metafunc):
@@ -16,21 +22,25 @@ def pytest_generate_tests(metafunc):
     if "backend_name" in names:
         metafunc.parametrize("backend_name", selected_backends(config))
     if "shape" in names:
-        shapes = selected_shapes(config)
+        shapes = conformance_shapes(config)
         if "case" in names:
             params = []
             for shape in shapes:
-                for dtype, padding in selected_cases(config):
-                    if shape.kind == "official" and shape.number in HUGE_SHAPES \
-                            and dtype != "float32":
-                        continue
-                    params.append(pytest.param(shape, (dtype, padding),
-                                               id=f"{shape.id}-{dtype}-pad{padding:g}"))
+                cases, reason = shape_cases(shape, config)
+                params += [pytest.param(shape, (dtype, padding),
+                                        id=f"{shape.id}-{dtype}-pad{padding:g}")
+                           for dtype, padding in cases]
+                if not cases:  # a selected shape that yields no case is reported, not dropped
+                    params.append(pytest.param(shape, None, id=f"{shape.id}-no-case",
+                                               marks=pytest.mark.skip(reason=reason)))
             metafunc.parametrize("shape,case", params)
         else:
-            shapes = [s for s in shapes
-                      if not (s.kind == "official" and s.number in HUGE_SHAPES)]
-            metafunc.parametrize("shape", shapes, ids=[s.id for s in shapes])
+            params = []
+            for shape in shapes:
+                reason = determinism_reason(shape)
+                marks = [pytest.mark.skip(reason=reason)] if reason else []
+                params.append(pytest.param(shape, id=shape.id, marks=marks))
+            metafunc.parametrize("shape", params)
 
 
 class ResultsLog:
@@ -56,3 +66,9 @@ def results_log(pytestconfig) -> ResultsLog:
 def reference_cache() -> dict:
     """Reference outputs by case, shared by every backend of the session."""
     return {}
+
+
+@pytest.fixture(scope="session")
+def allow_slow(pytestconfig) -> bool:
+    """Whether CPU cases over the time limit run (--allow-slow) instead of being skipped."""
+    return bool(pytestconfig.getoption("--allow-slow", default=False))

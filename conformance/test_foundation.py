@@ -4,13 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerbench.common import registry
+from layerbench.common import memory, registry, runner, selection
 from layerbench.common.config import LayerConfig
 from layerbench.common.contract import compare
+from layerbench.common.errors import MemoryPlanError, Unsupported
 from layerbench.common.inputs import make_inputs, prefix_lengths
 from layerbench.common.interface import Backend, BuiltLayer, Capabilities
-from layerbench.common.shapes import CI, OFFICIAL, resolve_shapes
-from layerbench.reference import make_reference, reference_forward, streaming_forward
+from layerbench.common.memory import GIB
+from layerbench.common.shapes import CI, HEAD_DIM_SHAPES, OFFICIAL, resolve_shapes
+from layerbench.reference import (make_reference, reference_forward, reference_plan,
+                                  streaming_forward)
 
 SPEC_TABLE = [(64, 128, 128, 4, 128, 4), (1, 128, 128, 4, 128, 4), (4, 128, 128, 4, 128, 4),
               (16, 128, 128, 4, 128, 4), (128, 128, 128, 4, 128, 4),
@@ -41,8 +44,119 @@ def test_resolve_shapes():
     """Shape specs resolve by name and by number, and unknown ones are refused."""
     assert [s.number for s in resolve_shapes("1,8,ci3")] == [1, 8, 3]
     assert resolve_shapes("ci3")[0].kind == "ci"
-    with pytest.raises(ValueError):
-        resolve_shapes("15")
+    for bad in ("15", "hd50", "nc", "ncci15", "x1"):
+        with pytest.raises(ValueError):
+            resolve_shapes(bad)
+
+
+def test_noncausal_shapes_are_named_apart():
+    """'nc' names a shape's non-causal variant, with its own id and kind; groups expand."""
+    nc1, ci3 = resolve_shapes("nc1,ncci3")
+    assert not nc1.config.causal and nc1.id == "s01-base-noncausal"
+    assert nc1.kind == "official-noncausal" and nc1.table == "official"
+    assert nc1.config == LayerConfig(64, 128, 128, 4, 128, 4, causal=False)
+    assert not ci3.config.causal and ci3.id == "ci03-batch4-noncausal"
+    assert [(s.number, s.config.causal) for s in resolve_shapes("noncausal")] == \
+        [(1, False), (8, False), (13, False)]
+    ci_nc = resolve_shapes("ci-noncausal")
+    assert len(ci_nc) == len(CI) and not any(s.config.causal for s in ci_nc)
+    assert len({s.id for s in resolve_shapes("ci,ci-noncausal")}) == 2 * len(CI)
+    assert resolve_shapes("1,1,official")[:1] == [OFFICIAL[1]]
+    assert len(resolve_shapes("1,1,official")) == len(OFFICIAL)
+
+
+def test_head_dim_shapes():
+    """Head dims 24-192: 2 heads, d_model = ffn = 2 * head dim, 2 x 40 tokens, 2 blocks."""
+    shapes = resolve_shapes("headdims")
+    assert [s.config.head_dim for s in shapes] == [24, 48, 80, 96, 112, 160, 192]
+    for s in shapes:
+        c = s.config
+        assert (c.batch_size, c.seq_len, c.num_heads, c.num_layers) == (2, 40, 2, 2)
+        assert c.d_model == c.ffn_dim == 2 * c.head_dim and c.causal
+    assert resolve_shapes("hd48")[0] is HEAD_DIM_SHAPES[48]
+    assert HEAD_DIM_SHAPES[48].id == "hd48-d96h2"
+
+
+class _Options:
+    """A stand-in for pytest's config: getoption from a dict."""
+
+    def __init__(self, **options):
+        self.options = {f"--{k.replace('_', '-')}": v for k, v in options.items()}
+
+    def getoption(self, name, default=None):
+        return self.options.get(name, default)
+
+
+def test_default_selection_adds_noncausal_and_head_dims():
+    """Conformance by default: CPU ci + non-causal ci + head dims; GPU official + non-causal
+    1, 8, 13 + head dims. The benchmark's default stays the plain official / ci shapes."""
+    cpu = {s.id for s in selection.conformance_shapes(_Options(device="cpu"))}
+    assert {s.id for s in resolve_shapes("ci,ci-noncausal,headdims")} == cpu
+    gpu = selection.conformance_shapes(_Options(device="cuda"))
+    assert [s.id for s in gpu if not s.config.causal] == \
+        ["s01-base-noncausal", "s08-dmodel1024-noncausal", "s13-seq1024-noncausal"]
+    assert len(gpu) == len(OFFICIAL) + 3 + len(HEAD_DIM_SHAPES)
+    assert selection.selected_shapes(_Options(device="cpu")) == list(CI.values())
+    assert selection.conformance_shapes(_Options(device="cpu", shapes="2")) == [OFFICIAL[2]]
+
+
+def test_a_shape_without_cases_says_why():
+    """Shape 14 with only half dtypes and head-dim shapes without float32 give no case and a
+    reason; otherwise their cases are the float32 ones (head dims: padding 0.25)."""
+    half = _Options(dtype=["float16"])
+    for shape in (OFFICIAL[14], HEAD_DIM_SHAPES[24]):
+        cases, reason = selection.shape_cases(shape, half)
+        assert cases == [] and "float32" in reason and shape.id in reason
+    assert selection.shape_cases(OFFICIAL[14], _Options())[0] == \
+        [("float32", 0.0), ("float32", 0.25)]
+    assert selection.shape_cases(HEAD_DIM_SHAPES[24], _Options(padding=[0.0]))[0] == \
+        [("float32", 0.25)]
+    assert len(selection.shape_cases(OFFICIAL[1], _Options())[0]) == 4
+    assert selection.determinism_reason(OFFICIAL[14]) and not selection.determinism_reason(CI[14])
+
+
+def test_case_plan_counts_everything_the_case_allocates(monkeypatch):
+    """On a 24 GB CPU, shape 14 is refused before allocating: its input, output and out=
+    buffer alone (12.2 GiB each) exceed the memory, though one sequence's working set fits."""
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 24 * 10 ** 9)
+    cfg = OFFICIAL[14].config
+    plan = runner.case_plan("torch-sdpa", cfg, torch.float32, "cpu")
+    for item in ("input x", "output", "out= buffer"):
+        assert plan.items[item] == 4 * cfg.tokens * cfg.d_model
+    assert any(k.startswith("torch-sdpa ") for k in plan.items)
+    assert any(k.startswith("reference oracle") for k in plan.items)
+    with pytest.raises(MemoryPlanError) as info:
+        runner.admit("torch-sdpa", cfg, torch.float32, "cpu")
+    message = str(info.value)
+    assert "GiB" in message and "input x 12.21 GiB" in message and "out= buffer" in message
+    runner.admit("torch-sdpa", CI[14].config, torch.float32, "cpu")
+
+
+def test_reference_plan_follows_exact_output(monkeypatch):
+    """The plan takes the whole-batch baseline where it fits, else the streaming oracle on
+    two sequences, as exact_output does."""
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 24 * 10 ** 9)
+    small = reference_plan(CI[1].config, torch.device("cpu"))
+    assert "scores" in small.items and "baseline output" in small.items
+    huge = reference_plan(OFFICIAL[14].config, torch.device("cpu"))
+    assert huge.items["oracle output"] == 2 * 2 * 4 * 100_000 * 1024
+    assert huge.total < 20 * GIB
+
+
+def test_slow_cpu_cases_are_skipped_unless_allowed(monkeypatch):
+    """A case that fits but is estimated over the CPU time limit is refused with the estimate,
+    unless slow cases are allowed; CI shapes are far below the limit."""
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 1 << 50)
+    cfg = OFFICIAL[14].config
+    seconds = runner.estimated_cpu_seconds("torch-sdpa", cfg, torch.float32)
+    assert seconds > runner.CPU_CASE_SECONDS
+    with pytest.raises(Unsupported, match="allow-slow") as info:
+        runner.admit("torch-sdpa", cfg, torch.float32, "cpu")
+    assert not isinstance(info.value, MemoryPlanError) and "GFLOP/s" in str(info.value)
+    runner.admit("torch-sdpa", cfg, torch.float32, "cpu", allow_slow=True)
+    assert runner.estimated_cpu_seconds("torch-baseline", CI[8].config, torch.float32) < 1
+    assert runner.estimated_cpu_seconds("torch-baseline", OFFICIAL[13].config,
+                                        torch.float32) < runner.CPU_CASE_SECONDS
 
 
 def test_contract_is_an_or_of_the_two_bounds():

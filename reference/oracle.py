@@ -6,13 +6,14 @@ shape, shape 14 included. A query row whose keys are all masked gets attention o
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping, Sequence
 
 import torch
 from torch.nn import functional as F
 
 from layerbench.common.config import LayerConfig
+from layerbench.common.memory import MemoryPlan
+from layerbench.common.params import param_bytes
 from layerbench.common.precision import fp32_matmul
 
 from .model import LN_EPS
@@ -20,6 +21,25 @@ from .model import LN_EPS
 
 def _param(sd: Mapping[str, torch.Tensor], name: str, device) -> torch.Tensor:
     return sd[name].detach().to(device=device, dtype=torch.float32)
+
+
+def default_query_block(config: LayerConfig, seq_len: int) -> int:
+    """Query rows per block: one [H, Q, S] fp32 score block near 2 GiB (at least 16 rows)."""
+    return max(16, min(seq_len, (2 << 30) // max(1, 4 * config.num_heads * seq_len)))
+
+
+def oracle_plan(config: LayerConfig, sequences: int) -> MemoryPlan:
+    """Device bytes streaming_forward needs for `sequences` sequences of config (one at a time)."""
+    s, d, f, h = config.seq_len, config.d_model, config.ffn_dim, config.num_heads
+    block = default_query_block(config, s)
+    return MemoryPlan({
+        # The scores, their masked copy and the softmax of one query block.
+        "oracle score block": 3 * 4 * h * block * s,
+        "oracle activations (one sequence)": 4 * s * (12 * d + 3 * f),
+        # The outputs of the chosen sequences, and their stacked copy.
+        "oracle output": 2 * 4 * sequences * s * d,
+        "oracle parameters": param_bytes(config),
+    })
 
 
 def _attention_one(q, k, v, valid_keys, causal: bool, query_block: int) -> torch.Tensor:
@@ -57,8 +77,7 @@ def streaming_forward(state_dict: Mapping[str, torch.Tensor], config: LayerConfi
         batch_indices = range(x.shape[0])
     s, d, heads = x.shape[1], config.d_model, config.num_heads
     if query_block is None:
-        # Keep one [H, Q, S] score block near 2 GiB.
-        query_block = max(16, min(s, (2 << 30) // max(1, 4 * heads * s)))
+        query_block = default_query_block(config, s)
     outs = []
     with fp32_matmul("ieee"):
         for b in batch_indices:
