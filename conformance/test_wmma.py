@@ -74,11 +74,11 @@ def test_refuses_unsupported_sizes(wmma_selected, d_model, heads, ffn):
 def test_tile_choice(wmma_selected):
     """Big GEMMs get 128x128 tiles, small ones smaller tiles; key blocks shrink past hd 128."""
     big = choose_tiles(8192, 1024, 1024, 256, 132)
-    assert GEMM_TILES[big.qkv] == (128, 128) and big.attention_block_n == 32
-    small = choose_tiles(128, 128, 128, 32, 132)
-    assert GEMM_TILES[small.out_proj] == (32, 32) and small.attention_block_n == 64
-    mid = choose_tiles(8192, 128, 128, 32, 132)
-    assert GEMM_TILES[mid.qkv] == (128, 128) and GEMM_TILES[mid.ffn_in] == (64, 64)
+    assert GEMM_TILES[big.qkv] == (128, 128, 2) and big.attention_block_n == 32
+    small = choose_tiles(128, 128, 128, 32, 132, gemm_stages=3)
+    assert GEMM_TILES[small.out_proj] == (32, 32, 2) and small.attention_block_n == 64
+    mid = choose_tiles(8192, 128, 128, 32, 132, gemm_stages=3)
+    assert GEMM_TILES[mid.qkv] == (128, 128, 3) and GEMM_TILES[mid.ffn_in] == (64, 64, 3)
 
 
 def _reference_attention(qkv, valid, batch, seq_len, heads, causal):
@@ -178,21 +178,23 @@ def test_writes_into_out(wmma_selected):
     assert report.passed, report.summary()
 
 
-PLANS = [(True, False), (True, True), (False, False)]
+PLANS = [(True, False, 2), (True, True, 2), (False, False, 2), (False, False, 3)]
 
 
 @needs_gpu
-@pytest.mark.parametrize("fuse_qkv,fuse_ffn", PLANS, ids=["qkv", "qkv-ffn", "unfused"])
-@pytest.mark.parametrize("number", [1, 7, 12], ids=["d128", "d32", "seq32"])
-def test_plans_pass(wmma_selected, number, fuse_qkv, fuse_ffn):
-    """Every combination of the fused kernels keeps the contract on the same case."""
+@pytest.mark.parametrize("fuse_qkv,fuse_ffn,stages", PLANS,
+                         ids=["qkv", "qkv-ffn", "unfused", "unfused-3-stages"])
+@pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
+def test_plans_pass(wmma_selected, number, fuse_qkv, fuse_ffn, stages):
+    """Every combination of the fused kernels and GEMM pipeline depths keeps the contract
+    on the same case (ffn_block only where whole rows fit its tile)."""
     from layerbench.common.shapes import CI
 
     cfg = CI[number].config
     _, x, mask, expected = _layer_and_reference(cfg)
-    layer = WmmaBackend(fuse_qkv, fuse_ffn).build(
+    layer = WmmaBackend(fuse_qkv, fuse_ffn, stages).build(
         cfg, _layer_and_reference.model.state_dict(), device="cuda")
-    assert (layer.plan.fuse_qkv, layer.plan.fuse_ffn) == (fuse_qkv, fuse_ffn)
+    assert layer.plan.fuse_ffn == (fuse_ffn and cfg.d_model <= 128)
     with torch.no_grad():
         report = compare(layer(x, mask), expected)
     assert report.passed, report.summary()

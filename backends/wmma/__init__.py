@@ -27,9 +27,10 @@ class WmmaBackend(Backend):
         notes="JIT-built with nvcc (sm_80+); fp32 residual stream; fp16/bf16 computed in fp32",
     )
 
-    def __init__(self, fuse_qkv: bool = True, fuse_ffn: bool = False):
+    def __init__(self, fuse_qkv: bool = True, fuse_ffn: bool = False, gemm_stages: int = 2):
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
         self.fuse_ffn = fuse_ffn  # ffn_block where whole rows fit its tile
+        self.gemm_stages = gemm_stages  # operand tiles in flight in the large GEMM tiles
 
     def unavailable_reason(self, device):
         """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
@@ -70,5 +71,6 @@ class WmmaBackend(Backend):
         fuse_ffn = (self.fuse_ffn and block.fits(config.d_model, config.ffn_dim)
                     and (limit is None
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
-        plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn)
+        plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
+                    self.gemm_stages)
         return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

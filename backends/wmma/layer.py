@@ -27,9 +27,11 @@ class Plan:
     fuse_qkv: norm1 in the Q/K/V GEMM's prologue (norm_qkv, d_model up to 256).
     fuse_ffn: out_proj to the block's output (and the final norm) in one kernel (ffn_block,
     d_model and ffn_dim up to 128).
+    gemm_stages: operand tiles in flight in the separate GEMMs' large tiles (2 or 3).
     """
     fuse_qkv: bool
     fuse_ffn: bool
+    gemm_stages: int = 2
 
     @property
     def kernels_per_block(self) -> int:
@@ -112,7 +114,7 @@ class WmmaLayer(BuiltLayer):
         rows = (work["rows_hi"], work["rows_lo"])  # normed rows, then the context
         valid_rows = None if valid is None else valid.reshape(-1)
         tiles = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
-                             self.multiprocessors)
+                             self.multiprocessors, plan.gemm_stages)
         final = (self.params.final_weight, self.params.final_bias)
         last = len(self.params.layers) - 1
         src = x2

@@ -16,9 +16,8 @@ using namespace nvcuda;
 
 constexpr int kBK = 32;           // K per shared-memory stage
 constexpr int kLds = kBK + 8;     // shared row stride of an operand tile (halves)
-constexpr int kStages = 2;
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, int PRODUCTS>
+template <int BM, int BN, int WARPS_M, int WARPS_N, int PRODUCTS, int kStages>
 struct Tile {
   static constexpr int kThreads = WARPS_M * WARPS_N * 32;
   static constexpr int kParts = PRODUCTS == 3 ? 2 : 1;         // hi (and lo) of each operand
@@ -49,11 +48,12 @@ __device__ __forceinline__ void load_tile(__half* dst, const __half* src, int64_
   }
 }
 
-// LinearParams; grid (M tiles, N tiles); block T::kThreads; dynamic shared T::kSmemBytes.
-template <int BM, int BN, int WARPS_M, int WARPS_N, int PRODUCTS, int EPILOGUE>
-__global__ void __launch_bounds__(WARPS_M * WARPS_N * 32)
+// LinearParams; grid (M tiles, N tiles); block T::kThreads; dynamic shared T::kSmemBytes;
+// STAGES operand tiles in flight.
+template <int BM, int BN, int WARPS_M, int WARPS_N, int PRODUCTS, int EPILOGUE, int STAGES>
+__global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, 1)
 linear_kernel(LinearParams p) {
-  using T = Tile<BM, BN, WARPS_M, WARPS_N, PRODUCTS>;
+  using T = Tile<BM, BN, WARPS_M, WARPS_N, PRODUCTS, STAGES>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __half* smem = reinterpret_cast<__half*>(smem_raw);
 
@@ -85,17 +85,27 @@ linear_kernel(LinearParams p) {
 #pragma unroll
     for (int j = 0; j < T::kFragsN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
 
+  // One commit group per K tile (empty past the end): after the commit of iteration kt,
+  // waiting until STAGES - 1 groups are pending means tile kt has landed.
   const int k_tiles = (p.K + kBK - 1) / kBK;
-  load_stage(0, 0);
-  for (int kt = 0; kt < k_tiles; ++kt) {
-    if (kt + 1 < k_tiles) {
-      load_stage((kt + 1) % kStages, (kt + 1) * kBK);
-      cp_async_wait<1>();
+#pragma unroll
+  for (int t = 0; t < STAGES - 1; ++t) {
+    if (t < k_tiles) {
+      load_stage(t, t * kBK);
     } else {
-      cp_async_wait<0>();
+      cp_async_commit();
     }
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int ahead = kt + STAGES - 1;   // refills the stage computed in iteration kt - 1
+    if (ahead < k_tiles) {
+      load_stage(ahead % STAGES, ahead * kBK);
+    } else {
+      cp_async_commit();
+    }
+    cp_async_wait<STAGES - 1>();
     __syncthreads();
-    const int stage = kt % kStages;
+    const int stage = kt % STAGES;
 #pragma unroll
     for (int kk = 0; kk < kBK; kk += 16) {
       wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b_hi[T::kFragsN];
@@ -160,10 +170,10 @@ linear_kernel(LinearParams p) {
   }
 }
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, int PRODUCTS, int EPILOGUE>
+template <int BM, int BN, int WARPS_M, int WARPS_N, int PRODUCTS, int EPILOGUE, int STAGES>
 LaunchResult launch(const LinearParams& p, cudaStream_t stream, const char* name) {
-  using T = Tile<BM, BN, WARPS_M, WARPS_N, PRODUCTS>;
-  auto kernel = linear_kernel<BM, BN, WARPS_M, WARPS_N, PRODUCTS, EPILOGUE>;
+  using T = Tile<BM, BN, WARPS_M, WARPS_N, PRODUCTS, STAGES>;
+  auto kernel = linear_kernel<BM, BN, WARPS_M, WARPS_N, PRODUCTS, EPILOGUE, STAGES>;
   if (T::kSmemBytes > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
@@ -179,11 +189,17 @@ template <int PRODUCTS, int EPILOGUE>
 LaunchResult launch_tile(const LinearParams& p, GemmTile tile, cudaStream_t stream) {
   switch (tile) {
     case GemmTile::k128x128:
-      return launch<128, 128, 4, 2, PRODUCTS, EPILOGUE>(p, stream, "linear_kernel<128x128>");
+      return launch<128, 128, 4, 2, PRODUCTS, EPILOGUE, 2>(p, stream, "linear_kernel<128x128>");
     case GemmTile::k64x64:
-      return launch<64, 64, 2, 2, PRODUCTS, EPILOGUE>(p, stream, "linear_kernel<64x64>");
+      return launch<64, 64, 2, 2, PRODUCTS, EPILOGUE, 2>(p, stream, "linear_kernel<64x64>");
     case GemmTile::k32x32:
-      return launch<32, 32, 2, 2, PRODUCTS, EPILOGUE>(p, stream, "linear_kernel<32x32>");
+      return launch<32, 32, 2, 2, PRODUCTS, EPILOGUE, 2>(p, stream, "linear_kernel<32x32>");
+    case GemmTile::k128x128x3:
+      return launch<128, 128, 4, 2, PRODUCTS, EPILOGUE, 3>(p, stream,
+                                                            "linear_kernel<128x128, 3 stages>");
+    case GemmTile::k64x64x3:
+      return launch<64, 64, 2, 2, PRODUCTS, EPILOGUE, 3>(p, stream,
+                                                          "linear_kernel<64x64, 3 stages>");
   }
   return {cudaErrorInvalidValue, "linear_kernel (unknown tile)"};
 }
@@ -199,7 +215,7 @@ LaunchResult launch_linear(const LinearParams& p, GemmTile tile, int products,
   if (products == 1 && epilogue == Epilogue::kHalf) return launch_tile<1, kHalf>(p, tile, stream);
   if (products == 3) {
     switch (epilogue) {
-      case Epilogue::kHalf: return launch_tile<3, kHalf>(p, tile, stream);
+      case Epilogue::kHalf: break;  // Q/K/V: one product
       case Epilogue::kGeluPair: return launch_tile<3, kGelu>(p, tile, stream);
       case Epilogue::kResidualUpdate: return launch_tile<3, kUpdate>(p, tile, stream);
       case Epilogue::kResidualSum: return launch_tile<3, kSum>(p, tile, stream);
