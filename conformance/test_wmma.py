@@ -76,7 +76,7 @@ def test_tile_choice(wmma_selected):
     big = choose_tiles(8192, 1024, 1024, 256, 132)
     assert GEMM_TILES[big.qkv] == (128, 128, 2) and big.attention_block_n == 32
     small = choose_tiles(128, 128, 128, 32, 132, gemm_stages=3)
-    assert GEMM_TILES[small.out_proj] == (32, 32, 2) and small.attention_block_n == 64
+    assert GEMM_TILES[small.out_proj] == (32, 32, 3) and small.attention_block_n == 64
     mid = choose_tiles(8192, 128, 128, 32, 132, gemm_stages=3)
     assert GEMM_TILES[mid.qkv] == (128, 128, 3) and GEMM_TILES[mid.ffn_in] == (64, 64, 3)
 

@@ -134,7 +134,9 @@ struct FfnBlockParams {
 
 // Tile choices the host passes down (see tiles.py): rows x columns, two operand stages in
 // flight unless named x3.
-enum class GemmTile : int { k128x128 = 0, k64x64 = 1, k32x32 = 2, k128x128x3 = 3, k64x64x3 = 4 };
+enum class GemmTile : int {
+  k128x128 = 0, k64x64 = 1, k32x32 = 2, k128x128x3 = 3, k64x64x3 = 4, k32x32x3 = 5
+};
 
 LaunchResult launch_norm_split(const NormSplitParams& p, cudaStream_t stream);
 LaunchResult launch_norm_out(const NormOutParams& p, cudaStream_t stream);

@@ -200,6 +200,9 @@ LaunchResult launch_tile(const LinearParams& p, GemmTile tile, cudaStream_t stre
     case GemmTile::k64x64x3:
       return launch<64, 64, 2, 2, PRODUCTS, EPILOGUE, 3>(p, stream,
                                                           "linear_kernel<64x64, 3 stages>");
+    case GemmTile::k32x32x3:
+      return launch<32, 32, 2, 2, PRODUCTS, EPILOGUE, 3>(p, stream,
+                                                          "linear_kernel<32x32, 3 stages>");
   }
   return {cudaErrorInvalidValue, "linear_kernel (unknown tile)"};
 }

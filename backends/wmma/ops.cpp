@@ -132,7 +132,7 @@ void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
     check_rows(*out_lo, m, n, at::kHalf, "out_lo");
   }
   if (valid) check_rows(valid->view({m, 1}), m, 1, at::kByte, "valid");
-  TORCH_CHECK(tile >= 0 && tile <= 4, "unknown tile ", tile);
+  TORCH_CHECK(tile >= 0 && tile <= 5, "unknown tile ", tile);
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(a_hi.device());
   lbw::LinearParams p{reinterpret_cast<const __half*>(a_hi.data_ptr()), ptr<const __half>(a_lo),
