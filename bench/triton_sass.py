@@ -76,7 +76,7 @@ def cases() -> list[Case]:
                 "valid_ptr": "*u8", "key_end_ptr": "*i32", "S": "i32", "H": "i32", "D": "i32",
                 "qk_scale": "fp32", "HEAD_DIM": hd, "HEAD_PAD": hd, "HAS_VALID": True,
                 "SPLIT_OUT": True, "PRECISION": "fp16", "BLOCK_M": att.block_m,
-                "BLOCK_N": att.block_n, "PDL": launch.dependent_launch()["PDL"]},
+                "BLOCK_N": att.block_n, "PDL": launch.dependent_launch()["PDL"], "CAUSAL": True},
                att.warps, att.stages, "MMA")
           for hd, shapes, att in (
               (64, "14", attention.AttentionTiles(*attention.attention_config(64, "fp16"))),
@@ -100,7 +100,8 @@ def cases() -> list[Case]:
                 "eps": "fp32", "H": 4, "HEAD_DIM": 32, "HEAD_PAD": 32, "D_PAD": 128, "F_PAD": 128,
                 "HAS_VALID": True, "FINAL": False, "ATT_PRECISION": "fp16",
                 "BLOCK_M": block_m, "BLOCK_N": tiles.block_n, "F_CHUNK": f_chunk,
-                "CTX_IN_MEMORY": apart, "PDL": launch.dependent_launch()["PDL"]},
+                "CTX_IN_MEMORY": apart, "PDL": launch.dependent_launch()["PDL"],
+                "CAUSAL": True},
                tiles.warps, tiles.stages, "MMA")
           for label, f_chunk, apart, block_m in (
               ("1, 5, 6, 13: 64 rows", tiles.ffn_chunk, True, tiles.block_m),

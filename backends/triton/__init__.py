@@ -12,6 +12,9 @@ from layerbench.common.params import param_bytes
 
 from .layer import DEFAULT_PRECISION, Precision, TritonLayer, working_bytes_per_sequence
 
+# Every multiple of 8 up to 256; the kernels pad a head to the next power of two (HEAD_PAD).
+HEAD_DIMS = tuple(range(8, 257, 8))
+
 
 class TritonBackend(Backend):
     """The stack in Triton kernels (three per block when rows fit a tile, seven otherwise),
@@ -21,7 +24,7 @@ class TritonBackend(Backend):
     summary = "Triton: fused block kernels, split-fp16 GEMMs, flash attention, CUDA graph"
     capabilities = Capabilities(
         devices=("cuda", "cpu"),
-        head_dims=(8, 16, 32, 64, 128, 256),
+        head_dims=HEAD_DIMS,
         notes="cpu runs the Triton interpreter (TRITON_INTERPRET=1); fp32 residual stream",
     )
 

@@ -1,8 +1,10 @@
-"""Causal flash attention forward over the packed [tokens, 3*d_model] QKV buffer.
+"""Flash attention forward (causal or not) over the packed [tokens, 3*d_model] QKV buffer.
 
-Online softmax in fp32 (base 2); key blocks above the diagonal are never visited and only
-the diagonal blocks pay for the causal test; the key padding mask is applied per key block;
-a query row with no visible key gets output 0.
+Online softmax in fp32 (base 2). Causal: key blocks above the diagonal are never visited and
+only the diagonal blocks pay for the causal test. Non-causal: every key block is visited and
+only the last one pays for the bound test. The key padding mask is applied per key block; a
+query row with no visible key gets output 0. Head dims that are not a power of two run in a
+tile padded to the next one (HEAD_PAD), with masked loads and stores.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ from .precision import INTERPRETER, mma, pad16, store_rows
 @triton.jit
 def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, offs_m, d_ok,
                    lo, hi, qk_scale, DIAGONAL: tl.constexpr, MASKED: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BOUNDED: tl.constexpr = False):
     """Online-softmax update over key blocks [lo, hi) with keys < key_end.
 
-    DIAGONAL blocks apply the causal test; MASKED blocks load the key mask; other blocks
-    need no test at all.
+    DIAGONAL blocks apply the causal test; MASKED blocks load the key mask; BOUNDED blocks
+    apply the key bound alone; other blocks need no test at all.
     """
     row_stride = 3 * D
     for n0 in range(lo, hi, BLOCK_N):
@@ -34,7 +37,7 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, 
         k_t = tl.load(base + rows_n[None, :] + (D + q_cols)[:, None],
                       mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         s = mma(q, k_t, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), PRECISION)
-        if DIAGONAL or MASKED:
+        if DIAGONAL or MASKED or BOUNDED:
             allowed = n_ok[None, :]
             if DIAGONAL:
                 allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
@@ -58,29 +61,34 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, 
 
 
 @triton.jit
-def _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N: tl.constexpr):
+def _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """(key_end, full_end) of sequence b for the query block from diag: keys past key_end are
     masked (S unless the valid keys form a prefix), and the whole key blocks before full_end
-    (<= diag) need no mask test. A query block wholly past a prefix's end holds padding rows,
-    whose context out_proj discards: key_end 0 skips every key block (output 0)."""
+    (<= diag if CAUSAL) need no mask test. A query block wholly past a prefix's end holds
+    padding rows, whose context out_proj discards: key_end 0 skips every key block (output 0)."""
     prefix_end = tl.load(key_end_ptr + b)
     key_end = tl.where(prefix_end >= 0, prefix_end, S)
     key_end = tl.where((prefix_end >= 0) & (diag >= prefix_end), 0, key_end)
-    full_end = tl.where(prefix_end >= 0, tl.minimum(diag, (key_end // BLOCK_N) * BLOCK_N), 0)
+    if CAUSAL:
+        full_end = tl.where(prefix_end >= 0, tl.minimum(diag, (key_end // BLOCK_N) * BLOCK_N), 0)
+    else:
+        full_end = tl.where(prefix_end >= 0, (key_end // BLOCK_N) * BLOCK_N, 0)
     return key_end, full_end
 
 
 @triton.jit
 def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
                 HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
-                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr):
     """Normalised attention output [BLOCK_M, HEAD_PAD] of the BLOCK_M queries from q_start (a
-    multiple of BLOCK_M) of head h, sequence b.
+    multiple of BLOCK_M) of head h, sequence b (columns from HEAD_DIM on are 0).
 
-    Key blocks above the diagonal are skipped; blocks below it run without the causal test.
+    CAUSAL: key blocks above the diagonal are skipped; blocks below it run without the causal
+    test. Otherwise every key block is visited; only the last one tests the key bound.
     With a mask whose valid keys form a prefix (key_end[b] >= 0), blocks past its end are
     skipped and the whole blocks before it run without the mask: only the block holding its
-    end and the diagonal blocks load it. Other masks are loaded for every block.
+    end (and, CAUSAL, the diagonal blocks) load it. Other masks are loaded for every block.
     """
     offs_m = q_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_PAD)
@@ -96,8 +104,25 @@ def attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     diag = q_start  # a multiple of BLOCK_N
     diag_end = tl.minimum(diag + BLOCK_M, S)
-    if HAS_VALID:
-        key_end, full_end = _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N)
+    if not CAUSAL:  # every row sees the same keys; query blocks past a prefix skip them too
+        if HAS_VALID:  # whole blocks of a prefix, then the rest with the mask loaded
+            key_end, full_end = _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N, False)
+            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
+                                           q_cols, offs_m, d_ok, 0, full_end, qk_scale, False,
+                                           False, PRECISION, BLOCK_M, BLOCK_N)
+            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
+                                           q_cols, offs_m, d_ok, full_end, key_end, qk_scale,
+                                           False, True, PRECISION, BLOCK_M, BLOCK_N)
+        else:  # whole blocks, then the last block's key bound
+            full_end = (S // BLOCK_N) * BLOCK_N
+            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, S, D,
+                                           q_cols, offs_m, d_ok, 0, full_end, qk_scale, False,
+                                           False, PRECISION, BLOCK_M, BLOCK_N)
+            acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, S, D,
+                                           q_cols, offs_m, d_ok, full_end, S, qk_scale, False,
+                                           False, PRECISION, BLOCK_M, BLOCK_N, BOUNDED=True)
+    elif HAS_VALID:
+        key_end, full_end = _prefix_ranges(key_end_ptr, b, S, diag, BLOCK_N, True)
         acc, m_i, l_i = _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D,
                                        q_cols, offs_m, d_ok, 0, full_end, qk_scale, False,
                                        False, PRECISION, BLOCK_M, BLOCK_N)
@@ -140,10 +165,10 @@ def flash_attention_kernel(
     qkv_ptr, ctx_ptr, ctx_lo_ptr, valid_ptr, key_end_ptr, S, H, D, qk_scale,
     HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
     SPLIT_OUT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """One block of BLOCK_M queries of one (sequence, head); the context is stored as is or
-    as an fp16 (hi, lo) pair."""
+    """One block of BLOCK_M queries of one (sequence, head), causal or not (CAUSAL); the
+    context is stored as is or as an fp16 (hi, lo) pair."""
     start_after_previous(PDL)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -151,7 +176,7 @@ def flash_attention_kernel(
     h = bh % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     out = attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, pid_m * BLOCK_M, qk_scale,
-                      HEAD_DIM, HEAD_PAD, HAS_VALID, PRECISION, BLOCK_M, BLOCK_N)
+                      HEAD_DIM, HEAD_PAD, HAS_VALID, PRECISION, BLOCK_M, BLOCK_N, CAUSAL)
     offs_d = tl.arange(0, HEAD_PAD)
     ctx_offsets = ((b.to(tl.int64) * S + offs_m) * D)[:, None] + (h * HEAD_DIM + offs_d)[None, :]
     ok = (offs_m < S)[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -197,8 +222,10 @@ def key_extent(valid: torch.Tensor, key_end: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, key_end=None, *,
-                    batch: int, seq_len: int, num_heads: int, precision: str, config=None):
-    """ctx[B*S, D] = causal softmax(q k^T / sqrt(hd)) v for every head, from qkv[B*S, 3D].
+                    batch: int, seq_len: int, num_heads: int, precision: str, config=None,
+                    causal: bool = True):
+    """ctx[B*S, D] = softmax(q k^T / sqrt(hd)) v for every head, causal or not, from
+    qkv[B*S, 3D].
 
     ctx is one tensor, or an fp16 (hi, lo) pair that receives the context split; with a
     mask valid [B, S], key_end is key_extent(valid).
@@ -218,6 +245,6 @@ def flash_attention(qkv: torch.Tensor, ctx, valid: torch.Tensor | None, key_end=
         softmax_scale(head_dim),
         HEAD_DIM=head_dim, HEAD_PAD=pad, HAS_VALID=valid is not None,
         SPLIT_OUT=isinstance(ctx, tuple), PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages, **dependent_launch(),
+        CAUSAL=bool(causal), num_warps=num_warps, num_stages=num_stages, **dependent_launch(),
     )
     return ctx

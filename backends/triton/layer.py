@@ -149,7 +149,7 @@ class TritonLayer(BuiltLayer):
         ctx = (work["ctx_hi"], work["ctx_lo"]) if "ctx_hi" in work else None
         valid, key_end = masks
         valid_rows = None if valid is None else valid.reshape(-1)
-        heads = self.config.num_heads
+        heads, causal = self.config.num_heads, self.config.causal
         src = x2
         last = len(self.params.layers) - 1
         rows = rows_apart(batch * s, x2.device) if ctx is not None else block_config().block_m
@@ -158,12 +158,12 @@ class TritonLayer(BuiltLayer):
             if ctx is not None:
                 flash_attention(qkv, ctx, valid, key_end, batch=batch, seq_len=s,
                                 num_heads=heads, precision=self.precision.attention,
-                                config=apart_attention_tiles(rows))
+                                config=apart_attention_tiles(rows), causal=causal)
             attention_ffn(
                 qkv, src, out2 if i == last else res, valid_rows, key_end, p, w,
                 final=(self.params.final_weight, self.params.final_bias) if i == last else None,
                 batch=batch, seq_len=s, num_heads=heads, precision=self.precision.attention,
-                ctx=ctx, block_m=rows)
+                ctx=ctx, block_m=rows, causal=causal)
             src = res
 
     def _run_wide(self, x2, masks, out2, batch, s, work):
@@ -179,7 +179,8 @@ class TritonLayer(BuiltLayer):
             split_linear(rows, w["qkv_weight"], p.qkv_bias, qkv,
                          products=self.precision.qkv_products)
             flash_attention(qkv, rows, valid, key_end, batch=batch, seq_len=s,
-                            num_heads=self.config.num_heads, precision=self.precision.attention)
+                            num_heads=self.config.num_heads, precision=self.precision.attention,
+                            causal=self.config.causal)
             split_linear(rows, w["out_weight"], p.out_bias, res, residual=src,
                          zero_mode=ZERO_UPDATE, valid=valid_rows)
             layer_norm(res, p.norm2_weight, p.norm2_bias, rows)
@@ -201,7 +202,8 @@ class TritonLayer(BuiltLayer):
                          precision=self.precision.qkv_linear,
                          ln=(p.norm1_weight, p.norm1_bias))
             flash_attention(qkv, ctx, valid, key_end, batch=batch, seq_len=s,
-                            num_heads=self.config.num_heads, precision=att)
+                            num_heads=self.config.num_heads, precision=att,
+                            causal=self.config.causal)
             fused_linear(ctx, w["out_weight"], p.out_bias, res, precision=lin, residual=src,
                          zero_mode=ZERO_UPDATE, valid=valid_rows)
             fused_linear(res, w["ffn_in_weight"], p.ffn_in_bias, hidden, precision=lin,

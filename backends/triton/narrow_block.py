@@ -5,7 +5,8 @@ as flash_attention (a program per query block and head), which writes the contex
 pair. attention_ffn: a program reads its rows' context into out_proj (or, with heads_apart
 off, runs attention head by head and feeds each head's context straight into out_proj), then
 adds the residual, applies norm2, ffn_in with GELU, ffn_out and the second residual, and
-(after the last block) the final LayerNorm. The FFN hidden rows never reach memory.
+(after the last block) the final LayerNorm. The FFN hidden rows never reach memory. Both
+attention paths are causal or not, and take any head dim (padded to HEAD_PAD).
 """
 from __future__ import annotations
 
@@ -76,11 +77,11 @@ def _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b, 
                         q_start, qk_scale, cols, col_ok, HEAD_DIM: tl.constexpr,
                         HEAD_PAD: tl.constexpr, HAS_VALID: tl.constexpr,
                         ATT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """attn + (head h's attention output) @ (its rows of out_proj^T)."""
     head_cols = tl.arange(0, HEAD_PAD)
     ctx = attend_head(qkv_ptr, valid_ptr, key_end_ptr, b, h, S, D, q_start, qk_scale,
-                      HEAD_DIM, HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
+                      HEAD_DIM, HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N, CAUSAL)
     w_hi, w_lo = _weight_tile(wo_hi, wo_lo, cols, col_ok, h * HEAD_DIM + head_cols,
                               head_cols < HEAD_DIM, D)
     return mma_split(ctx, w_hi, w_lo, attn)
@@ -94,10 +95,11 @@ def attention_ffn_kernel(
     H: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, D_PAD: tl.constexpr,
     F_PAD: tl.constexpr, HAS_VALID: tl.constexpr, FINAL: tl.constexpr,
     ATT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    F_CHUNK: tl.constexpr, CTX_IN_MEMORY: tl.constexpr, PDL: tl.constexpr,
+    F_CHUNK: tl.constexpr, CTX_IN_MEMORY: tl.constexpr, PDL: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """BLOCK_M query rows of sequence program_id(1): attention (or, CTX_IN_MEMORY, its output
-    read as an fp16 pair), out_proj, FFN, residuals, and the final LayerNorm (FINAL)."""
+    """BLOCK_M query rows of sequence program_id(1): attention, causal or not (CAUSAL) (or,
+    CTX_IN_MEMORY, its output read as an fp16 pair), out_proj, FFN, residuals, and the final
+    LayerNorm (FINAL)."""
     start_after_previous(PDL)
     q_start = tl.program_id(0) * BLOCK_M
     b = tl.program_id(1)
@@ -119,7 +121,8 @@ def attention_ffn_kernel(
         for h in range(H):
             attn = _head_into_out_proj(attn, qkv_ptr, valid_ptr, key_end_ptr, wo_hi, wo_lo, b,
                                        h, S, D, q_start, qk_scale, cols, col_ok, HEAD_DIM,
-                                       HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N)
+                                       HEAD_PAD, HAS_VALID, ATT_PRECISION, BLOCK_M, BLOCK_N,
+                                       CAUSAL)
     attn += tl.load(bo_ptr + cols, mask=col_ok, other=0.0)[None, :]
 
     if HAS_VALID:
@@ -229,13 +232,14 @@ def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
 def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, key_end, p, w,
                   *, final=None, batch: int, seq_len: int, num_heads: int,
                   precision: str, eps: float = 1e-5, config=None, ctx=None,
-                  block_m: int | None = None) -> torch.Tensor:
+                  block_m: int | None = None, causal: bool = True) -> torch.Tensor:
     """out = the block's output rows from its qkv and input rows x (x and out may alias).
 
     valid is the flat [B*S] mask or None, key_end its key_extent; p holds the layer's fp32
     parameters, w its (hi, lo) weights; final is (weight, bias) of the final LayerNorm to
     apply after this block; ctx, an fp16 (hi, lo) pair, is attention's output when it ran
-    apart (then qkv is not read, and block_m, if given, sets the rows per program).
+    apart (then qkv is not read, and block_m, if given, sets the rows per program); causal
+    picks the attention run in the program when ctx is None.
     """
     d = x.shape[1]
     f = p.ffn_in_bias.shape[0]
@@ -256,7 +260,7 @@ def attention_ffn(qkv: torch.Tensor, x: torch.Tensor, out: torch.Tensor, valid, 
         HAS_VALID=valid is not None, FINAL=final is not None,
         ATT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=tiles.block_n,
         F_CHUNK=min(tiles.ffn_chunk, pad16(f)),
-        CTX_IN_MEMORY=ctx is not None, **dependent_launch(),
+        CTX_IN_MEMORY=ctx is not None, CAUSAL=bool(causal), **dependent_launch(),
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     return out
