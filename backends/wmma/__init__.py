@@ -27,10 +27,12 @@ class WmmaBackend(Backend):
         notes="JIT-built with nvcc (sm_80+); fp32 residual stream; fp16/bf16 computed in fp32",
     )
 
-    def __init__(self, fuse_qkv: bool = True, fuse_ffn: bool = False, gemm_stages: int = 2):
+    def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool = False, gemm_stages: int = 2):
+        # The fused kernels are off by default: on an H200 the separate kernels run every
+        # official shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
         self.fuse_ffn = fuse_ffn  # ffn_block where whole rows fit its tile
-        self.gemm_stages = gemm_stages  # operand tiles in flight in the large GEMM tiles
+        self.gemm_stages = gemm_stages  # operand tiles in flight in the GEMM tiles
 
     def unavailable_reason(self, device):
         """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""

@@ -27,16 +27,11 @@ class Plan:
     fuse_qkv: norm1 in the Q/K/V GEMM's prologue (norm_qkv, d_model up to 256).
     fuse_ffn: out_proj to the block's output (and the final norm) in one kernel (ffn_block,
     d_model and ffn_dim up to 128).
-    gemm_stages: operand tiles in flight in the separate GEMMs' large tiles (2 or 3).
+    gemm_stages: operand tiles in flight in the separate GEMMs (2 or 3).
     """
     fuse_qkv: bool
     fuse_ffn: bool
     gemm_stages: int = 2
-
-    @property
-    def kernels_per_block(self) -> int:
-        """Launches per block (the separate final norm not counted)."""
-        return (1 if self.fuse_qkv else 2) + 1 + (1 if self.fuse_ffn else 4)
 
 
 def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dtype]]:
@@ -93,6 +88,7 @@ class WmmaLayer(BuiltLayer):
 
     def _forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """The eager forward: the batch in chunks that fit, into out (or a new tensor)."""
         b, s, d = x.shape
         chunk = self.chunks(b, s)
         rows = min(chunk, b) * s
