@@ -3,9 +3,10 @@
 // Q, K, V and P are fp16 tensor-core operands with fp32 accumulation; the online softmax runs
 // in fp32 (base 2). [S, S] scores never reach memory: each warp owns 16 query rows, computes
 // their scores against a key block into shared memory, updates its rows' running max and sum
-// in registers (two lanes per row), writes P as fp16, and accumulates P V into the context rows it keeps in
-// shared fp32 (loaded as accumulator fragments for each product). Key blocks above the causal
-// diagonal are skipped; masked keys get -inf; a row with no visible key gets context 0.
+// in registers (two lanes per row), writes P as fp16, and accumulates P V into the context
+// rows it keeps in shared fp32 (loaded as accumulator fragments for each product). Key blocks
+// above the causal diagonal are skipped; masked keys get -inf; a row with no visible key gets
+// context 0.
 #include <math_constants.h>
 #include <mma.h>
 
