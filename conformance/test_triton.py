@@ -107,7 +107,7 @@ def test_batch_chunks_respect_the_attention_grid(triton_backend_class, device):
 
     cfg = LayerConfig(100_000, 4, 128, 16, 32, 1)
     layer = triton_backend_class().build(cfg, make_reference(cfg).state_dict(), device=device)
-    chunk = layer._sequences_per_chunk(cfg.batch_size, cfg.seq_len)
+    chunk = layer.chunks(cfg.batch_size, cfg.seq_len)
     assert 1 <= chunk and chunk * cfg.num_heads <= MAX_GRID_Y
 
 
@@ -116,7 +116,7 @@ def test_rows_per_program_when_attention_runs_apart(triton_backend_class, monkey
     apart_rows wins."""
     from layerbench.backends.triton import narrow_block
 
-    monkeypatch.setattr(narrow_block, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(narrow_block, "multiprocessor_count", lambda device: 132)
     by_grid = narrow_block.NARROW_TILES._replace(apart_rows=0)
     monkeypatch.setattr(narrow_block, "block_config", lambda: by_grid)
     cuda = torch.device("cuda")

@@ -5,9 +5,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from layerbench.common.cuda_host import ChunkPlan, mask_bytes, split_fp16
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
-from layerbench.common.memory import sequences_per_chunk
 from layerbench.common.params import pack_params, param_bytes
 
 from .attention import flash_attention, key_extent
@@ -15,7 +15,6 @@ from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear, split_linear
 from .narrow_block import (apart_attention_tiles, attention_ffn, block_config, fits,
                            heads_apart, norm_qkv, rows_apart)
 from .norm import layer_norm
-from .precision import split_fp16
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,10 @@ class TritonLayer(BuiltLayer):
         self.precision = precision
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [self._weights(p) for p in self.params.layers]
-        self.chunks: dict[tuple[int, int], int] = {}
+        # The attention grid's second dimension (sequences x heads) is at most MAX_GRID_Y.
+        self.chunks = ChunkPlan(
+            device, lambda s: working_bytes_per_sequence(replace(config, seq_len=s), precision),
+            param_bytes(config), MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
     def _weights(self, p) -> dict:
@@ -106,16 +108,6 @@ class TritonLayer(BuiltLayer):
             return {n: split_fp16(getattr(p, n)) for n in names}
         return {n: getattr(p, n).to(self.precision.weight_dtype).contiguous() for n in names}
 
-    def _sequences_per_chunk(self, b: int, s: int) -> int:
-        """Sequences per chunk for a [b, s] input, planned once (never during graph capture)."""
-        if (b, s) not in self.chunks:
-            cfg = replace(self.config, batch_size=1, seq_len=s)
-            per_seq = working_bytes_per_sequence(cfg, self.precision)
-            chunk = sequences_per_chunk(per_seq, param_bytes(cfg), b, self.device)
-            # The attention grid's second dimension (sequences x heads) is at most 65535.
-            self.chunks[(b, s)] = max(1, min(chunk, MAX_GRID_Y // self.config.num_heads))
-        return self.chunks[(b, s)]
-
     def forward(self, x, valid_token_mask, out=None):
         """Run the kernels, through a CUDA graph once these input buffers repeat."""
         return self.graphed(x, valid_token_mask, out)
@@ -123,13 +115,12 @@ class TritonLayer(BuiltLayer):
     def _forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         b, s, d = x.shape
-        chunk = self._sequences_per_chunk(b, s)
+        chunk = self.chunks(b, s)
         rows = min(chunk, b) * s
         work = {name: torch.empty(rows, cols, device=x.device, dtype=dtype)
                 for name, (cols, dtype) in workspace(self.config, self.precision).items()}
-        valid = key_end = None
-        if valid_token_mask is not None:
-            valid = valid_token_mask.view(torch.uint8)
+        valid, key_end = mask_bytes(valid_token_mask), None
+        if valid is not None:
             key_end = key_extent(valid, torch.empty(b, device=x.device, dtype=torch.int32))
         out = torch.empty_like(x) if out is None else out
         run = {"narrow": self._run_narrow, "wide": self._run_wide,

@@ -10,12 +10,13 @@ attention paths are causal or not, and take any head dim (padded to HEAD_PAD).
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from layerbench.common.cuda_host import multiprocessor_count
 
 from .attention import attend_head, softmax_scale
 from .launch import dependent_launch, start_after_previous
@@ -179,14 +180,6 @@ def block_config() -> NarrowTiles:
     return NARROW_TILES
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessor count (1 on CPU)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def rows_apart(rows: int, device: torch.device) -> int:
     """Rows per program of the three kernels when attention runs apart: the tiles' apart_rows,
     or the fewest of 16 and 32 that keep the grid within one program per multiprocessor
@@ -194,7 +187,7 @@ def rows_apart(rows: int, device: torch.device) -> int:
     chosen = block_config().apart_rows
     if chosen:
         return chosen
-    sms = _multiprocessors(device)
+    sms = multiprocessor_count(device)
     return next((r for r in (16, 32) if triton.cdiv(rows, r) <= sms), 64)
 
 
@@ -219,7 +212,7 @@ def norm_qkv(x: torch.Tensor, qkv: torch.Tensor, p, w, eps: float = 1e-5,
     row_blocks = triton.cdiv(m, block_m)
     parts = (config or block_config()).qkv_parts
     if parts == 0:  # a grid that leaves most of the GPU idle gets a program per Q, K, V part
-        parts = 1 if 3 * row_blocks <= _multiprocessors(x.device) else 3
+        parts = 1 if 3 * row_blocks <= multiprocessor_count(x.device) else 3
     if parts not in (1, 3):
         raise ValueError(f"qkv_parts must be 0, 1 or 3, got {parts}")
     norm_qkv_kernel[(row_blocks, 3 // parts)](

@@ -68,11 +68,3 @@ def pad16(n: int) -> int:
     """n rounded up to a power of two of at least 16 (the smallest tensor-core K)."""
     return max(16, triton.next_power_of_2(n))
 
-
-def split_fp16(t):
-    """(hi, lo) fp16 tensors with hi + lo == t to about 22 bits."""
-    import torch
-
-    hi = t.to(torch.float16)
-    lo = (t - hi.to(t.dtype)).to(torch.float16)
-    return hi.contiguous(), lo.contiguous()
