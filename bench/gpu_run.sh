@@ -7,6 +7,9 @@
 #   bash bench/gpu_run.sh [all|conformance|bench|collect|study]
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
+# The benchmark's own contract checks join the conformance cases (one JSON line each), so a
+# peer that misses the contract there keeps its verdict. A copy of the tree without its git
+# history records the commit given as LAYERBENCH_COMMIT.
 # KEXPR is a pytest -k expression; EXTRA adds more pytest arguments; STUDIES holds
 # ';'-separated arguments of bench/tile_sweep.py (rows to $OUT/study-N.json, log study.log).
 set -uo pipefail
@@ -33,6 +36,7 @@ fi
 if [[ $stage == all || $stage == bench ]]; then
     python3 -m pytest bench "${backend_args[@]}" --shapes "$SHAPES" -q -p no:cacheprovider \
         --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds \
+        --results-file "$OUT/conformance.jsonl" \
         --benchmark-sort=fullname ${KEXPR:+-k "$KEXPR"} $EXTRA 2>&1 | tee -a "$OUT/bench.log"
     status=$((status | ${PIPESTATUS[0]}))
 fi

@@ -51,6 +51,9 @@ def test_forward(benchmark, bench_case, shape_state, bench_results_log, pytestco
                                  "max_abs_error": report.max_abs_error,
                                  "peak_memory_bytes": report.peak_memory_bytes})
     if not report.passed:
+        if name in PEERS and name != BASELINE:
+            # A peer that misses the contract is shown as such and ranks nobody on this shape.
+            pytest.xfail(f"peer misses the contract, not timed: {report.summary()}")
         if name != BASELINE:
             pytest.fail(f"not timed, output is wrong: {report.summary()}")
         # torch-baseline defines the speedup's denominator, so it is timed all the same.

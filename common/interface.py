@@ -140,10 +140,9 @@ class BuiltLayer(ABC):
         if x.shape[0] == 0:
             return torch.empty_like(x) if out is None else out
         if x.shape[0] != self.config.batch_size or x.shape[1] != self.config.seq_len:
-            cfg = replace(self.config, batch_size=x.shape[0], seq_len=x.shape[1])
-            plan = self.backend.memory_plan(cfg, self.dtype)
-            if plan is not None:
-                check_fits(plan, self.device, what=f"{who} on input {tuple(x.shape)}")
+            # Another batch or length: the backend's limits and memory plan apply to it too.
+            self.backend.check(replace(self.config, batch_size=x.shape[0], seq_len=x.shape[1]),
+                               self.device, self.dtype)
         return self.forward(x, valid_token_mask, out)
 
     @abstractmethod

@@ -33,6 +33,15 @@ def add_best_peer(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _failed_checks(log: Path) -> set[tuple[str, int]]:
+    """(backend, official shape) pairs with a failed case in a run's conformance log."""
+    if not log.is_file():
+        return set()
+    cases = [json.loads(line) for line in log.read_text().splitlines()]
+    return {(c["backend"], c["shape"]) for c in cases
+            if c.get("shape_kind", "official") == "official" and not c["passed"]}
+
+
 def raw_inputs(raw: Path) -> tuple[list[Path], list[Path], list[Path]]:
     """(conformance logs, benchmark files, provenance files) of a folder of kept runs.
 
@@ -72,6 +81,9 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
     for index, path in enumerate(bench_jsons):
         timed_here = add_best_peer([row for row in rows_from_benchmark_json(
             json.loads(path.read_text())) if row["shape_kind"] == "official"])
+        # A backend this run checked and found wrong keeps no earlier run's time.
+        for key in _failed_checks(path.parent / "conformance.jsonl"):
+            bench.pop(key, None)
         baseline = {r["shape"]: r["median_ms"] for r in timed_here
                     if r["backend"] == "torch-baseline"}
         for row in timed_here:

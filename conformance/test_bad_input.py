@@ -97,3 +97,36 @@ def test_memory_plan_refuses_before_allocating(backend_name, device):
     assert "GiB" in str(info.value)
     if before is not None:
         assert torch.cuda.memory_allocated(device) == before
+
+
+def test_other_shape_is_checked_again(device, seed):
+    """A call whose batch or length differs from the build meets the backend's limits again."""
+    from layerbench.backends.torch_sdpa import TorchSdpaBackend
+    from layerbench.common.interface import Capabilities
+
+    class Limited(TorchSdpaBackend):
+        name = "limited-sdpa"
+        capabilities = Capabilities(devices=("cpu", "cuda"), max_tokens=2 * CFG.seq_len)
+
+    model = make_reference(CFG, seed=seed)
+    layer = Limited().build(CFG, model.state_dict(), device=device)
+    x, mask = make_inputs(CFG, seed=seed, device=device)
+    with torch.no_grad():
+        layer(x[:1], mask[:1])  # fewer tokens: fine
+        with pytest.raises(Unsupported, match="at most"):
+            big = torch.zeros(3, CFG.seq_len, CFG.d_model, device=device)
+            layer(big, None)
+
+
+def test_out_buffer_is_checked(device, seed):
+    """out= must match x and must not be x itself."""
+    model = make_reference(CFG, seed=seed)
+    layer = get_backend("torch-sdpa").build(CFG, model.state_dict(), device=device)
+    x, mask = make_inputs(CFG, seed=seed, device=device)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="out must match"):
+            layer(x, mask, out=torch.empty_like(x)[:, :-1])
+        with pytest.raises(ValueError, match="not be x"):
+            layer(x, mask, out=x)
+        with pytest.raises(ValueError, match="contiguous"):
+            layer(x, mask, out=torch.empty_like(x).transpose(0, 1).contiguous().transpose(0, 1))
