@@ -1,5 +1,5 @@
 """Host-side helpers shared by the CUDA-kernel backends: device facts, the fp16 (hi, lo)
-weight split, uint8 masks and the per-shape chunk plan."""
+weight split, uint8 masks, the per-shape chunk plan and the chunk loop."""
 from __future__ import annotations
 
 import functools
@@ -60,3 +60,19 @@ class ChunkPlan:
                 chunk = min(chunk, self.max_sequences)
             self.chunks[(batch, seq_len)] = max(1, chunk)
         return self.chunks[(batch, seq_len)]
+
+
+def run_in_chunks(x: torch.Tensor, out: torch.Tensor, chunk: int,
+                  workspace: dict[str, tuple[int, torch.dtype]], run: Callable) -> None:
+    """Allocate a workspace for chunk sequences (name -> (columns per token, dtype)), then
+    call run(b0, b1, x2, out2, work) for each chunk of sequences [b0, b1), with x2 and out2
+    the chunk's rows as [tokens, d_model] views and work sliced to its tokens."""
+    b, s, d = x.shape
+    rows = min(chunk, b) * s
+    work = {name: torch.empty(rows, cols, device=x.device, dtype=dtype)
+            for name, (cols, dtype) in workspace.items()}
+    for b0 in range(0, b, chunk):
+        b1 = min(b, b0 + chunk)
+        tokens = (b1 - b0) * s
+        run(b0, b1, x[b0:b1].view(-1, d), out[b0:b1].view(-1, d),
+            {k: v[:tokens] for k, v in work.items()})

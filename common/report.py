@@ -29,6 +29,7 @@ def rows_from_benchmark_json(data: dict) -> list[dict]:
                 "events_median_ms"),
             "events_median_ms": info.get("events_median_ms"),
             "speedup": info.get("speedup"),
+            "speedup_method": info.get("speedup_method"),
             "best_peer": info.get("best_peer"),
             "speedup_vs_best_peer": info.get("speedup_vs_best_peer"),
             "benchmark_over_events": info.get("benchmark_over_events"),
@@ -162,7 +163,10 @@ def markdown_table(rows: list[dict], best_peer: bool = True) -> str:
     When rows carry speedup_vs_best_peer (and best_peer is true) a second table follows:
     the speedup over the fastest peer that passed the contract on the shape, that peer named.
     """
-    lines = _grid_table(rows, _cell, "speedup", "geomean speedup")
+    methods = sorted({r["speedup_method"] for r in rows if r.get("speedup_method")})
+    lines = ([f"Speedup over torch-baseline from {' and '.join(methods)}.", ""]
+             if methods else [])
+    lines += _grid_table(rows, _cell, "speedup", "geomean speedup")
     if best_peer and has_best_peer(rows):
         lines += ["", "Speedup over the fastest peer that passed the contract on the shape in "
                   "the same run (the peer in brackets):", ""]

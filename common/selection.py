@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .registry import resolve_backends
-from .shapes import Shape, resolve_shapes
+from .shapes import NONCAUSAL, Shape, resolve_shapes
 
 # What the conformance suite runs when --shapes is not given.
 CONFORMANCE_DEFAULT = {"cuda": "official,noncausal,headdims", "cpu": "ci,ci-noncausal,headdims"}
@@ -49,14 +49,16 @@ def selected_cases(config) -> list[tuple[str, float]]:
 def shape_cases(shape: Shape, config) -> tuple[list[tuple[str, float]], str]:
     """The (dtype, padding) cases the options select for shape, and why there are none if so.
 
-    Huge shapes run the float32 cases only; head-dim shapes run float32 at padding 0.25 only.
+    Huge shapes run the float32 cases only; head-dim shapes and the non-causal CI shapes
+    (which keep the CPU suite short; the official non-causal shapes run every case) run
+    float32 at padding 0.25 only.
     """
     cases = selected_cases(config)
     dtypes = ", ".join(config.getoption("--dtype") or [])
-    if shape.table == "headdim":
+    if shape.table == "headdim" or shape.kind == "ci" + NONCAUSAL:
         if any(d == "float32" for d, _ in cases):
             return [HEAD_DIM_CASE], ""
-        return [], (f"{shape.id}: head-dim shapes run float32 at padding "
+        return [], (f"{shape.id}: head-dim and non-causal CI shapes run float32 at padding "
                     f"{HEAD_DIM_CASE[1]:g} only, and --dtype selected {dtypes}")
     if shape.huge:
         kept = [c for c in cases if c[0] == "float32"]
@@ -71,4 +73,6 @@ def determinism_reason(shape: Shape) -> str:
     """Why the determinism case of shape is not run, or '' when it is."""
     if shape.huge:
         return f"{shape.id}: the determinism case is not run on huge shapes"
+    if shape.kind == "ci" + NONCAUSAL:
+        return f"{shape.id}: determinism is run on the causal CI shapes"
     return ""

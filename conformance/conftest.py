@@ -1,10 +1,9 @@
 """Conformance fixtures: parametrisation from the options, a reference cache, a results log."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from layerbench.common.results import append_json_line
 from layerbench.common.selection import (conformance_shapes, determinism_reason,
                                          selected_backends, shape_cases)
 
@@ -52,8 +51,7 @@ class ResultsLog:
     def write(self, row: dict) -> None:
         """Append row as one JSON line."""
         if self.path:
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            append_json_line(self.path, row)
 
 
 @pytest.fixture(scope="session")

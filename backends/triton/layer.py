@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from layerbench.common.cuda_host import ChunkPlan, mask_bytes, split_fp16
+from layerbench.common.cuda_host import ChunkPlan, mask_bytes, run_in_chunks, split_fp16
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params, param_bytes
@@ -114,23 +114,19 @@ class TritonLayer(BuiltLayer):
 
     def _forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-        b, s, d = x.shape
-        chunk = self.chunks(b, s)
-        rows = min(chunk, b) * s
-        work = {name: torch.empty(rows, cols, device=x.device, dtype=dtype)
-                for name, (cols, dtype) in workspace(self.config, self.precision).items()}
+        b, s, _ = x.shape
         valid, key_end = mask_bytes(valid_token_mask), None
         if valid is not None:
             key_end = key_extent(valid, torch.empty(b, device=x.device, dtype=torch.int32))
         out = torch.empty_like(x) if out is None else out
         run = {"narrow": self._run_narrow, "wide": self._run_wide,
                "general": self._run_general}[plan(self.config, self.precision)]
-        for b0 in range(0, b, chunk):
-            b1 = min(b, b0 + chunk)
-            t = (b1 - b0) * s
+
+        def run_chunk(b0, b1, x2, out2, work):
             masks = (None, None) if valid is None else (valid[b0:b1], key_end[b0:b1])
-            run(x[b0:b1].view(-1, d), masks, out[b0:b1].view(-1, d), b1 - b0, s,
-                {k: v[:t] for k, v in work.items()})
+            run(x2, masks, out2, b1 - b0, s, work)
+        run_in_chunks(x, out, self.chunks(b, s), workspace(self.config, self.precision),
+                      run_chunk)
         return out
 
     def _run_narrow(self, x2, masks, out2, batch, s, work):

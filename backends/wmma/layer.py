@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from layerbench.common.cuda_host import ChunkPlan, mask_bytes, multiprocessor_count, split_fp16
+from layerbench.common.cuda_host import (ChunkPlan, mask_bytes, multiprocessor_count,
+                                         run_in_chunks, split_fp16)
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params, param_bytes
@@ -89,18 +90,13 @@ class WmmaLayer(BuiltLayer):
     def _forward(self, x: torch.Tensor, valid_token_mask: torch.Tensor | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """The eager forward: the batch in chunks that fit, into out (or a new tensor)."""
-        b, s, d = x.shape
-        chunk = self.chunks(b, s)
-        rows = min(chunk, b) * s
-        work = {name: torch.empty(rows, cols, device=x.device, dtype=dtype)
-                for name, (cols, dtype) in workspace(self.config, self.plan).items()}
+        b, s, _ = x.shape
         valid = mask_bytes(valid_token_mask)
         out = torch.empty_like(x) if out is None else out
-        for b0 in range(0, b, chunk):
-            b1 = min(b, b0 + chunk)
-            t = (b1 - b0) * s
-            self._run(x[b0:b1].view(-1, d), None if valid is None else valid[b0:b1],
-                out[b0:b1].view(-1, d), b1 - b0, s, {k: v[:t] for k, v in work.items()})
+
+        def run_chunk(b0, b1, x2, out2, work):
+            self._run(x2, None if valid is None else valid[b0:b1], out2, b1 - b0, s, work)
+        run_in_chunks(x, out, self.chunks(b, s), workspace(self.config, self.plan), run_chunk)
         return out
 
     def _run(self, x2, valid, out2, batch, s, work):
