@@ -4,9 +4,10 @@
 # run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
-#   bash bench/gpu_run.sh [all|conformance|bench|collect|study]
+#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|sanitize]
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
+#   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
 # The benchmark's own contract checks join the conformance cases (one JSON line each), so a
 # peer that misses the contract there keeps its verdict. A copy of the tree without its git
 # history records the commit given as LAYERBENCH_COMMIT.
@@ -48,6 +49,17 @@ if [[ $stage == study ]]; then
         # shellcheck disable=SC2086  # each study is a list of arguments
         python3 bench/tile_sweep.py $study --out "$OUT/study-$n.json" 2>&1 | tee -a "$OUT/study.log"
         status=$((status | ${PIPESTATUS[0]}))
+    done
+fi
+if [[ $stage == sanitize ]]; then
+    # compute-sanitizer memcheck and racecheck over one eager forward per shape.
+    for shape in ${SANITIZE_SHAPES:-2 7 13}; do
+        for check in memcheck racecheck; do
+            compute-sanitizer --tool "$check" --error-exitcode 9 python3 bench/one_forward.py \
+                --backend "${SANITIZE_BACKEND:-wmma}" --shape "$shape" --forwards 1 \
+                2>&1 | tail -3 | tee -a "$OUT/sanitize.log"
+            status=$((status | ${PIPESTATUS[0]}))
+        done
     done
 fi
 if [[ $stage == all || $stage == collect ]] && [[ -f $OUT/conformance.jsonl && -f $OUT/bench.json ]]; then

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -30,6 +28,9 @@ from triton.compiler import ASTSource
 
 from layerbench.backends.triton import attention, launch, linear, narrow_block, norm
 from layerbench.backends.triton.layer import DEFAULT_PRECISION
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sass import kernels  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -134,33 +135,14 @@ def compile_case(case: Case):
                           options={"num_warps": case.warps, "num_stages": case.stages})
 
 
-def _tool(name: str) -> str:
-    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-    return str(bundled) if bundled.exists() else name
-
-
 def inspect_kernel(kernel) -> dict:
     """Registers, stack (spill) bytes, shared bytes and instruction counts of a kernel."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(kernel.asm["cubin"])
         fh.flush()
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", fh.name], check=True,
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", fh.name], check=True,
-                              capture_output=True, text=True).stdout
-
-    def field(key):
-        match = re.search(rf"{key}:(\d+)", usage)
-        return int(match.group(1)) if match else 0
-
-    return {
-        "registers": field("REG"), "stack_bytes": field("STACK") + field("LOCAL"),
-        "shared_bytes": kernel.metadata.shared,
-        "HGMMA": len(re.findall(r"\bHGMMA\.", sass)), "HMMA": len(re.findall(r"\bHMMA\.", sass)),
-        "load128": len(re.findall(r"\b(LDG\.E\.128|LDGSTS\.E\.BYPASS\.128|LDG\.E\.EL\.128)",
-                                  sass)),
-        "spill_stores": len(re.findall(r"\bSTL\b", sass)),
-    }
+        (info,) = kernels(fh.name).values()
+    return {key: info[key] for key in ("registers", "stack_bytes", "HGMMA", "HMMA", "load128",
+                                       "spill_stores")} | {"shared_bytes": kernel.metadata.shared}
 
 
 def problems(case: Case, info: dict) -> list[str]:

@@ -1,0 +1,55 @@
+"""Reading compiled GPU code: per kernel, registers, spills and the instructions that matter,
+from `cuobjdump` (the CUDA toolkit's, else the one bundled with Triton)."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+PATTERNS = {
+    "HGMMA": r"\bHGMMA\.",
+    "HMMA": r"\bHMMA\.",
+    "LDSM": r"\bLDSM\.",
+    "load128": r"\b(LDG\.E\.128|LDGSTS\.E\.BYPASS\.128|LDG\.E\.EL\.128)",
+    "spill_stores": r"\bSTL\b",
+    "local_loads": r"\bLDL\b",
+}
+
+
+def tool(name: str) -> str:
+    """Path of a CUDA binary tool: the toolkit's on PATH, else Triton's bundled copy."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        import triton
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    return name
+
+
+def _run(*args: str) -> str:
+    return subprocess.run([tool("cuobjdump"), *args], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def kernels(path: str | Path) -> dict[str, dict]:
+    """Kernel name -> registers, stack_bytes (stack + local), shared_bytes (static) and the
+    counts of PATTERNS in its SASS, for every kernel of a cubin or object file."""
+    usage = _run("-res-usage", str(path))
+    found: dict[str, dict] = {}
+    for name, fields in re.findall(r"Function (\S+):\s*\n\s*(.*)", usage):
+        value = {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", fields)}
+        found[name] = {"registers": value.get("REG", 0),
+                       "stack_bytes": value.get("STACK", 0) + value.get("LOCAL", 0),
+                       "shared_bytes": value.get("SHARED", 0)}
+    sass = _run("-sass", str(path))
+    for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass,
+                                 flags=re.S):
+        counts = {key: len(re.findall(pattern, body)) for key, pattern in PATTERNS.items()}
+        found.setdefault(name, {}).update(counts)
+    return found
