@@ -111,8 +111,8 @@ def sweep_layer(shapes, module, attr, candidates, rounds):
 def sweep_attention(seq_len, heads, head_dim, rounds, mask="all-valid"):
     """Time flash attention of one sequence under each candidate configuration.
 
-    mask: "none" (no mask tensor), "all-valid" (a mask of all True, as the harness passes at
-    padding 0), "prefix" (the first 3/4 of the tokens valid, as padding pads) or "hole" (one
+    mask: "none" (no mask tensor), "all-valid" (a mask of all True, as the official inputs
+    pass at padding 0), "prefix" (the first 3/4 of the tokens valid, as padding pads) or "hole" (one
     invalid key in the middle: not a prefix, so every block loads the mask).
     """
     d = heads * head_dim

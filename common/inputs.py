@@ -1,4 +1,4 @@
-"""Inputs as the public harness makes them: seeded randn rows, padding at the end of sequences."""
+"""The official inputs (docs/spec.md): seeded randn rows, padding at the end of sequences."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +12,7 @@ def make_inputs(config: LayerConfig, *, padding_ratio: float = 0.0, seed: int = 
     """(x [B,S,D], valid_token_mask [B,S]); padded positions are invalid and their x rows zero.
 
     With padding_ratio p, each sequence's length is uniform in [max(1, round(S(1-p))), S].
-    The mask is always a tensor (all True when p == 0), as the public harness passes it.
+    The mask is always a tensor (all True when p == 0), as the official inputs pass it.
     """
     if not 0.0 <= padding_ratio < 1.0:
         raise ValueError(f"padding_ratio must be in [0, 1), got {padding_ratio}")
@@ -36,7 +36,7 @@ def make_inputs(config: LayerConfig, *, padding_ratio: float = 0.0, seed: int = 
 def prefix_lengths(valid_token_mask: torch.Tensor) -> torch.Tensor | None:
     """Per-sequence valid lengths if every row of the mask is a prefix of Trues, else None.
 
-    This costs one device-to-host sync; suffix padding (the harness's) makes key masking a
+    This costs one device-to-host sync; suffix padding (the official inputs') makes key masking a
     no-op for every valid causal query, which backends may use.
     """
     lengths = valid_token_mask.sum(dim=1)

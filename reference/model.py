@@ -109,6 +109,6 @@ def make_reference(cfg: LayerConfig, seed: int = 0, randomize_norms: bool = True
 @torch.no_grad()
 def reference_forward(model: BaselineStack, x: torch.Tensor, valid_token_mask=None,
                       precision: str = "ieee") -> torch.Tensor:
-    """Run the baseline with fp32 matmuls 'ieee' (strict, the oracle) or 'tf32' (harness)."""
+    """Run the baseline with fp32 matmuls 'ieee' (strict, the oracle) or 'tf32' (torch-baseline)."""
     with fp32_matmul(precision):
         return model(x, valid_token_mask)

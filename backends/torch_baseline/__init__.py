@@ -1,4 +1,4 @@
-"""torch-baseline: the reference stack with TF32 matmuls, as the public harness runs it."""
+"""torch-baseline: the reference stack with TF32 matmuls on CUDA, the denominator of every speedup."""
 from __future__ import annotations
 
 from typing import Mapping
@@ -15,11 +15,11 @@ class TorchBaselineBackend(Backend):
     """The baseline nn.Module, TF32 on; forms the full [B, H, S, S] score tensor."""
 
     name = "torch-baseline"
-    summary = "reference nn.Module stack (the harness's baseline); TF32 matmuls on CUDA"
+    summary = "reference nn.Module stack (the timing baseline); TF32 matmuls on CUDA"
     capabilities = Capabilities(
         devices=("cuda", "cpu"),
         dtypes=(torch.float32,),
-        notes="fp32 only: the harness's configuration; forms [B,H,S,S] scores; TF32 "
+        notes="fp32 only; forms [B,H,S,S] scores; TF32 "
               "applies on CUDA only (on a CPU the matmuls are plain fp32)",
     )
 
