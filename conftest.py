@@ -18,8 +18,10 @@ def pytest_addoption(parser):
                     help="backend name to test (repeatable, comma lists, 'all' or 'peers'; "
                          "default all)")
     group.addoption("--shapes", default=None,
-                    help="'official', 'ci', or a list such as '1,8,13' / 'ci3' "
-                         "(default: official on a GPU, ci on a CPU)")
+                    help="'official', 'ci', 'noncausal', 'ci-noncausal', 'headdims', or a list "
+                         "such as '1,8,13' / 'ci3' / 'nc8' / 'hd48' (conformance default: "
+                         "official,noncausal,headdims on a GPU, ci,ci-noncausal,headdims on a "
+                         "CPU; the benchmark: official or ci)")
     group.addoption("--dtype", action="append", default=None,
                     choices=["float32", "float16", "bfloat16"],
                     help="input dtypes to test (repeatable; default all three)")
@@ -32,7 +34,8 @@ def pytest_addoption(parser):
     group.addoption("--device", default=None,
                     help="'cuda' (needs a CUDA device) or 'cpu' (default: cuda if present)")
     group.addoption("--results-file", default=None,
-                    help="append one JSON line per conformance case to this file")
+                    help="append one JSON line per checked case to this file (benchmark "
+                         "rows carry \"source\": \"bench\")")
 
 
 def _check_options(config) -> None:

@@ -29,6 +29,8 @@ python3 -c "import json; from layerbench.common import provenance as p; \
 json.dump(p.collect(), open('$OUT/provenance.json', 'w'), indent=1)"
 gpu=$(python3 -c "from layerbench.common.provenance import gpu_slug; print(gpu_slug())")
 status=0
+# A conformance (or full) run starts a fresh case log; a benchmark run adds its checks to it.
+[[ $stage == all || $stage == conformance ]] && rm -f "$OUT/conformance.jsonl"
 if [[ $stage == all || $stage == conformance ]]; then
     python3 -m pytest conformance "${backend_args[@]}" --shapes "$SHAPES" -q -p no:cacheprovider \
         --results-file "$OUT/conformance.jsonl" ${KEXPR:+-k "$KEXPR"} $EXTRA 2>&1 | tee -a "$OUT/conformance.log"

@@ -43,7 +43,7 @@ def test_forward(benchmark, bench_case, shape_state, bench_results_log, pytestco
     bench_results_log({"backend": name, "shape": shape.number, "shape_kind": shape.kind,
                        "dtype": str(state.dtype).replace("torch.", ""),
                        "padding": state.padding, "seed": state.seed, "source": "bench",
-                       **report.as_dict()})
+                       "oracle_sequences": state.reference[1], **report.as_dict()})
     benchmark.extra_info.update({"backend": name, "shape": shape.number,
                                  "shape_kind": shape.kind, "padding": state.padding,
                                  "dtype": str(state.dtype).replace("torch.", ""),

@@ -129,7 +129,7 @@ def compare_backends(backends: list[str], shapes, *, padding: float, seed: int, 
                            failed_elements=report.failed_elements,
                            verdict="PASS" if report.passed else
                            f"FAIL {report.failed_elements}/{report.total_elements}")
-                if report.passed:
+                if report.passed or name == baseline_name:  # the denominator is timed anyway
                     other = None if name == baseline_name else baseline
                     timing = runner.time_against_baseline(layer, prepared, other, rounds=rounds)
                     row["median_ms"] = timing.median_ms

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class LayerConfig:
-    """Sizes of a causal pre-norm Transformer stack (see docs/spec.md: batch, seq, d_model, heads, ffn, layers)."""
+    """Sizes of a pre-norm Transformer stack and whether its attention is causal (docs/spec.md)."""
 
     batch_size: int
     seq_len: int

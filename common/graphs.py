@@ -2,9 +2,16 @@
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from typing import Callable
 
 import torch
+
+
+# Inputs larger than this run eagerly: launches are a negligible part of their time, and a
+# graph's private memory pool would hold a second copy of the workspace.
+MAX_GRAPH_ELEMENTS = 1 << 26
+MAX_SEEN = 64  # buffer keys remembered for capture on their second use
 
 
 class GraphedForward:
@@ -17,14 +24,14 @@ class GraphedForward:
     """
 
     def __init__(self, forward: Callable[..., torch.Tensor],
-                 max_graphs: int = 2, max_elements: int = 1 << 26):
+                 max_graphs: int = 2, max_elements: int = MAX_GRAPH_ELEMENTS):
         self.forward = forward
         self.max_graphs = max_graphs
-        # Inputs larger than this run eagerly: launches are a negligible part of their time,
-        # and a graph's private memory pool would hold a second copy of the workspace.
         self.max_elements = max_elements
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.seen: set[tuple] = set()
+        # Least recently used first; the keys of buffers seen once, also bounded.
+        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = (
+            OrderedDict())
+        self.seen: OrderedDict[tuple, None] = OrderedDict()
         self.uncapturable: set[tuple] = set()
 
     @staticmethod
@@ -44,11 +51,14 @@ class GraphedForward:
         if key in self.uncapturable:
             return self.forward(x, mask, out)
         if key in self.graphs:
+            self.graphs.move_to_end(key)
             graph, result = self.graphs[key]
             graph.replay()
             return result if out is not None else result.clone()
         if key not in self.seen:
-            self.seen.add(key)
+            self.seen[key] = None
+            if len(self.seen) > MAX_SEEN:
+                self.seen.popitem(last=False)
             return self.forward(x, mask, out)
         try:
             graph, result = self._capture(x, mask, out)
@@ -57,7 +67,7 @@ class GraphedForward:
             self.uncapturable.add(key)
             return self.forward(x, mask, out)
         if len(self.graphs) >= self.max_graphs:
-            self.graphs.pop(next(iter(self.graphs)))
+            self.graphs.popitem(last=False)
         self.graphs[key] = (graph, result)
         graph.replay()
         return result if out is not None else result.clone()

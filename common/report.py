@@ -114,14 +114,12 @@ def fmt_latency(ms: float) -> str:
 def _cell(row: dict | None) -> str:
     if row is None:
         return "-"
-    if row.get("passed") is False:
-        return "FAIL"
     if row.get("median_ms") is None:
-        return "-"
+        return "FAIL" if row.get("passed") is False else "-"
     text = fmt_latency(row["median_ms"])
     if row.get("speedup") is not None:
         text += f" ({fmt_speedup(row['speedup'])})"
-    return text
+    return text + (", FAIL" if row.get("passed") is False else "")
 
 
 def _peer_cell(row: dict | None) -> str:
@@ -146,7 +144,8 @@ def _grid_table(rows: list[dict], cell, key: str, footer: str) -> list[str]:
     counted = [s for s in shapes if _in_geomean(s)]
     means = []
     for b in backends:
-        g = geomean(index[(b, s)].get(key) for s in counted if (b, s) in index)
+        g = geomean(index[(b, s)].get(key) for s in counted
+                    if (b, s) in index and index[(b, s)].get("passed") is not False)
         means.append("-" if g is None else fmt_speedup(g))
     lines.append(f"| {footer}, shapes {_span(counted) or '-'} | " + " | ".join(means) + " |")
     return lines

@@ -56,5 +56,15 @@ def validate_output(out, x, *, who: str = "layer") -> None:
                          f"got ({tuple(out.shape)}, {out.dtype}, {out.device})")
     if not out.is_contiguous():
         raise ValueError(f"{who}: out must be contiguous")
-    if out.numel() and out.data_ptr() == x.data_ptr():
-        raise ValueError(f"{who}: out must not be x itself (the stack reads x to the end)")
+    if _overlap(out, x):
+        raise ValueError(f"{who}: out must not overlap x (the stack reads x until the end)")
+
+
+def _overlap(a, b) -> bool:
+    """Whether the memory spans of two contiguous tensors share a byte."""
+    if not a.numel() or not b.numel():
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

@@ -40,7 +40,7 @@ class HonestControl(Backend):
         """The mask the reference model is run with."""
         return mask
 
-    def finish(self, result: torch.Tensor) -> torch.Tensor:
+    def finish(self, result: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Change the fp32 result before it is stored."""
         return result
 
@@ -73,7 +73,7 @@ class ControlLayer(BuiltLayer):
         backend = self.backend
         result = reference_forward(self.model, x.float(), backend.mask_for(valid_token_mask),
                                    precision="ieee")
-        result = backend.finish(result).to(x.dtype)
+        result = backend.finish(result, valid_token_mask).to(x.dtype)
         out = backend.allocate(x) if out is None else out
         rows = backend.rows_written(x)
         if rows is None:
@@ -120,13 +120,28 @@ class MaskIgnoredControl(HonestControl):
         return None
 
 
+class KeysUnmaskedControl(HonestControl):
+    """Zeroes the invalid rows but lets every query attend to invalid keys."""
+
+    name = "control-keys-unmasked"
+    defect = "does not mask invalid keys in attention"
+
+    def mask_for(self, mask):
+        """No mask inside the stack."""
+        return None
+
+    def finish(self, result, mask):
+        """result with the invalid rows zeroed, as the row zeroing alone would leave them."""
+        return result if mask is None else result * mask[..., None].to(result.dtype)
+
+
 class BiasedElementControl(HonestControl):
     """Moves output element [0, 0, 0] by BIAS_OVER_ALLOWANCE times its official allowance."""
 
     name = "control-biased-element"
     defect = "adds a small bias to one element"
 
-    def finish(self, result):
+    def finish(self, result, mask):
         """result with element [0, 0, 0] moved up by 1.5 * max(atol, rtol * |value|)."""
         atol, rtol = PRESETS["official"]
         result = result.clone()
@@ -147,5 +162,5 @@ class CausalAlwaysControl(HonestControl):
 
 
 DEFECTIVE = (UnwrittenRowControl, LayerNormIgnoredControl, MaskIgnoredControl,
-             BiasedElementControl, CausalAlwaysControl)
+             KeysUnmaskedControl, BiasedElementControl, CausalAlwaysControl)
 CONTROLS = (HonestControl,) + DEFECTIVE

@@ -126,7 +126,11 @@ def test_out_buffer_is_checked(device, seed):
     with torch.no_grad():
         with pytest.raises(ValueError, match="out must match"):
             layer(x, mask, out=torch.empty_like(x)[:, :-1])
-        with pytest.raises(ValueError, match="not be x"):
+        with pytest.raises(ValueError, match="not overlap x"):
             layer(x, mask, out=x)
+        buffer = torch.zeros(2 * x.shape[0], *x.shape[1:], device=device)
+        buffer[:x.shape[0]] = x
+        with pytest.raises(ValueError, match="not overlap x"):  # a partial overlap
+            layer(buffer[:x.shape[0]], mask, out=buffer[1:x.shape[0] + 1])
         with pytest.raises(ValueError, match="contiguous"):
             layer(x, mask, out=torch.empty_like(x).transpose(0, 1).contiguous().transpose(0, 1))

@@ -2,6 +2,8 @@
 dims), determinism, general masks."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -78,4 +80,21 @@ def test_general_mask(backend_name, number, causal, device, seed, allow_slow):
     prepared = runner.prepare_general_mask(shape, seed=seed, device=device)
     layer = _build_or_skip(backend_name, prepared)
     report, _ = runner.check(layer, prepared, runner.oracle_reference(prepared))
+    assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("number", [1, 7], ids=["d128", "d32"])
+def test_no_mask_other_shape(backend_name, number, causal, device, seed, allow_slow):
+    """mask=None, on a call whose batch and length differ from the build, meets the contract
+    against the streaming oracle."""
+    shape = CI[number] if causal else noncausal(CI[number])
+    cfg = shape.config
+    _admit_or_skip(backend_name, cfg, torch.float32, device, allow_slow)
+    prepared = runner.prepare(shape, padding=0.0, dtype=torch.float32, seed=seed, device=device)
+    layer = _build_or_skip(backend_name, prepared)
+    gen = torch.Generator().manual_seed(seed + 7)
+    x = torch.randn(cfg.batch_size + 1, cfg.seq_len // 2 + 3, cfg.d_model, generator=gen)
+    other = replace(prepared, x=x.to(device), mask=None)
+    report, _ = runner.check(layer, other, runner.oracle_reference(other))
     assert report.passed, report.summary()

@@ -15,7 +15,7 @@ from layerbench.common.contract import compare
 from layerbench.common.shapes import CI, noncausal
 
 from controls import (CONTROLS, BiasedElementControl, CausalAlwaysControl, HonestControl,
-                      MaskIgnoredControl, UnwrittenRowControl)
+                      KeysUnmaskedControl, MaskIgnoredControl, UnwrittenRowControl)
 
 SHAPES = (1, 7)  # CI shapes: d_model 128 with head dim 32, d_model 32 with head dim 8
 PADDING = 0.25
@@ -62,6 +62,9 @@ def must_fail(control, check: str, prepared) -> bool:
         return check == "non-causal"
     if control is MaskIgnoredControl:  # the mask matters only where it has an invalid token
         return not bool(prepared.mask.all())
+    if control is KeysUnmaskedControl:  # causal suffix padding hides invalid keys anyway
+        return check == "general mask" or (check == "non-causal"
+                                           and not bool(prepared.mask.all()))
     return True  # an unwritten row, ignored LayerNorm parameters, a biased element
 
 
