@@ -12,8 +12,8 @@ import sys
 import torch
 
 from layerbench.common import runner
+from layerbench.common.cli import check_backends, check_padding, check_shapes, checked_or_exit
 from layerbench.common.registry import get_backend
-from layerbench.common.shapes import resolve_shapes
 
 
 def main() -> int:
@@ -27,16 +27,9 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device, and this machine has none")
-    try:
-        shape = resolve_shapes(args.shape)[0]
-    except ValueError as exc:
-        parser.error(f"argument --shape: {exc}")
-    try:
-        get_backend(args.backend)
-    except KeyError as exc:
-        parser.error(f"argument --backend: {exc.args[0]}")
-    if not 0.0 <= args.padding < 1.0:
-        parser.error(f"argument --padding: must be in [0, 1), got {args.padding:g}")
+    shape = checked_or_exit(parser, "--shape", check_shapes, args.shape)[0]
+    checked_or_exit(parser, "--backend", check_backends, args.backend)
+    checked_or_exit(parser, "--padding", check_padding, args.padding)
     prepared = runner.prepare(shape, padding=args.padding, dtype=torch.float32, seed=0,
                               device=torch.device("cuda"))
     layer = get_backend(args.backend).build(shape.config, prepared.model.state_dict(),

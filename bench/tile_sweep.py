@@ -26,6 +26,7 @@ import torch
 from layerbench.backends.triton import attention, launch, linear, narrow_block
 from layerbench.backends.triton import TritonBackend
 from layerbench.common import runner
+from layerbench.common.cli import check_padding, check_shapes, checked_or_exit
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.shapes import resolve_shapes
 from layerbench.common.timing import alternating_medians_ms
@@ -82,9 +83,9 @@ def sweep_layer(shapes, module, attr, candidates, rounds):
         prepared, layer = _layer(shape)
 
         def forward_under(cand):
-            def forward(x, mask):
+            def forward(x, mask, out=None):
                 setattr(module, attr, cand)
-                return layer._forward(x, mask)
+                return layer._forward(x, mask, out)
             return GraphedForward(forward)
 
         graphed = {}  # each candidate's forward replayed from its own CUDA graph
@@ -185,12 +186,8 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device, and this machine has none")
-    try:
-        resolve_shapes(args.shapes)
-    except ValueError as exc:
-        parser.error(f"argument --shapes: {exc}")
-    if not 0.0 <= args.padding < 1.0:
-        parser.error(f"argument --padding: must be in [0, 1), got {args.padding:g}")
+    checked_or_exit(parser, "--shapes", check_shapes, args.shapes)
+    checked_or_exit(parser, "--padding", check_padding, args.padding)
     global BATCH, PADDING
     BATCH, PADDING = args.batch, args.padding
     if args.study == "profile":

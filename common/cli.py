@@ -191,6 +191,14 @@ def _checked(option: str, check, value):
         raise UsageError(f"argument {option}: {exc}") from None
 
 
+def checked_or_exit(parser, option: str, check, value):
+    """check(value), or the parser's usage error naming option (exit 2): for scripts."""
+    try:
+        return _checked(option, check, value)
+    except UsageError as exc:
+        parser.error(str(exc))
+
+
 def cmd_compare(args) -> int:
     """The main job: verdict, median latency and speedups per backend and shape."""
     from tqdm import tqdm
