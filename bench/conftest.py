@@ -6,7 +6,7 @@ import torch
 
 from layerbench.common import runner
 from layerbench.common.errors import Unsupported
-from layerbench.common.registry import PEERS
+from layerbench.common.registry import PEERS, peers_first
 from layerbench.common.results import append_json_line
 from layerbench.common.selection import selected_backends, selected_shapes
 
@@ -16,10 +16,8 @@ BASELINE = PEERS[0]
 def pytest_generate_tests(metafunc):
     if "bench_case" not in metafunc.fixturenames:
         return
-    backends = selected_backends(metafunc.config)
     # torch-baseline first, then the other peers, so each backend is ranked against them.
-    order = {name: i for i, name in enumerate(PEERS)}
-    backends = sorted(backends, key=lambda name: order.get(name, len(PEERS)))
+    backends = peers_first(selected_backends(metafunc.config))
     params = [pytest.param((shape, name), id=f"{shape.id}-{name}")
               for shape in selected_shapes(metafunc.config) for name in backends]
     metafunc.parametrize("bench_case", params)
@@ -54,7 +52,6 @@ class ShapeState:
         except Unsupported as exc:
             self.baseline_reason = str(exc)
         return self
-
 
     def best_peer(self, exclude: str) -> tuple[str, float] | None:
         """(name, benchmark median ms) of the fastest peer that passed here, other than exclude."""

@@ -66,11 +66,6 @@ def check_shapes(spec: str):
     return resolve_shapes(spec)
 
 
-def is_official(shape) -> bool:
-    """Whether shape is one of the official (full-size) shapes, causal or not."""
-    return shape.kind.split("-")[0] == "official"
-
-
 def cmd_list(args) -> int:
     """Print every registered backend with its capabilities."""
     from .registry import list_backends
@@ -97,12 +92,11 @@ def compare_backends(backends: list[str], shapes, *, padding: float, seed: int, 
 
     from . import runner
     from .errors import Unsupported
-    from .registry import PEERS
+    from .registry import PEERS, peers_first
     from .results import add_best_peer
 
     baseline_name = PEERS[0]
-    order = {name: i for i, name in enumerate(PEERS)}
-    backends = sorted(backends, key=lambda name: order.get(name, len(PEERS)))
+    backends = peers_first(backends)
     peers_run = [name for name in backends if name in PEERS]
     rows = []
     bar = tqdm(total=len(backends) * len(shapes), disable=not progress, unit="case",
@@ -211,13 +205,14 @@ def cmd_compare(args) -> int:
     _checked("--seed", check_seed, args.seed)
     if args.rounds < 1:
         raise UsageError(f"argument --rounds: must be at least 1, got {args.rounds}")
-    if device.type == "cpu" and any(is_official(s) for s in shapes) and not args.allow_slow:
+    official = [s.table == "official" for s in shapes]
+    if device.type == "cpu" and any(official) and not args.allow_slow:
         raise UsageError(
             "argument --shapes: official shapes on a CPU run full-size layers (Triton in its "
             "interpreter) and take hours; use CI shapes (ci, ci1, ...: the CPU default) or "
             "pass --allow-slow")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
-    what = "official" if all(is_official(s) for s in shapes) else \
+    what = "official" if all(official) else \
         "CI" if all(s.kind == "ci" for s in shapes) else "selected"
     default = "" if args.shapes else (" (the default on a GPU)" if device.type == "cuda"
                                       else " (the default without a GPU)")

@@ -46,6 +46,12 @@ def register(backend: Backend | type[Backend], *, replace: bool = False) -> Back
     return instance
 
 
+def peers_first(names: list[str]) -> list[str]:
+    """names with the peers first, in PEERS order (torch-baseline first), then the others."""
+    order = {name: i for i, name in enumerate(PEERS)}
+    return sorted(names, key=lambda name: order.get(name, len(PEERS)))
+
+
 def _entry_point_targets() -> dict[str, object]:
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 

@@ -5,7 +5,8 @@ import json
 import math
 from pathlib import Path
 
-NONCAUSAL = "-noncausal"  # suffix of a non-causal shape's kind
+from .shapes import NONCAUSAL
+
 _PREFIX = {"official": "", "ci": "ci", "headdim": "hd"}  # as the --shapes option spells them
 _TABLES = ("official", "ci", "headdim")
 

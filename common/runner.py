@@ -171,13 +171,13 @@ def _badness(report: ContractReport) -> tuple:
 
 def check(layer: BuiltLayer, prepared: Prepared, reference=None
           ) -> tuple[ContractReport, tuple[torch.Tensor, list[int] | None]]:
-    """Run layer on the case twice and apply the official contract to both outputs.
+    """Run layer on the case and apply the official contract to every output.
 
     The first call allocates its output (on a GPU, the caching allocator is filled with NaN
     first); the second writes into a NaN-filled out= buffer the suite owns, so an element a
-    backend never writes fails on every device. Returns the worse report (its reason names
-    the call) and the reference: (output, batch indices) from a previous call, or None to
-    compute it.
+    backend never writes fails on every device; on a GPU a third call with the same buffers
+    checks the CUDA-graph replay. Returns the worst report (its reason names the call) and
+    the reference: (output, batch indices) from a previous call, or None to compute it.
     """
     from layerbench.reference import exact_output
 

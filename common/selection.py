@@ -8,8 +8,8 @@ from .shapes import NONCAUSAL, Shape, resolve_shapes
 
 # What the conformance suite runs when --shapes is not given.
 CONFORMANCE_DEFAULT = {"cuda": "official,noncausal,headdims", "cpu": "ci,ci-noncausal,headdims"}
-# Head-dim cases run float32 at this padding ratio only.
-HEAD_DIM_CASE = ("float32", 0.25)
+# Head-dim shapes and non-causal CI shapes run this (dtype, padding) case only.
+SMALL_SHAPE_CASE = ("float32", 0.25)
 
 
 def selected_backends(config) -> list[str]:
@@ -57,9 +57,9 @@ def shape_cases(shape: Shape, config) -> tuple[list[tuple[str, float]], str]:
     dtypes = ", ".join(config.getoption("--dtype") or [])
     if shape.table == "headdim" or shape.kind == "ci" + NONCAUSAL:
         if any(d == "float32" for d, _ in cases):
-            return [HEAD_DIM_CASE], ""
+            return [SMALL_SHAPE_CASE], ""
         return [], (f"{shape.id}: head-dim and non-causal CI shapes run float32 at padding "
-                    f"{HEAD_DIM_CASE[1]:g} only, and --dtype selected {dtypes}")
+                    f"{SMALL_SHAPE_CASE[1]:g} only, and --dtype selected {dtypes}")
     if shape.huge:
         kept = [c for c in cases if c[0] == "float32"]
         if not kept:

@@ -14,7 +14,8 @@ from layerbench.common.errors import Unsupported
 from layerbench.common.inputs import make_inputs
 from layerbench.common.selection import selected_backends
 from layerbench.common.shapes import CI
-from layerbench.reference import make_reference, reference_forward, streaming_forward
+from layerbench.reference import (make_reference, packed_attention, reference_forward,
+                                  streaming_forward)
 
 MODES = [("fp16x3", "tf32x3"), ("tf32x3", "fp16"), ("tf32x3", "tf32x3"), ("ieee", "fp16"),
          ("fp16", "fp16")]
@@ -127,22 +128,6 @@ def test_rows_per_program_when_attention_runs_apart(triton_backend_class, monkey
     assert narrow_block.rows_apart(128, cuda) == 32
 
 
-def _attention_reference(qkv, valid, *, batch, seq_len, heads, causal):
-    """(expected, blind): fp32 attention [B, S, D] of qkv [B*S, 3D] with key mask valid
-    [B, S], 0 on rows that see no valid key, and where those rows are (bool [B, S, D])."""
-    d = qkv.shape[1] // 3
-    head_dim = d // heads
-    q, k, v = (t.float().view(batch, seq_len, heads, head_dim).transpose(1, 2)
-               for t in qkv.split(d, dim=1))
-    scores = q @ k.transpose(-1, -2) * head_dim ** -0.5
-    visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=qkv.device)
-    visible = (visible.tril() if causal else visible) & (valid != 0)[:, None, None, :]
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
-    expected = (probs @ v).transpose(1, 2).reshape(batch, seq_len, d)
-    blind = (~visible.any(-1)).transpose(1, 2)  # [B, S, 1]: the mask is the same per head
-    return expected, blind.expand(batch, seq_len, d)
-
-
 def _run_attention(qkv, valid, *, batch, seq_len, heads, causal, tiles=(32, 16, 4, 1)):
     """flash_attention's context [B, S, D] of qkv with key mask valid (uint8 [B, S]) in a
     NaN-filled buffer, so an element it never writes stays NaN."""
@@ -173,7 +158,7 @@ def test_attention_skips_query_blocks_past_the_valid_prefix(triton_backend_class
         valid[b, :n] = 1
     valid = valid.to(device)
     out = _run_attention(qkv, valid, batch=batch, seq_len=seq_len, heads=heads, causal=causal)
-    expected, _ = _attention_reference(qkv, valid, batch=batch, seq_len=seq_len, heads=heads,
+    expected, _ = packed_attention(qkv, valid, batch=batch, seq_len=seq_len, heads=heads,
                                        causal=causal)
     computed_end = [-(-n // 32) * 32 for n in lengths]  # through the end of the prefix's block
     for b, end in enumerate(computed_end):
@@ -212,7 +197,7 @@ def test_attention_rows_that_see_no_valid_key_are_zero(triton_backend_class, cau
     mask = _key_mask(mask_kind, seq_len).to(device)
     valid = mask.view(torch.uint8)
     out = _run_attention(qkv, valid, batch=batch, seq_len=seq_len, heads=heads, causal=causal)
-    expected, blind = _attention_reference(qkv, valid, batch=batch, seq_len=seq_len,
+    expected, blind = packed_attention(qkv, valid, batch=batch, seq_len=seq_len,
                                            heads=heads, causal=causal)
     assert torch.isfinite(out).all(), f"{(~torch.isfinite(out)).sum()} elements not finite"
     assert blind.any() == (causal or mask_kind == "empty-sequence")

@@ -15,6 +15,7 @@ from layerbench.common.config import LayerConfig
 from layerbench.common.contract import compare
 from layerbench.common.errors import Unsupported
 from layerbench.common.selection import selected_backends
+from layerbench.reference import packed_attention
 
 CUDA_SOURCES = [name for name in build.SOURCES if name.endswith(".cu")]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -81,22 +82,6 @@ def test_tile_choice(wmma_selected):
     assert GEMM_TILES[mid.qkv] == (128, 128, 3) and GEMM_TILES[mid.ffn_in] == (64, 64, 3)
 
 
-def _reference_attention(qkv, valid, batch, seq_len, heads, causal):
-    """fp32 attention from fp16 qkv; rows with no visible key give 0."""
-    d = qkv.shape[1] // 3
-    hd = d // heads
-    q, k, v = (t.float().view(batch, seq_len, heads, hd).transpose(1, 2)
-               for t in qkv.split(d, dim=1))
-    scores = q @ k.transpose(-1, -2) * hd ** -0.5
-    visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=qkv.device)
-    if causal:
-        visible = visible.tril()
-    if valid is not None:
-        visible = visible & (valid != 0)[:, None, None, :]
-    p = torch.softmax(scores.masked_fill(~visible, -math.inf), -1).nan_to_num(0.0)
-    return (p @ v).transpose(1, 2).reshape(batch * seq_len, d)
-
-
 @needs_gpu
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("head_dim", [8, 24, 40, 64, 72, 128, 136, 200, 256])
@@ -120,7 +105,8 @@ def test_attention_kernel(wmma_selected, head_dim, causal):
     attention(ext, qkv, ctx, valid, batch=batch, seq_len=seq_len, num_heads=heads,
               causal=causal, block_n=block_n)
     got = ctx[0].float() + ctx[1].float()
-    expected = _reference_attention(qkv, valid, batch, seq_len, heads, causal)
+    expected = packed_attention(qkv, valid, batch=batch, seq_len=seq_len, heads=heads,
+                                causal=causal)[0].reshape(batch * seq_len, d)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-2)
     if causal:  # rows 0-4 of sequence 0 see only masked keys
         assert torch.equal(got[:5], torch.zeros_like(got[:5]))

@@ -19,6 +19,27 @@ from layerbench.common.precision import fp32_matmul
 from .model import LN_EPS
 
 
+def packed_attention(qkv: torch.Tensor, valid: torch.Tensor | None, *, batch: int,
+                     seq_len: int, heads: int, causal: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context, blind) of one attention step in fp32, for kernel tests: qkv [B*S, 3D] packed
+    as the backends store it, valid a [B, S] key mask (nonzero = valid) or None; context
+    [B, S, D] with 0 on rows that see no valid key, blind bool [B, S, D] marking those rows."""
+    d = qkv.shape[1] // 3
+    head_dim = d // heads
+    q, k, v = (t.float().view(batch, seq_len, heads, head_dim).transpose(1, 2)
+               for t in qkv.split(d, dim=1))
+    scores = q @ k.transpose(-1, -2) * head_dim ** -0.5
+    visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=qkv.device)
+    visible = visible.tril() if causal else visible
+    if valid is not None:
+        visible = visible & (valid != 0)[:, None, None, :]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+    context = (probs @ v).transpose(1, 2).reshape(batch, seq_len, d)
+    blind = (~visible.any(-1)).transpose(1, 2)  # [B, S, 1]: the mask is the same per head
+    return context, blind.expand(batch, seq_len, d)
+
+
 def _param(sd: Mapping[str, torch.Tensor], name: str, device) -> torch.Tensor:
     return sd[name].detach().to(device=device, dtype=torch.float32)
 
