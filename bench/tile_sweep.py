@@ -1,6 +1,6 @@
-"""Tile sweeps and a per-kernel profile of the Triton stack, on a GPU.
+"""Tile sweeps of the Triton stack and a per-kernel profile of any backend, on a GPU.
 
-    python bench/tile_sweep.py profile --shapes 6,8
+    python bench/tile_sweep.py profile --shapes 6,8 --backend wmma
     python bench/tile_sweep.py narrow --shapes 1,6,13
     python bench/tile_sweep.py wide --shapes 8
     python bench/tile_sweep.py attention --seq-len 100000 --heads 16 --head-dim 64
@@ -11,7 +11,7 @@ alternating rounds; replayed from a CUDA graph per candidate where the input is 
 enough) and report the largest difference from the default's output, so a configuration
 that computes something else shows. "attention" times flash attention of
 one long sequence. "launch" times the forward with programmatic dependent launch on and
-off. "profile" lists GPU time per kernel for one forward.
+off. "profile" lists GPU time per kernel for one forward of --backend (default triton).
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from dataclasses import replace
 import torch
 
 from layerbench.backends.triton import attention, launch, linear, narrow_block
-from layerbench.backends.triton import TritonBackend
 from layerbench.common import runner
-from layerbench.common.cli import check_padding, check_shapes, checked_or_exit
+from layerbench.common.cli import check_backends, check_padding, check_shapes, checked_or_exit
 from layerbench.common.graphs import GraphedForward
+from layerbench.common.registry import get_backend
 from layerbench.common.shapes import resolve_shapes
 from layerbench.common.timing import alternating_medians_ms
 
@@ -45,12 +45,12 @@ BATCH = None  # --batch: run the shapes with this batch size instead
 PADDING = 0.25
 
 
-def _layer(shape, seed=0):
+def _layer(shape, seed=0, backend="triton"):
     if BATCH:
         shape = replace(shape, config=replace(shape.config, batch_size=BATCH))
     prepared = runner.prepare(shape, padding=PADDING, dtype=torch.float32, seed=seed,
                               device=torch.device("cuda"))
-    layer = TritonBackend().build(shape.config, prepared.model.state_dict(), device="cuda")
+    layer = get_backend(backend).build(shape.config, prepared.model.state_dict(), device="cuda")
     return prepared, layer
 
 
@@ -143,11 +143,11 @@ def sweep_attention(seq_len, heads, head_dim, rounds, mask="all-valid"):
     return rows
 
 
-def profile(shapes):
+def profile(shapes, backend="triton"):
     """GPU milliseconds per kernel name for one eager forward of each shape."""
     rows = []
     for shape in resolve_shapes(shapes):
-        prepared, layer = _layer(shape)
+        prepared, layer = _layer(shape, backend=backend)
         with torch.no_grad():
             for _ in range(2):
                 layer._forward(prepared.x, prepared.mask)
@@ -161,7 +161,8 @@ def profile(shapes):
                 totals[event.name][0] += event.device_time / 1e3
                 totals[event.name][1] += 1
         for name, (ms, count) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
-            rows.append({"shape": shape.number, "kernel": name, "ms": ms, "count": count})
+            rows.append({"backend": backend, "shape": shape.number, "kernel": name, "ms": ms,
+                         "count": count})
             print(f"shape {shape.number:2d} {name[:60]:60s} {count:4d} x {ms:9.3f} ms", flush=True)
         del layer, prepared
         torch.cuda.empty_cache()
@@ -174,6 +175,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", choices=("profile", "narrow", "wide", "attention", "launch"))
     parser.add_argument("--shapes", default="6")
+    parser.add_argument("--backend", default="triton", help="profile: the backend profiled")
     parser.add_argument("--seq-len", type=int, default=100_000)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -188,10 +190,11 @@ def main() -> int:
         parser.error("needs a CUDA device, and this machine has none")
     checked_or_exit(parser, "--shapes", check_shapes, args.shapes)
     checked_or_exit(parser, "--padding", check_padding, args.padding)
+    checked_or_exit(parser, "--backend", check_backends, args.backend)
     global BATCH, PADDING
     BATCH, PADDING = args.batch, args.padding
     if args.study == "profile":
-        rows = profile(args.shapes)
+        rows = profile(args.shapes, args.backend)
     elif args.study == "narrow":
         rows = sweep_layer(args.shapes, narrow_block, "NARROW_TILES", NARROW, args.rounds)
     elif args.study == "launch":  # programmatic dependent launch on and off
