@@ -29,10 +29,13 @@ class Plan:
     fuse_ffn: out_proj to the block's output (and the final norm) in one kernel (ffn_block,
     d_model and ffn_dim up to 128).
     gemm_stages: operand tiles in flight in the separate GEMMs (2 or 3).
+    linear_products: fp16 products of out_proj and the FFN: 3 (fp16x3: both operands split
+    into hi and lo), or 2 (activations split, weights rounded to fp16 once).
     """
     fuse_qkv: bool
     fuse_ffn: bool
     gemm_stages: int = 2
+    linear_products: int = 3
 
 
 def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dtype]]:
@@ -70,18 +73,23 @@ class WmmaLayer(BuiltLayer):
         self.ext = ext
         self.plan = plan
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
-        self.weights = [self._weights(p) for p in self.params.layers]
+        self.weights = [self._weights(p, plan.linear_products) for p in self.params.layers]
         self.chunks = ChunkPlan(device, lambda s: working_bytes_per_sequence(config, plan, s),
                                 weight_bytes(config), MAX_GRID_X // config.num_heads)
         self.multiprocessors = multiprocessor_count(device)
         self.graphed = GraphedForward(self._forward)
 
     @staticmethod
-    def _weights(p) -> dict:
-        """fp16 (hi, lo) parts of the weights; Q/K/V keeps hi only (one product)."""
-        return {"qkv": (p.qkv_weight.to(torch.float16).contiguous(), None),
-                "out": split_fp16(p.out_weight), "ffn_in": split_fp16(p.ffn_in_weight),
-                "ffn_out": split_fp16(p.ffn_out_weight)}
+    def _weights(p, products: int) -> dict:
+        """fp16 (hi, lo) parts of the weights; Q/K/V keeps hi only (one product), and so do
+        the other linears with two products."""
+        def hi_only(w):
+            return w.to(torch.float16).contiguous(), None
+
+        def parts(w):
+            return split_fp16(w) if products == 3 else hi_only(w)
+        return {"qkv": hi_only(p.qkv_weight), "out": parts(p.out_weight),
+                "ffn_in": parts(p.ffn_in_weight), "ffn_out": parts(p.ffn_out_weight)}
 
     def forward(self, x, valid_token_mask, out=None):
         """Run the kernels, through a CUDA graph once these input buffers repeat."""
