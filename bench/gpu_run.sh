@@ -4,10 +4,11 @@
 # run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
-#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|sanitize]
+#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|sanitize]
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
 #   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
+#   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels
 # The benchmark's own contract checks join the conformance cases (one JSON line each), so a
 # peer that misses the contract there keeps its verdict. A copy of the tree without its git
 # history records the commit given as LAYERBENCH_COMMIT.
@@ -52,6 +53,21 @@ if [[ $stage == study ]]; then
         python3 bench/tile_sweep.py $study --out "$OUT/study-$n.json" 2>&1 | tee -a "$OUT/study.log"
         status=$((status | ${PIPESTATUS[0]}))
     done
+fi
+if [[ $stage == kernels ]]; then
+    # The wmma kernels on their own: kernel tests, every GEMM tile on odd sizes (checked) and
+    # on the official shapes' GEMMs (timed), every attention kernel at shapes 13 and 14.
+    log="$OUT/kernels.log"
+    python3 -m pytest conformance/test_wmma.py --backend wmma -q -p no:cacheprovider \
+        2>&1 | tail -15 | tee -a "$log"
+    status=$((status | ${PIPESTATUS[0]}))
+    python3 bench/wmma_sweep.py edges --out "$OUT/edges.json" 2>&1 | tail -20 | tee -a "$log"
+    status=$((status | ${PIPESTATUS[0]}))
+    python3 bench/wmma_sweep.py gemm --rounds 10 --out "$OUT/gemm.json" 2>&1 | tee -a "$log"
+    python3 bench/wmma_sweep.py attention --batch 64 --seq-len 1024 --heads 4 --head-dim 32 \
+        --out "$OUT/attention-13.json" 2>&1 | tee -a "$log"
+    python3 bench/wmma_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64 \
+        --rounds 5 --out "$OUT/attention-14.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == sanitize ]]; then
     # compute-sanitizer memcheck and racecheck over one eager forward per shape.

@@ -28,7 +28,7 @@ class WmmaBackend(Backend):
     )
 
     def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool = False, gemm_stages: int = 2,
-                 linear_products: int = 3):
+                 linear_products: int = 3, fuse_norms: bool = True):
         # The fused kernels are off by default: on an H200 the separate kernels run every
         # official shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
@@ -37,6 +37,9 @@ class WmmaBackend(Backend):
         if linear_products not in (2, 3):
             raise ValueError(f"linear_products must be 2 or 3, not {linear_products}")
         self.linear_products = linear_products  # fp16 products of out_proj and the FFN
+        # LayerNorms in the residual GEMMs' epilogues where a tile holds whole rows (see Plan);
+        # not yet timed on a GPU against the separate norm_split kernels.
+        self.fuse_norms = fuse_norms
 
     def unavailable_reason(self, device):
         """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
@@ -78,5 +81,5 @@ class WmmaBackend(Backend):
                     and (limit is None
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
         plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
-                    self.gemm_stages, self.linear_products)
+                    self.gemm_stages, self.linear_products, self.fuse_norms)
         return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

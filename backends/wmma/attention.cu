@@ -1,5 +1,8 @@
-// Flash attention forward through nvcuda::wmma: one block per (query block, sequence * head).
+// Flash attention forward through nvcuda::wmma, in two kernels: attention_kernel (below;
+// documented API only, the fallback) and flash_attention_kernel (further down; scores kept in
+// registers through the fragment element layout, which a probe checks on the device first).
 //
+// attention_kernel: one block per (query block, sequence * head).
 // Q, K, V and P are fp16 tensor-core operands with fp32 accumulation; the online softmax runs
 // in fp32 (base 2). [S, S] scores never reach memory: each warp owns 16 query rows, computes
 // their scores against a key block into shared memory, updates its rows' running max and sum
@@ -9,6 +12,8 @@
 // context 0.
 #include <math_constants.h>
 #include <mma.h>
+
+#include <algorithm>
 
 #include "common.cuh"
 
@@ -219,6 +224,571 @@ LaunchResult launch(const AttentionParams& p, cudaStream_t stream, const char* n
   return {cudaGetLastError(), name};
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Register-resident flash attention (FA2 order). Scores, probabilities and the context stay in
+// wmma fragments for the whole key loop; shared memory holds only Q and two stages of K/V.
+//
+// It relies on the element layout of two fragment types, which the wmma API leaves
+// unspecified; attention_layout_probe_kernel checks it on the device before any of these
+// kernels is used (attention.py falls back to attention_kernel above otherwise). On sm_80 and
+// sm_90, element i (0..7) of lane L of a 16x16 fp32 accumulator, and elements i and i + 8 of a
+// 16x16 fp16 row-major matrix_a, hold
+//     row L / 4 + 8 * bit1(i),   column 2 * (L % 4) + bit0(i) + 8 * bit2(i).
+// So a lane holds two rows (g = L / 4 and g + 8) of every fragment, the four lanes of a quad
+// together hold a row, and an accumulator of scores becomes the matrix_a of probabilities
+// element by element.
+//
+// Per CTA: BLOCK_M = WARPS * MF * 16 query rows of one (sequence, head); each warp owns MF
+// fragments of 16 rows. Per key block of BN keys: S = Q K^T into accumulators (Q fragments kept
+// in registers when they fit), masks only where the block crosses the causal diagonal of the
+// warp or holds a key that is invalid or past the end, row max over the quad (two shuffles),
+// P = exp2(S * scale - m) in registers as fp16 matrix_a, O += P V. The kept max m of a row
+// moves only when a block's max exceeds it by more than kLazy (log2 units), so P <= 2^8 and O
+// is rescaled only then (exact algebra: l and O carry the same factor). K/V of block j + 1 are
+// copied by cp.async while block j is computed; one barrier per key block.
+// ---------------------------------------------------------------------------------------------
+
+constexpr float kLazy = 8.f;  // the kept row max moves when a block's max exceeds it by this
+
+template <int HP_, int MF_, int WARPS_, int BN_>
+struct FlashCfg {
+  static constexpr int HP = HP_;              // largest head_pad taken (columns past the call's
+                                              // head_pad are skipped at run time)
+  static constexpr int MF = MF_;              // 16-row fragments per warp
+  static constexpr int WARPS = WARPS_;
+  static constexpr int BN = BN_;              // keys per block
+  static constexpr int kThreads = WARPS * 32;
+  static constexpr int kBlockM = WARPS * MF * 16;
+  static constexpr int kLd = HP + 8;          // row stride of the Q/K/V tiles (halves)
+  static constexpr int kKF = BN / 16;         // key fragments per block
+  static constexpr int kDF = HP / 16;         // head-dim fragments
+  static constexpr int kMaskWords = BN / 32;  // 32-key words of the per-block key mask
+  static constexpr bool kQInRegs = MF * HP <= 128;   // Q fragments held across the key loop
+  // CTAs per multiprocessor that __launch_bounds__ caps the registers for (none spills):
+  // 16 warps of 16 rows at head_pad 32 (128 registers), 12 warps of 16 rows at 64 (168),
+  // else 8 warps (255: 32-row warps, larger head dims; 8 warps of 16 rows at 64 need ~160).
+  static constexpr int kMinBlocks = MF == 1 && HP <= 32             ? 512 / kThreads
+                                    : MF == 1 && HP <= 64 && WARPS == 4 ? 3
+                                    : (256 / kThreads > 1 ? 256 / kThreads : 1);
+  static constexpr int kTileBytes = BN * kLd * 2;
+  static constexpr int kQ = 0;
+  static constexpr int kK = kQ + kBlockM * kLd * 2;
+  static constexpr int kV = kK + 2 * kTileBytes;
+  static constexpr int kMask = kV + 2 * kTileBytes;
+  static constexpr int kBytes = kMask + 2 * kMaskWords * 4;
+  static_assert(BN % 32 == 0 && HP % 16 == 0 && kThreads % (HP / 8) == 0, "tile shape");
+};
+
+using AccFrag = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+using AFrag = wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major>;
+using KFrag = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major>;
+using VFrag = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major>;
+static_assert(AccFrag::num_elements == 8 && AFrag::num_elements == 16,
+              "the fragment sizes the register layout assumes");
+
+// The (row, column) of element i of a lane's accumulator (and matrix_a) fragment.
+__host__ __device__ constexpr int frag_row(int lane, int i) {
+  return lane / 4 + 8 * ((i >> 1) & 1);
+}
+__host__ __device__ constexpr int frag_col(int lane, int i) {
+  return 2 * (lane % 4) + (i & 1) + 8 * ((i >> 2) & 1);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A thread's share of the tile copies: 16 bytes at column c of rows r0, r0 + kRowStep, ...
+// Columns in [head_dim, head_pad) are zero-filled (source bytes 0; the address, 8 columns to
+// the left, stays inside the row); columns from head_pad on are never read, so not copied.
+template <class C>
+struct CopyPlan {
+  static constexpr int kVecs = C::HP / 8;                // 16-byte pieces per row
+  static constexpr int kRowStep = C::kThreads / kVecs;   // rows apart of a thread's pieces
+  int r0, smem, src_col, bytes;
+  bool active;
+  __device__ __forceinline__ CopyPlan(int head_dim, int head_pad) {
+    const int c = (threadIdx.x % kVecs) * 8;
+    r0 = threadIdx.x / kVecs;
+    smem = r0 * C::kLd + c;
+    active = c < head_pad;
+    src_col = c < head_dim ? c : c - 8;
+    bytes = c < head_dim ? 16 : 0;
+  }
+};
+
+// ROWS x HP tile by 16-byte cp.async: tile row r from row0 + r * stride; rows from rows_valid
+// on are zero-filled (their address clamped to row 0, which exists).
+template <class C, int ROWS>
+__device__ __forceinline__ void copy_tile(__half* dst, const __half* row0, int64_t stride,
+                                          int rows_valid, const CopyPlan<C>& cp) {
+  constexpr int kStep = CopyPlan<C>::kRowStep;
+  constexpr int kIters = (ROWS + kStep - 1) / kStep;
+  if (!cp.active) return;
+  const __half* src = row0 + cp.r0 * stride + cp.src_col;
+  const int64_t step = kStep * stride;
+  if (rows_valid >= ROWS) {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      if (ROWS % kStep != 0 && cp.r0 + it * kStep >= ROWS) break;
+      cp_async16(dst + cp.smem + it * kStep * C::kLd, src + it * step, cp.bytes);
+    }
+  } else {
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int r = cp.r0 + it * kStep;
+      if (ROWS % kStep != 0 && r >= ROWS) break;
+      const bool in = r < rows_valid;
+      cp_async16(dst + cp.smem + it * kStep * C::kLd, in ? src + it * step : row0 + cp.src_col,
+                 in ? cp.bytes : 0);
+    }
+  }
+}
+
+// 1 when key exists and is valid (lanes of the warps that build the key mask).
+__device__ __forceinline__ int key_ok(const AttentionParams& p, int64_t seq_base, int key) {
+  if (key >= p.seq_len) return 0;
+  return p.valid == nullptr || p.valid[seq_base + key] != 0;
+}
+
+// One key block of one warp's rows: S = Q K^T, masks (EDGE only), online softmax, O += P V.
+// EDGE: the block holds a key that is invalid or past the end, or crosses the causal diagonal
+// of the warp's rows; key fragments no row of a row fragment sees are skipped, and masked
+// elements set to -inf. Interior blocks take the path without tests. EXACT: head_pad == HP.
+template <class C, bool EDGE, bool EXACT>
+__device__ __forceinline__ void flash_block(
+    const AttentionParams& p, const __half* q_w, const __half* kt, const __half* vt,
+    const uint32_t (&words)[C::kMaskWords], int n0, int wq0, int g, int t, int kd_live,
+    const AFrag (&q_reg)[C::kQInRegs ? C::MF : 1][C::kQInRegs ? C::kDF : 1],
+    AccFrag (&o)[C::MF][C::kDF], float (&m_run)[C::MF][2], float (&l_run)[C::MF][2]) {
+  constexpr int MF = C::MF, KF = C::kKF, DF = C::kDF, Ld = C::kLd;
+  // Head-dim fragment kd holds a column below head_pad.
+  auto hd_live = [&](int kd) { return EXACT || kd == 0 || kd < kd_live; };
+  // Key fragment jf holds a key some row of row fragment mf may see.
+  auto live = [&](int mf, int jf) {
+    return !EDGE || (n0 + 16 * jf < p.seq_len &&
+                     (!p.causal || n0 + 16 * jf <= wq0 + 16 * mf + 15));
+  };
+
+  AccFrag s[MF][KF];
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int jf = 0; jf < KF; ++jf) wmma::fill_fragment(s[mf][jf], 0.f);
+  }
+#pragma unroll
+  for (int kd = 0; kd < DF; ++kd) {
+    if (!hd_live(kd)) continue;
+    AFrag q_mem[C::kQInRegs ? 1 : MF];
+    if constexpr (!C::kQInRegs) {
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        wmma::load_matrix_sync(q_mem[mf], q_w + 16 * mf * Ld + 16 * kd, Ld);
+      }
+    }
+#pragma unroll
+    for (int jf = 0; jf < KF; ++jf) {
+      if (!live(MF - 1, jf)) continue;   // the last row fragment sees the most keys
+      KFrag kb;
+      wmma::load_matrix_sync(kb, kt + 16 * jf * Ld + 16 * kd, Ld);
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        if (!live(mf, jf)) continue;
+        if constexpr (C::kQInRegs) {
+          wmma::mma_sync(s[mf][jf], q_reg[mf][kd], kb, s[mf][jf]);
+        } else {
+          wmma::mma_sync(s[mf][jf], q_mem[mf], kb, s[mf][jf]);
+        }
+      }
+    }
+  }
+
+  if constexpr (EDGE) {
+    // -inf where the key is invalid or past the end, or above the diagonal. The fragments
+    // skipped above are wholly masked here.
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+      for (int jf = 0; jf < KF; ++jf) {
+        const uint32_t bits = words[jf / 2] >> (16 * (jf & 1) + 2 * t);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int dk = (i & 1) + 8 * ((i >> 2) & 1);   // column - 2t within the fragment
+          const int key = n0 + 16 * jf + 2 * t + dk;
+          const int query = wq0 + 16 * mf + g + 8 * ((i >> 1) & 1);
+          const bool visible = ((bits >> dk) & 1u) && (!p.causal || key <= query);
+          if (!visible) s[mf][jf].x[i] = -CUDART_INF_F;
+        }
+      }
+    }
+  }
+
+  // Row max over the quad; the kept max moves only past kLazy.
+  float alpha[MF][2], m_use[MF][2];
+  bool moved = false;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -CUDART_INF_F;
+#pragma unroll
+      for (int jf = 0; jf < KF; ++jf) {
+        mx = fmaxf(mx, fmaxf(fmaxf(s[mf][jf].x[2 * r], s[mf][jf].x[2 * r + 1]),
+                             fmaxf(s[mf][jf].x[2 * r + 4], s[mf][jf].x[2 * r + 5])));
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+      const float mx2 = mx * p.scale_log2;   // -inf: no visible key in the block
+      alpha[mf][r] = 1.f;
+      if (mx2 > m_run[mf][r] + kLazy) {      // never while mx2 is -inf
+        alpha[mf][r] = fast_exp2(m_run[mf][r] - mx2);   // m_run -inf: 0
+        m_run[mf][r] = mx2;
+        l_run[mf][r] *= alpha[mf][r];
+        moved = true;
+      }
+      // No visible key yet (m_run -inf): P = exp2(-inf - 0) = 0, never -inf - -inf.
+      m_use[mf][r] = m_run[mf][r] == -CUDART_INF_F ? 0.f : m_run[mf][r];
+    }
+  }
+  if (__any_sync(kFullMask, moved)) {
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+      for (int df = 0; df < DF; ++df) {
+        if (!hd_live(df)) continue;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[mf][df].x[i] *= alpha[mf][(i >> 1) & 1];
+      }
+    }
+  }
+
+  // P = exp2(S * scale - m) as fp16 matrix_a fragments, element by element (i and i + 8).
+  AFrag pa[MF][KF];
+  const float scale = p.scale_log2;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int jf = 0; jf < KF; ++jf) {
+      if (!live(mf, jf)) continue;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {   // elements 2k, 2k + 1: one row, adjacent columns
+        const int r = k & 1;
+        const float e0 = fast_exp2(fmaf(s[mf][jf].x[2 * k], scale, -m_use[mf][r]));
+        const float e1 = fast_exp2(fmaf(s[mf][jf].x[2 * k + 1], scale, -m_use[mf][r]));
+        l_run[mf][r] += e0 + e1;
+        const __half2 h2 = __floats2half2_rn(e0, e1);
+        pa[mf][jf].x[2 * k] = pa[mf][jf].x[2 * k + 8] = __low2half(h2);
+        pa[mf][jf].x[2 * k + 1] = pa[mf][jf].x[2 * k + 9] = __high2half(h2);
+      }
+    }
+  }
+
+  // O += P V.
+#pragma unroll
+  for (int jf = 0; jf < KF; ++jf) {
+    if (!live(MF - 1, jf)) continue;
+#pragma unroll
+    for (int df = 0; df < DF; ++df) {
+      if (!hd_live(df)) continue;
+      VFrag vb;
+      wmma::load_matrix_sync(vb, vt + 16 * jf * Ld + 16 * df, Ld);
+#pragma unroll
+      for (int mf = 0; mf < MF; ++mf) {
+        if (live(mf, jf)) wmma::mma_sync(o[mf][df], pa[mf][jf], vb, o[mf][df]);
+      }
+    }
+  }
+}
+
+// AttentionParams, q_blocks = ceil(seq_len / kBlockM); 1-D order over (sequence * head, query
+// block) with the query block fastest, laid on a 2-D grid (x * y CTAs, the surplus returns);
+// block kThreads; dynamic shared FlashCfg::kBytes. EXACT: head_pad == HP.
+template <int HP, int MF, int WARPS, int BN, bool EXACT>
+__global__ void __launch_bounds__(WARPS * 32, (FlashCfg<HP, MF, WARPS, BN>::kMinBlocks))
+    flash_attention_kernel(AttentionParams p, int q_blocks) {
+  using C = FlashCfg<HP, MF, WARPS, BN>;
+  constexpr int DF = C::kDF, Ld = C::kLd, MW = C::kMaskWords;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __half* q_s = reinterpret_cast<__half*>(smem + C::kQ);
+  __half* k_s = reinterpret_cast<__half*>(smem + C::kK);
+  __half* v_s = reinterpret_cast<__half*>(smem + C::kV);
+  uint32_t* mask_s = reinterpret_cast<uint32_t*>(smem + C::kMask);  // bit: key exists, valid
+
+  const int64_t id = static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const int64_t bh = id / q_blocks;
+  if (bh >= static_cast<int64_t>(p.batch) * p.heads) return;
+  // Within a head, the longest causal query blocks first; consecutive CTAs share K/V in L2.
+  const int qb = q_blocks - 1 - static_cast<int>(id - bh * q_blocks);
+  const int b = static_cast<int>(bh / p.heads), h = static_cast<int>(bh % p.heads);
+  const int q0 = qb * C::kBlockM;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int wrow = warp * 16 * MF;              // the warp's first row in the block
+  const int wq0 = q0 + wrow;                    // and its query
+  const int64_t seq_base = static_cast<int64_t>(b) * p.seq_len;
+  const int d_model = p.heads * p.head_dim;
+  const int64_t stride = 3LL * d_model;
+  const __half* q_ptr = p.qkv + seq_base * stride + h * p.head_dim;
+  const __half* k_ptr = q_ptr + d_model;
+  const __half* v_ptr = q_ptr + 2 * d_model;
+  const int head_dim = p.head_dim, head_pad = EXACT ? HP : p.head_pad;
+  const int kd_live = head_pad / 16;
+  const int key_end = p.causal ? min(p.seq_len, q0 + C::kBlockM) : p.seq_len;
+  const int n_blocks = (key_end + BN - 1) / BN;   // >= 1: q0 < seq_len
+
+  const CopyPlan<C> cp(head_dim, head_pad);
+  copy_tile<C, C::kBlockM>(q_s, q_ptr + static_cast<int64_t>(q0) * stride, stride,
+                           p.seq_len - q0, cp);
+  copy_tile<C, BN>(k_s, k_ptr, stride, p.seq_len, cp);
+  copy_tile<C, BN>(v_s, v_ptr, stride, p.seq_len, cp);
+  cp_async_commit();
+  if (warp < MW) {
+    const unsigned bits = __ballot_sync(kFullMask, key_ok(p, seq_base, 32 * warp + lane));
+    if (lane == 0) mask_s[warp] = bits;
+  }
+
+  AccFrag o[MF][DF];
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+    for (int df = 0; df < DF; ++df) wmma::fill_fragment(o[mf][df], 0.f);
+  }
+  // Per lane: rows g and g + 8 of each of its row fragments; m in scaled log2 units, l the
+  // lane's partial sum (its columns), summed over the quad at the end.
+  float m_run[MF][2], l_run[MF][2];
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+    m_run[mf][0] = m_run[mf][1] = -CUDART_INF_F;
+    l_run[mf][0] = l_run[mf][1] = 0.f;
+  }
+
+  cp_async_wait<0>();
+  __syncthreads();
+  const __half* q_w = q_s + wrow * Ld;
+  AFrag q_reg[C::kQInRegs ? MF : 1][C::kQInRegs ? DF : 1];
+  if constexpr (C::kQInRegs) {
+#pragma unroll
+    for (int mf = 0; mf < MF; ++mf) {
+#pragma unroll
+      for (int kd = 0; kd < DF; ++kd) {
+        if (EXACT || kd < kd_live) {
+          wmma::load_matrix_sync(q_reg[mf][kd], q_w + 16 * mf * Ld + 16 * kd, Ld);
+        }
+      }
+    }
+  }
+
+  const bool warp_has_rows = wq0 < p.seq_len;
+  const int wq_last = wq0 + 16 * MF - 1;
+  for (int j = 0; j < n_blocks; ++j) {
+    const int st = j & 1;
+    const int n0 = j * BN;
+    if (j > 0) {
+      cp_async_wait<0>();     // block j's K/V (this thread's copies) ...
+      __syncthreads();        // ... everyone's; and everyone is done with stage st ^ 1
+    }
+    const bool has_next = j + 1 < n_blocks;
+    int next_ok = 0;
+    if (has_next) {
+      const int n1 = n0 + BN;
+      const int64_t at = static_cast<int64_t>(n1) * stride;
+      copy_tile<C, BN>(k_s + (st ^ 1) * BN * Ld, k_ptr + at, stride, p.seq_len - n1, cp);
+      copy_tile<C, BN>(v_s + (st ^ 1) * BN * Ld, v_ptr + at, stride, p.seq_len - n1, cp);
+      cp_async_commit();
+      if (warp < MW) next_ok = key_ok(p, seq_base, n1 + 32 * warp + lane);
+    }
+
+    // A warp whose rows are all past the end, or all above the block (causal), skips it.
+    if (warp_has_rows && (!p.causal || n0 <= wq_last)) {
+      uint32_t words[MW];
+      uint32_t all = ~0u;
+#pragma unroll
+      for (int w = 0; w < MW; ++w) {
+        words[w] = mask_s[st * MW + w];
+        all &= words[w];
+      }
+      const __half* kt = k_s + st * BN * Ld;
+      const __half* vt = v_s + st * BN * Ld;
+      if (all != ~0u || (p.causal && n0 + BN - 1 > wq0)) {
+        flash_block<C, true, EXACT>(p, q_w, kt, vt, words, n0, wq0, g, t, kd_live, q_reg, o,
+                                    m_run, l_run);
+      } else {
+        flash_block<C, false, EXACT>(p, q_w, kt, vt, words, n0, wq0, g, t, kd_live, q_reg, o,
+                                     m_run, l_run);
+      }
+    }
+
+    if (has_next && warp < MW) {   // the next block's key mask, read after the next barrier
+      const unsigned bits = __ballot_sync(kFullMask, next_ok);
+      if (lane == 0) mask_s[(st ^ 1) * MW + warp] = bits;
+    }
+  }
+
+  // Normalise and store: each lane writes two adjacent columns of its rows (4-byte stores).
+  __half* out_hi = p.ctx_hi + seq_base * d_model + h * head_dim;
+  __half* out_lo = p.ctx_lo + seq_base * d_model + h * head_dim;
+#pragma unroll
+  for (int mf = 0; mf < MF; ++mf) {
+    float l[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[r] = l_run[mf][r];
+      l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
+      l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
+    }
+#pragma unroll
+    for (int df = 0; df < DF; ++df) {
+      if (!EXACT && df >= kd_live) continue;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int r = k & 1;
+        const int query = wq0 + 16 * mf + g + 8 * r;
+        const int col = 16 * df + 8 * (k >> 1) + 2 * t;
+        if (query >= p.seq_len || col >= head_dim) continue;   // head_dim: a multiple of 8
+        __half hi0, lo0, hi1, lo1;   // l == 0: no visible key, context 0
+        split_half(l[r] == 0.f ? 0.f : o[mf][df].x[2 * k] / l[r], hi0, lo0);
+        split_half(l[r] == 0.f ? 0.f : o[mf][df].x[2 * k + 1] / l[r], hi1, lo1);
+        const int64_t at = static_cast<int64_t>(query) * d_model + col;
+        *reinterpret_cast<__half2*>(out_hi + at) = __halves2half2(hi0, hi1);
+        *reinterpret_cast<__half2*>(out_lo + at) = __halves2half2(lo0, lo1);
+      }
+    }
+  }
+}
+
+template <int HP, int MF, int WARPS, int BN, bool EXACT>
+LaunchResult launch_flash(const AttentionParams& p, cudaStream_t stream, const char* name) {
+  using C = FlashCfg<HP, MF, WARPS, BN>;
+  if (EXACT ? p.head_pad != HP : p.head_pad > HP) return {cudaErrorInvalidValue, name};
+  if (C::kBytes > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        flash_attention_kernel<HP, MF, WARPS, BN, EXACT>,
+        cudaFuncAttributeMaxDynamicSharedMemorySize, C::kBytes);
+    if (err != cudaSuccess) return {err, name};
+  }
+  const int64_t q_blocks = (static_cast<int64_t>(p.seq_len) + C::kBlockM - 1) / C::kBlockM;
+  const int64_t heads = static_cast<int64_t>(p.batch) * p.heads;
+  const int64_t max_x = 0x7fffffff;
+  const int64_t per_row = std::min<int64_t>(heads, max_x / q_blocks);   // heads per grid row
+  const int64_t rows = (heads + per_row - 1) / per_row;
+  if (rows > 65535) return {cudaErrorInvalidConfiguration, name};
+  const dim3 grid(static_cast<unsigned>(per_row * q_blocks), static_cast<unsigned>(rows));
+  flash_attention_kernel<HP, MF, WARPS, BN, EXACT>
+      <<<grid, C::kThreads, C::kBytes, stream>>>(p, static_cast<int>(q_blocks));
+  return {cudaGetLastError(), name};
+}
+
+struct FlashInstance {
+  const char* name;
+  int head_pad, block_m, block_n, threads, bytes;
+  LaunchResult (*launch)(const AttentionParams&, cudaStream_t, const char*);
+};
+
+// Each instance in two kernels: head_pad == HP (exact), and head_pad < HP (head-dim fragments
+// past head_pad skipped at run time).
+struct FlashPair {
+  FlashInstance exact, padded;
+};
+
+#define LBW_FLASH_ONE(HP, MF, W, BN, EXACT, TAG)                                              \
+  FlashInstance {                                                                           \
+    "flash_attention_kernel<" #HP ", " #MF ", " #W ", " #BN ", " TAG ">", HP, W * MF * 16, BN, \
+        W * 32, FlashCfg<HP, MF, W, BN>::kBytes, &launch_flash<HP, MF, W, BN, EXACT>         \
+  }
+#define LBW_FLASH(HP, MF, W, BN)                                        \
+  FlashPair {                                                           \
+    LBW_FLASH_ONE(HP, MF, W, BN, true, "true"),                         \
+        LBW_FLASH_ONE(HP, MF, W, BN, false, "false")                    \
+  }
+
+// Variants (rows) by head_pad instance (columns 32, 64, 128, 256; a call takes the smallest
+// that holds its head_pad). flash: 128 query rows, 4 warps of 32 rows up to head_pad 64 (each
+// K/V fragment serves two row fragments), 8 warps of 16 rows above (the context fragments of
+// 32 rows would not fit in registers). flash_w8: 8 warps of 16 rows throughout. flash_m64: 64
+// rows, 4 warps of 16 (twice the CTAs, for grids smaller than the device).
+constexpr const char* kVariantNames[] = {"flash", "flash_w8", "flash_m64"};
+constexpr int kVariants = 3;
+constexpr int kHeadPads[] = {32, 64, 128, 256};
+
+const FlashPair kInstances[kVariants][4] = {
+    {LBW_FLASH(32, 2, 4, 64), LBW_FLASH(64, 2, 4, 64), LBW_FLASH(128, 1, 8, 64),
+     LBW_FLASH(256, 1, 8, 32)},
+    {LBW_FLASH(32, 1, 8, 64), LBW_FLASH(64, 1, 8, 64), LBW_FLASH(128, 1, 8, 64),
+     LBW_FLASH(256, 1, 8, 32)},
+    {LBW_FLASH(32, 1, 4, 64), LBW_FLASH(64, 1, 4, 64), LBW_FLASH(128, 1, 4, 64),
+     LBW_FLASH(256, 1, 4, 32)},
+};
+#undef LBW_FLASH
+#undef LBW_FLASH_ONE
+
+const FlashInstance* find_instance(int variant, int head_pad) {
+  if (variant < 0 || variant >= kVariants || head_pad <= 0) return nullptr;
+  for (int i = 0; i < 4; ++i) {
+    if (head_pad == kHeadPads[i]) return &kInstances[variant][i].exact;
+    if (head_pad < kHeadPads[i]) return &kInstances[variant][i].padded;
+  }
+  return nullptr;
+}
+
+// One warp: mismatches[0] accumulator elements loaded by load_matrix_sync against the layout,
+// [1] matrix_a elements (i and i + 8), [2] a matrix_a built element by element from the
+// layout, multiplied by the identity, read back through the accumulator layout, [3] an
+// accumulator built from the layout and stored by store_matrix_sync.
+__global__ void attention_layout_probe_kernel(int* mismatches) {
+  __shared__ __align__(128) float f_s[256];
+  __shared__ __align__(128) float out_s[256];
+  __shared__ __align__(128) __half h_s[256];
+  __shared__ __align__(128) __half eye_s[256];
+  const int lane = threadIdx.x;
+  for (int e = lane; e < 256; e += 32) {
+    f_s[e] = static_cast<float>(e);
+    out_s[e] = -1.f;
+    h_s[e] = __int2half_rn(e);
+    eye_s[e] = __int2half_rn(e / 16 == e % 16 ? 1 : 0);
+  }
+  __syncwarp();
+  int bad[4] = {0, 0, 0, 0};
+  AccFrag acc;
+  wmma::load_matrix_sync(acc, f_s, 16, wmma::mem_row_major);
+  for (int i = 0; i < 8; ++i) {
+    bad[0] += acc.x[i] != static_cast<float>(16 * frag_row(lane, i) + frag_col(lane, i));
+  }
+  AFrag a;
+  wmma::load_matrix_sync(a, h_s, 16);
+  for (int i = 0; i < 16; ++i) {
+    const int e = 16 * frag_row(lane, i % 8) + frag_col(lane, i % 8);
+    bad[1] += __half2float(a.x[i]) != static_cast<float>(e);
+  }
+  AFrag built;
+  for (int i = 0; i < 8; ++i) {
+    const int e = 255 - (16 * frag_row(lane, i) + frag_col(lane, i));
+    built.x[i] = built.x[i + 8] = __int2half_rn(e);
+  }
+  VFrag eye;
+  wmma::load_matrix_sync(eye, eye_s, 16);
+  AccFrag prod;
+  wmma::fill_fragment(prod, 0.f);
+  wmma::mma_sync(prod, built, eye, prod);
+  for (int i = 0; i < 8; ++i) {
+    const int e = 255 - (16 * frag_row(lane, i) + frag_col(lane, i));
+    bad[2] += prod.x[i] != static_cast<float>(e);
+  }
+  AccFrag made;
+  for (int i = 0; i < 8; ++i) {
+    made.x[i] = static_cast<float>(16 * frag_row(lane, i) + frag_col(lane, i));
+  }
+  wmma::store_matrix_sync(out_s, made, 16, wmma::mem_row_major);
+  __syncwarp();
+  for (int e = lane; e < 256; e += 32) bad[3] += out_s[e] != static_cast<float>(e);
+  for (int c = 0; c < 4; ++c) {
+    const int total = static_cast<int>(warp_sum(static_cast<float>(bad[c])));
+    if (lane == 0) mismatches[c] = total;
+  }
+}
+
 }  // namespace
 
 LaunchResult launch_attention(const AttentionParams& p, int block_n, cudaStream_t stream) {
@@ -228,5 +798,29 @@ LaunchResult launch_attention(const AttentionParams& p, int block_n, cudaStream_
 }
 
 int attention_smem_bytes(int head_pad, int block_n) { return layout(head_pad, block_n).bytes; }
+
+int attention_variant_count() { return kVariants; }
+
+const char* attention_variant_name(int variant) {
+  return variant >= 0 && variant < kVariants ? kVariantNames[variant] : nullptr;
+}
+
+AttentionInstanceInfo attention_instance(int variant, int head_pad) {
+  const FlashInstance* f = find_instance(variant, head_pad);
+  if (f == nullptr) return {nullptr, 0, 0, 0, 0, 0};
+  return {f->name, f->head_pad, f->block_m, f->block_n, f->threads, f->bytes};
+}
+
+LaunchResult launch_flash_attention(const AttentionParams& p, int variant,
+                                    cudaStream_t stream) {
+  const FlashInstance* f = find_instance(variant, p.head_pad);
+  if (f == nullptr) return {cudaErrorInvalidValue, "flash_attention_kernel (no such variant)"};
+  return f->launch(p, stream, f->name);
+}
+
+LaunchResult launch_attention_layout_probe(int* mismatches, cudaStream_t stream) {
+  attention_layout_probe_kernel<<<1, 32, 0, stream>>>(mismatches);
+  return {cudaGetLastError(), "attention_layout_probe_kernel"};
+}
 
 }  // namespace lbw

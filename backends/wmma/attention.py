@@ -1,9 +1,36 @@
-"""Attention launches (attention.cu): flash attention over the packed Q/K/V rows."""
+"""Attention launches (attention.cu): flash attention over the packed Q/K/V rows.
+
+Two kernel families compute the same thing:
+- "flash" variants (FLASH_VARIANTS, `flash_attention_kernel<HP, MF, WARPS, BN, EXACT>`):
+  scores, probabilities and the context stay in wmma fragments in registers for the whole key
+  loop; K/V double-buffered by cp.async. They rely on the element layout of the accumulator
+  and matrix_a fragments, which the wmma API leaves unspecified, so they run only where the
+  layout probe (ext.attention_layout_mismatches, once per extension and device) finds it.
+  Each variant picks its own query and key blocks per head_pad (see kInstances in
+  attention.cu); the layer's block_n does not apply to them.
+- "legacy" (`attention_kernel<block_n>`): scores, P and O through shared memory, documented
+  API only; the fallback, with the key block block_n (tiles.py).
+
+attention(..., kernel=None) picks: legacy where the probe fails; else "flash_m64" (64 query
+rows per block) when 128-row blocks would leave multiprocessors idle, "flash" otherwise.
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 
+from layerbench.common.cuda_host import max_shared_memory_per_block, multiprocessor_count
+
 from .tiles import ATTENTION_BLOCK_M, MAX_HEAD_DIM, pad16
+
+LEGACY = "legacy"
+# The flash variants of attention.cu (kVariantNames), by index.
+FLASH_VARIANTS = ("flash", "flash_w8", "flash_m64")
+KERNELS = FLASH_VARIANTS + (LEGACY,)
+FLASH_BLOCK_M = 128  # query rows per block of "flash" and "flash_w8" ("flash_m64": 64)
+
+_layout_checked: dict[tuple[int, int], bool] = {}
 
 
 def supported_head_dim(head_dim: int) -> bool:
@@ -12,18 +39,98 @@ def supported_head_dim(head_dim: int) -> bool:
 
 
 def max_seq_len() -> int:
-    """The longest sequence the attention grid covers (query blocks in grid dimension y)."""
+    """The longest sequence every attention kernel covers (the legacy kernel's query blocks in
+    grid dimension y; the flash kernels take any int32 length)."""
     return 65535 * ATTENTION_BLOCK_M
 
 
+def legacy_block_n(head_dim: int) -> int:
+    """The legacy kernel's key block: 64, or 32 above head dim 128 (as tiles.choose_tiles)."""
+    return 64 if pad16(head_dim) <= 128 else 32
+
+
 def shared_bytes(ext, head_dim: int, block_n: int) -> int:
-    """Dynamic shared memory of one attention block."""
+    """Dynamic shared memory of one legacy attention block."""
     return ext.attention_smem_bytes(pad16(head_dim), block_n)
+
+
+def layout_mismatches(ext, device: torch.device) -> list[int]:
+    """The fragment-layout probe's 4 mismatch counts on device (runs a kernel; synchronises):
+    accumulator load, matrix_a load, matrix_a built from the layout through mma_sync,
+    accumulator built from the layout through store_matrix_sync."""
+    with torch.cuda.device(device):
+        return list(ext.attention_layout_mismatches())
+
+
+def layout_ok(ext, device: torch.device) -> bool:
+    """Whether the flash kernels' fragment layout holds on device (probed once per extension
+    and device, outside any CUDA-graph capture: the layer's first forward runs eagerly)."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (id(ext), index)
+    if key not in _layout_checked:
+        _layout_checked[key] = not any(layout_mismatches(ext, torch.device("cuda", index)))
+    return _layout_checked[key]
+
+
+def kernel_names(ext, device: torch.device) -> list[str]:
+    """The kernels attention(kernel=) runs on device: the flash variants where the layout
+    probe passes, and legacy."""
+    return list(KERNELS) if layout_ok(ext, device) else [LEGACY]
+
+
+def instance(ext, kernel: str, head_dim: int) -> tuple[str, int, int, int, int, int]:
+    """(kernel name, head_pad, block_m, block_n, threads, shared bytes) of what kernel runs
+    at head_dim."""
+    if kernel == LEGACY:
+        block_n = legacy_block_n(head_dim)
+        return (f"attention_kernel<{block_n}>", pad16(head_dim), ATTENTION_BLOCK_M, block_n, 128,
+                shared_bytes(ext, head_dim, block_n))
+    return tuple(ext.attention_instance(FLASH_VARIANTS.index(kernel), pad16(head_dim)))
+
+
+def choose_kernel(ext, device: torch.device, *, batch: int, seq_len: int, num_heads: int,
+                  head_dim: int) -> str:
+    """The kernel attention(kernel=None) runs (see the module docstring)."""
+    if not layout_ok(ext, device):
+        return LEGACY
+    blocks = batch * num_heads * math.ceil(seq_len / FLASH_BLOCK_M)
+    kernel = "flash_m64" if blocks < multiprocessor_count(device) else "flash"
+    limit = max_shared_memory_per_block(device)
+    if limit is not None and instance(ext, kernel, head_dim)[5] > limit:
+        return LEGACY
+    return kernel
+
+
+def attention_kernel_name(ext, device: torch.device, *, head_dim: int, batch: int = 1,
+                          seq_len: int = 4096, num_heads: int = 1) -> str:
+    """The CUDA kernel attention(kernel=None) launches for these sizes on device, e.g.
+    'flash_attention_kernel<64, 2, 4, 64, true>' or 'attention_kernel<64>'."""
+    kernel = choose_kernel(ext, device, batch=batch, seq_len=seq_len, num_heads=num_heads,
+                           head_dim=head_dim)
+    return instance(ext, kernel, head_dim)[0]
 
 
 def attention(ext, qkv: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
               valid: torch.Tensor | None, *, batch: int, seq_len: int, num_heads: int,
-              causal: bool, block_n: int) -> None:
+              causal: bool, block_n: int | None = None, kernel: str | None = None) -> None:
     """ctx (an fp16 (hi, lo) pair [B*S, D]) = softmax(q k^T / sqrt(hd)) v for every head, from
-    qkv [B*S, 3D] fp16; valid [B, S] uint8 masks keys (None: all valid)."""
-    ext.attention(qkv, ctx[0], ctx[1], valid, batch, seq_len, num_heads, causal, block_n)
+    qkv [B*S, 3D] fp16; valid [B, S] uint8 masks keys (None: all valid).
+
+    kernel: None (choose_kernel), a flash variant, or "legacy". block_n is the legacy kernel's
+    key block (None: legacy_block_n); the flash variants choose their own blocks."""
+    head_dim = ctx[0].shape[1] // num_heads
+    if kernel is None:
+        kernel = choose_kernel(ext, qkv.device, batch=batch, seq_len=seq_len,
+                               num_heads=num_heads, head_dim=head_dim)
+        if kernel != LEGACY and (ctx[0].data_ptr() % 4 or ctx[1].data_ptr() % 4):
+            kernel = LEGACY  # the flash kernels store two halves at a time
+    if kernel == LEGACY:
+        block_n = legacy_block_n(head_dim) if block_n is None else block_n
+        ext.attention(qkv, ctx[0], ctx[1], valid, batch, seq_len, num_heads, causal, block_n,
+                      -1)
+        return
+    if kernel not in FLASH_VARIANTS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; expected one of {KERNELS}")
+    ext.attention(qkv, ctx[0], ctx[1], valid, batch, seq_len, num_heads, causal, 0,
+                  FLASH_VARIANTS.index(kernel))

@@ -56,9 +56,9 @@ struct NormOutParams {
 // linear: out[M, N] = epilogue(a[M, K] @ w[N, K]^T + bias) on the tensor cores.
 struct LinearParams {
   const __half* a_hi;     // [M, K] fp16 high part of the activations
-  const __half* a_lo;     // [M, K] fp16 low part, or null with one product
+  const __half* a_lo;     // [M, K] fp16 low part (two or three products), else null
   const __half* w_hi;     // [N, K] fp16 high part of the weight (PyTorch's [out, in] layout)
-  const __half* w_lo;     // [N, K] fp16 low part, or null with one product
+  const __half* w_lo;     // [N, K] fp16 low part (three products), else null
   const float* bias;      // [N] fp32
   const float* residual;  // [M, N] fp32 (residual epilogues; may alias out_f32), else null
   const uint8_t* valid;   // [M] uint8 (nonzero = valid token), or null (all valid)
@@ -68,6 +68,21 @@ struct LinearParams {
   int64_t M;
   int N;
   int K;                  // a multiple of 8
+};
+
+// The norm epilogue of linear (launch_linear's norm): LayerNorm of each output row of a
+// residual epilogue (linear_stream with N at most the tile's columns: one CTA holds whole
+// rows). The row is the fp32 value the epilogue writes to out_f32 (out_f32 may then be null:
+// the rows are only normalised). A separate kernel argument: more LinearParams fields make
+// ptxas spill in the plain kernels.
+struct LinearNormParams {
+  const float* weight;    // [N] fp32
+  const float* bias;      // [N] fp32
+  void* out;              // [M, N] in out_type (fp16: the high part); may alias a_hi / a_lo
+  __half* lo;             // [M, N] fp16 low part (out_type fp16), or null
+  DType out_type;
+  int zero_invalid;       // 1: rows with valid 0 are written as 0 (the final norm)
+  float eps;
 };
 
 // attention: flash attention of every (sequence, head) from the packed Q/K/V rows.
@@ -132,18 +147,36 @@ struct FfnBlockParams {
   float eps;
 };
 
-// Tile choices the host passes down (see tiles.py): rows x columns, two operand stages in
-// flight unless named x3.
+// GEMM variants the host passes down (tiles.py GEMM_TILES describes each; linear.cu sets
+// their stages): kTiled* take any K, one output tile per CTA; kStream* (K <= 128) are
+// persistent, with a weight column slice resident in shared memory.
 enum class GemmTile : int {
-  k128x128 = 0, k64x64 = 1, k32x32 = 2, k128x128x3 = 3, k64x64x3 = 4, k32x32x3 = 5
+  kTiled128x128 = 0, kTiled128x256 = 1, kTiled128x128w4 = 2, kTiled128x128k64 = 3,
+  kTiled64x64 = 4, kTiled32x32 = 5, kStream128x128 = 6, kStream64x128 = 7, kStream64x64 = 8,
+  kStream32x128 = 9
 };
+constexpr int kGemmTiles = 10;  // number of GemmTile values
 
 LaunchResult launch_norm_split(const NormSplitParams& p, cudaStream_t stream);
 LaunchResult launch_norm_out(const NormOutParams& p, cudaStream_t stream);
 LaunchResult launch_linear(const LinearParams& p, GemmTile tile, int products,
-                           Epilogue epilogue, cudaStream_t stream);
+                           Epilogue epilogue, cudaStream_t stream,
+                           const LinearNormParams* norm = nullptr);  // norm: stream tiles
 LaunchResult launch_attention(const AttentionParams& p, int block_n, cudaStream_t stream);
 int attention_smem_bytes(int head_pad, int block_n);  // dynamic shared memory of one block
+// Register-resident flash attention (attention.cu): variants 0 .. attention_variant_count() - 1
+// by name; each runs the instance for the call's head_pad (the smallest of 32, 64, 128, 256
+// that holds it). Their fragment-layout assumption is checked on the device by the probe,
+// which writes 4 mismatch counts (all 0: the layout holds).
+struct AttentionInstanceInfo {
+  const char* name;       // kernel name, null if the variant has no instance for the head_pad
+  int head_pad, block_m, block_n, threads, smem_bytes;
+};
+int attention_variant_count();
+const char* attention_variant_name(int variant);
+AttentionInstanceInfo attention_instance(int variant, int head_pad);
+LaunchResult launch_flash_attention(const AttentionParams& p, int variant, cudaStream_t stream);
+LaunchResult launch_attention_layout_probe(int* mismatches, cudaStream_t stream);
 LaunchResult launch_norm_qkv(const NormQkvParams& p, cudaStream_t stream);
 LaunchResult launch_ffn_block(const FfnBlockParams& p, cudaStream_t stream);
 int ffn_block_smem_bytes(int d_model, int ffn_dim);      // dynamic shared memory of one block

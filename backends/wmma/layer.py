@@ -6,15 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from layerbench.common.cuda_host import (ChunkPlan, mask_bytes, multiprocessor_count,
-                                         run_in_chunks, split_fp16)
+from layerbench.common.cuda_host import (ChunkPlan, mask_bytes, max_shared_memory_per_block,
+                                         multiprocessor_count, run_in_chunks, split_fp16)
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params, param_bytes
 
 from .attention import attention
 from .block import ffn_block, norm_qkv
-from .linear import GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE, linear
+from .linear import GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE, RowNorm, linear
 from .norm import norm_out, norm_split
 from .tiles import choose_tiles
 
@@ -31,11 +31,16 @@ class Plan:
     gemm_stages: operand tiles in flight in the separate GEMMs (2 or 3).
     linear_products: fp16 products of out_proj and the FFN: 3 (fp16x3: both operands split
     into hi and lo), or 2 (activations split, weights rounded to fp16 once).
+    fuse_norms: LayerNorm in the epilogue of the separate residual GEMMs where their tile
+    holds whole rows (d_model <= 128, K <= 128; tiles.norm_gemm_tile): out_proj writes norm2's
+    (hi, lo) pair, ffn_out the next block's norm1 (hi; unless fuse_qkv) or the final norm
+    into the output. The first block's norm1 still runs as norm_split.
     """
     fuse_qkv: bool
     fuse_ffn: bool
     gemm_stages: int = 2
     linear_products: int = 3
+    fuse_norms: bool = True
 
 
 def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dtype]]:
@@ -66,7 +71,9 @@ def weight_bytes(config) -> int:
 class WmmaLayer(BuiltLayer):
     """Per block: norm1 and Q/K/V (one fp16 product; fused: norm_qkv), attention, then
     out_proj (+ residual), norm2, ffn_in (+ GELU), ffn_out (+ residual) (fused: ffn_block,
-    which also applies the final norm); the final norm into the output."""
+    which also applies the final norm); the final norm into the output. With fuse_norms,
+    norm2, the next block's norm1 and the final norm run in the residual GEMMs' epilogues
+    where their tiles hold whole rows."""
 
     def __init__(self, backend, config, state_dict, device, dtype, ext, plan: Plan):
         super().__init__(backend, config, device, dtype)
@@ -77,6 +84,7 @@ class WmmaLayer(BuiltLayer):
         self.chunks = ChunkPlan(device, lambda s: working_bytes_per_sequence(config, plan, s),
                                 weight_bytes(config), MAX_GRID_X // config.num_heads)
         self.multiprocessors = multiprocessor_count(device)
+        self.smem_limit = max_shared_memory_per_block(device)
         self.graphed = GraphedForward(self._forward)
 
     @staticmethod
@@ -114,16 +122,28 @@ class WmmaLayer(BuiltLayer):
         rows = (work["rows_hi"], work["rows_lo"])  # normed rows, then the context
         valid_rows = None if valid is None else valid.reshape(-1)
         tiles = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
-                             self.multiprocessors, plan.gemm_stages)
+                             self.multiprocessors, plan.gemm_stages,
+                             fuse_norms=plan.fuse_norms and not plan.fuse_ffn,
+                             products=plan.linear_products, smem_limit=self.smem_limit)
+        if tiles.norm_ffn_out and plan.fuse_qkv:  # ffn_out norms only the final rows
+            plain_ffn_out = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
+                                         self.multiprocessors).ffn_out
+        else:
+            plain_ffn_out = tiles.ffn_out
         final = (self.params.final_weight, self.params.final_bias)
-        last = len(self.params.layers) - 1
+        layers = self.params.layers
+        last = len(layers) - 1
         src = x2
-        for i, (p, w) in enumerate(zip(self.params.layers, self.weights)):
+        normed = False  # rows[0] holds this block's norm1 (from the last ffn_out's epilogue)
+        done = plan.fuse_ffn  # out2 written
+        for i, (p, w) in enumerate(zip(layers, self.weights)):
             copy = res if src.dtype != torch.float32 else None  # fp16/bf16 input, first block
             if plan.fuse_qkv:
                 norm_qkv(ext, src, p, w["qkv"][0], qkv, copy=copy)
             else:
-                norm_split(ext, src, p.norm1_weight, p.norm1_bias, (rows[0], None), copy=copy)
+                if not normed:
+                    norm_split(ext, src, p.norm1_weight, p.norm1_bias, (rows[0], None),
+                               copy=copy)
                 linear(ext, (rows[0], None), w["qkv"], p.qkv_bias, epilogue=HALF,
                        tile=tiles.qkv, out_pair=(qkv, None))
             src = src if copy is None else res
@@ -134,13 +154,28 @@ class WmmaLayer(BuiltLayer):
                           final if i == last else None)
             else:
                 hidden = (work["hidden_hi"], work["hidden_lo"])
+                # norm2 into the context's own buffers: each CTA holds the rows it writes.
+                norm2 = (RowNorm(p.norm2_weight, p.norm2_bias, rows[0], rows[1])
+                         if tiles.norm_out_proj else None)
                 linear(ext, rows, w["out"], p.out_bias, epilogue=RESIDUAL_UPDATE,
-                       tile=tiles.out_proj, out=res, residual=src, valid_rows=valid_rows)
-                norm_split(ext, res, p.norm2_weight, p.norm2_bias, rows)
+                       tile=tiles.out_proj, out=res, residual=src, valid_rows=valid_rows,
+                       norm=norm2)
+                if norm2 is None:
+                    norm_split(ext, res, p.norm2_weight, p.norm2_bias, rows)
                 linear(ext, rows, w["ffn_in"], p.ffn_in_bias, epilogue=GELU_PAIR,
                        tile=tiles.ffn_in, out_pair=hidden)
+                after = None  # the norm in ffn_out's epilogue
+                if tiles.norm_ffn_out and i == last:
+                    after = RowNorm(*final, out2, zero_invalid=True)
+                elif tiles.norm_ffn_out and not plan.fuse_qkv:
+                    after = RowNorm(layers[i + 1].norm1_weight, layers[i + 1].norm1_bias,
+                                    rows[0])
                 linear(ext, hidden, w["ffn_out"], p.ffn_out_bias, epilogue=RESIDUAL_SUM,
-                       tile=tiles.ffn_out, out=res, residual=res, valid_rows=valid_rows)
+                       tile=tiles.ffn_out if after is not None else plain_ffn_out,
+                       out=None if after is not None and i == last else res, residual=res,
+                       valid_rows=valid_rows, norm=after)
+                normed = after is not None and i < last
+                done = after is not None and i == last
             src = res
-        if not plan.fuse_ffn:
+        if not done:
             norm_out(ext, src, *final, out2, valid_rows)

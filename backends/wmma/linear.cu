@@ -1,11 +1,38 @@
 // The linear layers: out = epilogue(a @ w^T + bias) on the tensor cores through nvcuda::wmma.
 //
-// fp16 operands, fp32 accumulators. With three products the fp32 operands arrive split into
-// fp16 (hi, lo) parts and each tile step accumulates lo*hi + hi*lo + hi*hi (fp16x3: about
-// fp32 accuracy); with one product only the hi parts are used. Operand tiles stream through
-// two shared-memory stages filled by cp.async; the epilogue stores the accumulators to shared
-// memory and applies bias, GELU, residual and invalid-row zeroing element by element.
+// fp16 operands, fp32 accumulators. The activations and weights arrive as fp16 (hi, lo)
+// parts; per 16-deep k step and output fragment, three products accumulate lo*hi + hi*lo +
+// hi*hi (fp16x3: about fp32 accuracy), two products a_lo*w_hi + a_hi*w_hi (the weight's hi
+// part only), one product hi*hi. Two kernels:
+//
+// - linear_tiled (any K): one BM x BN output tile per CTA; operand tiles BK deep stream
+//   through STAGES shared-memory stages filled by 16-byte cp.async, one barrier per K step
+//   (wait, barrier, refill the stage read last step, compute). Each thread's copy addresses
+//   and row validity are computed once; out-of-range rows and the K tail are zero-filled.
+// - linear_stream (K <= 128): a persistent CTA keeps a BN-column slice of the weight (whole K)
+//   in shared memory and streams BM-row activation tiles through a ring of STAGES tiles, so
+//   the next tiles load while the current one is multiplied and written out.
+//
+// Epilogue (both): each warp stores one 16x16 accumulator fragment at a time to its own
+// shared scratch; each lane then owns 8 consecutive columns of one row: bias (loaded once
+// per column; the stream kernel keeps it in registers across tiles), GELU, residual and
+// invalid-row zeroing, with 16-byte loads and stores where the columns are inside N and
+// the rows 16-byte aligned (element by element otherwise). linear_stream handles a warp's
+// fragments of one row block together, so their residual loads are in flight at once.
+// Per accumulator element the arithmetic is the same as element by element: v = acc + bias,
+// then the epilogue; a variant whose shared memory exceeds the device's limit runs as the
+// Fallback variant (launch_tile).
+//
+// Norm epilogue (linear_stream, residual epilogues, N <= BN: the CTA holds whole rows): the
+// fp32 rows the residual epilogue writes are also LayerNormed (LinearNormParams, a separate
+// kernel argument). Each warp keeps its rows' values in registers; the partial row sums go
+// through the warps' scratch (one barrier for the sums, one for the squared deviations: the
+// two passes of row_stats), then y = (x - mean) * rstd * w + b is written as an fp16 (hi,
+// lo) pair, hi only, or the output type with invalid rows zeroed (norm_out). Such a variant
+// never falls back.
 #include <mma.h>
+
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -14,217 +41,915 @@ namespace {
 
 using namespace nvcuda;
 
-constexpr int kBK = 32;           // K per shared-memory stage
-constexpr int kLds = kBK + 8;     // shared row stride of an operand tile (halves)
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major>;
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major>;
+using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, int PRODUCTS, int kStages>
-struct Tile {
-  static constexpr int kThreads = WARPS_M * WARPS_N * 32;
-  static constexpr int kParts = PRODUCTS == 3 ? 2 : 1;         // hi (and lo) of each operand
-  static constexpr int kFragsM = BM / WARPS_M / 16;            // 16x16 fragments per warp
-  static constexpr int kFragsN = BN / WARPS_N / 16;
-  static constexpr int kStageHalves = kParts * (BM + BN) * kLds;
-  static constexpr int kLdc = BN + 4;                          // epilogue row stride (floats)
-  static constexpr int kOperandBytes = kStages * kStageHalves * 2;
-  static constexpr int kEpilogueBytes = BM * kLdc * 4;
-  static constexpr int kSmemBytes =
-      kOperandBytes > kEpilogueBytes ? kOperandBytes : kEpilogueBytes;
+constexpr int kScratchLd = 20;                     // floats per row of a warp's 16x16 scratch
+constexpr int kScratchBytes = 16 * kScratchLd * 4;  // 1280: a multiple of 32 (wmma alignment)
+constexpr int kStreamMaxK = 128;                   // linear_stream keeps K whole in one stage
+
+// Operand parts held in shared memory: activations hi (+ lo from two products on), weight hi
+// (+ lo with three).
+template <int PRODUCTS>
+struct Parts {
+  static_assert(PRODUCTS >= 1 && PRODUCTS <= 3, "one, two or three products");
+  static constexpr int kA = PRODUCTS >= 2 ? 2 : 1;
+  static constexpr int kW = PRODUCTS == 3 ? 2 : 1;
 };
 
-// Copy rows [row0, row0 + rows) x columns [k0, k0 + kBK) of src [limit, K] into dst
-// [rows][kLds]; out-of-range vectors are zero-filled.
-template <int ROWS, int THREADS>
-__device__ __forceinline__ void load_tile(__half* dst, const __half* src, int64_t row0,
-                                          int64_t limit, int K, int k0) {
-  constexpr int kVecs = ROWS * (kBK / 8);
+// acc[i][j] += the products of one 16-deep k step for the warp's FM x FN fragments. a points
+// at the warp's first activation row (hi part; the lo part a_part halves further), w at its
+// first weight row (lo part w_part halves further). Per accumulator the order is always
+// lo*hi, hi*lo, hi*hi (the products present); the loops put the other fragments between two
+// products into the same accumulator.
+template <int FM, int FN, int PRODUCTS>
+__device__ __forceinline__ void mma_step(FragC (&acc)[FM][FN], const __half* a, int a_part,
+                                         int lda, const __half* w, int w_part, int ldw) {
+  FragB b_hi[FN], b_lo[FN];
 #pragma unroll
-  for (int v = threadIdx.x; v < kVecs; v += THREADS) {
-    const int r = v / (kBK / 8);
-    const int c = (v % (kBK / 8)) * 8;
-    const int64_t row = row0 + r;
-    const bool ok = row < limit && k0 + c < K;
-    const __half* from = ok ? src + row * K + k0 + c : src;
-    cp_async16(dst + r * kLds + c, from, ok ? 16 : 0);
+  for (int j = 0; j < FN; ++j) {
+    wmma::load_matrix_sync(b_hi[j], w + j * 16 * ldw, ldw);
+    if constexpr (PRODUCTS == 3) wmma::load_matrix_sync(b_lo[j], w + w_part + j * 16 * ldw, ldw);
+  }
+#pragma unroll
+  for (int i = 0; i < FM; ++i) {
+    FragA a_hi, a_lo;
+    wmma::load_matrix_sync(a_hi, a + i * 16 * lda, lda);
+    if constexpr (PRODUCTS >= 2) {
+      wmma::load_matrix_sync(a_lo, a + a_part + i * 16 * lda, lda);
+#pragma unroll
+      for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], a_lo, b_hi[j], acc[i][j]);
+    }
+    if constexpr (PRODUCTS == 3) {
+#pragma unroll
+      for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], a_hi, b_lo[j], acc[i][j]);
+    }
+#pragma unroll
+    for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], a_hi, b_hi[j], acc[i][j]);
   }
 }
 
-// LinearParams; grid (M tiles, N tiles); block T::kThreads; dynamic shared T::kSmemBytes;
-// STAGES operand tiles in flight.
-template <int BM, int BN, int WARPS_M, int WARPS_N, int PRODUCTS, int EPILOGUE, int STAGES>
-__global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, 1)
-linear_kernel(LinearParams p) {
-  using T = Tile<BM, BN, WARPS_M, WARPS_N, PRODUCTS, STAGES>;
+// Whether the epilogue may use 16-byte accesses: every output row starts 16-byte aligned.
+__device__ __forceinline__ bool vector_epilogue(const LinearParams& p) {
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(p.out_hi) |
+                         reinterpret_cast<uintptr_t>(p.out_lo) |
+                         reinterpret_cast<uintptr_t>(p.out_f32) |
+                         reinterpret_cast<uintptr_t>(p.residual);
+  return p.N % 8 == 0 && (bits & 15) == 0;
+}
+
+// The bias of this lane's 8 columns [col, col + 8) (0 past N).
+__device__ __forceinline__ void load_bias(const LinearParams& p, int col, float (&bias)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) bias[e] = col + e < p.N ? p.bias[col + e] : 0.f;
+}
+
+__device__ __forceinline__ uint4 pack_halves(const __half (&h)[8]) {
+  uint4 u;
+  u.x = static_cast<unsigned>(__half_as_ushort(h[0])) |
+        static_cast<unsigned>(__half_as_ushort(h[1])) << 16;
+  u.y = static_cast<unsigned>(__half_as_ushort(h[2])) |
+        static_cast<unsigned>(__half_as_ushort(h[3])) << 16;
+  u.z = static_cast<unsigned>(__half_as_ushort(h[4])) |
+        static_cast<unsigned>(__half_as_ushort(h[5])) << 16;
+  u.w = static_cast<unsigned>(__half_as_ushort(h[6])) |
+        static_cast<unsigned>(__half_as_ushort(h[7])) << 16;
+  return u;
+}
+
+// The norm epilogue's residual step (store_row's residual epilogues, same arithmetic) for
+// this lane's part of one output row (FN groups of 8 columns, group j at col + 16 j; values v
+// = accumulator + bias): o = residual + (valid ? v : 0) (update) or valid ? residual + v : 0
+// (sum), written to out_f32 unless it is null; o is 0 past N. Every group's residual is read
+// before any is written (out may alias residual).
+template <int FN>
+__device__ __forceinline__ void residual_row(const LinearParams& p, int64_t row, int col,
+                                             const float (&v)[FN][8], bool vec, bool update,
+                                             float (&o)[FN][8]) {
+  const int64_t idx = row * p.N + col;
+  const bool valid = p.valid == nullptr || p.valid[row] != 0;
+  float res[FN][8];
+#pragma unroll
+  for (int j = 0; j < FN; ++j) {
+    const int cj = col + 16 * j;
+    const int64_t at = idx + 16 * j;
+    if (vec && cj + 8 <= p.N) {
+      const float4 r0 = *reinterpret_cast<const float4*>(p.residual + at);
+      const float4 r1 = *reinterpret_cast<const float4*>(p.residual + at + 4);
+      res[j][0] = r0.x, res[j][1] = r0.y, res[j][2] = r0.z, res[j][3] = r0.w;
+      res[j][4] = r1.x, res[j][5] = r1.y, res[j][6] = r1.z, res[j][7] = r1.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) res[j][e] = cj + e < p.N ? p.residual[at + e] : 0.f;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < FN; ++j) {
+    const int cj = col + 16 * j;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if (update) {
+        o[j][e] = res[j][e] + (valid ? v[j][e] : 0.f);
+      } else {
+        o[j][e] = valid ? res[j][e] + v[j][e] : 0.f;
+      }
+      if (cj + e >= p.N) o[j][e] = 0.f;
+    }
+    if (cj >= p.N || p.out_f32 == nullptr) continue;
+    const int64_t at = idx + 16 * j;
+    if (vec && cj + 8 <= p.N) {
+      *reinterpret_cast<float4*>(p.out_f32 + at) =
+          make_float4(o[j][0], o[j][1], o[j][2], o[j][3]);
+      *reinterpret_cast<float4*>(p.out_f32 + at + 4) =
+          make_float4(o[j][4], o[j][5], o[j][6], o[j][7]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (cj + e < p.N) p.out_f32[at + e] = o[j][e];
+    }
+  }
+}
+
+// This lane's part of one output row: FN groups of 8 columns, group j at col + 16 j, with
+// values v = accumulator + bias. 16-byte accesses where vec holds and the group is inside N;
+// element by element (guarded by N) otherwise. The residual epilogues read every group's
+// residual before writing any (out may alias residual; the groups are disjoint).
+template <int EPILOGUE, int FN>
+__device__ __forceinline__ void store_row(const LinearParams& p, int64_t row, int col,
+                                          const float (&v)[FN][8], bool vec) {
+  const int64_t idx = row * p.N + col;
+  if constexpr (EPILOGUE == static_cast<int>(Epilogue::kHalf) ||
+                EPILOGUE == static_cast<int>(Epilogue::kGeluPair)) {
+    constexpr bool kGelu = EPILOGUE == static_cast<int>(Epilogue::kGeluPair);
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+      const int cj = col + 16 * j;
+      if (cj >= p.N) break;
+      __half hi[8], lo[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if constexpr (kGelu) {
+          split_half(gelu(v[j][e]), hi[e], lo[e]);
+        } else {
+          hi[e] = __float2half_rn(v[j][e]);
+        }
+      }
+      const int64_t at = idx + 16 * j;
+      if (vec && cj + 8 <= p.N) {
+        *reinterpret_cast<uint4*>(p.out_hi + at) = pack_halves(hi);
+        if constexpr (kGelu) *reinterpret_cast<uint4*>(p.out_lo + at) = pack_halves(lo);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          if (cj + e < p.N) {
+            p.out_hi[at + e] = hi[e];
+            if constexpr (kGelu) p.out_lo[at + e] = lo[e];
+          }
+        }
+      }
+    }
+  } else {
+    const bool valid = p.valid == nullptr || p.valid[row] != 0;
+    float res[FN][8];
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+      const int cj = col + 16 * j;
+      const int64_t at = idx + 16 * j;
+      if (vec && cj + 8 <= p.N) {
+        const float4 r0 = *reinterpret_cast<const float4*>(p.residual + at);
+        const float4 r1 = *reinterpret_cast<const float4*>(p.residual + at + 4);
+        res[j][0] = r0.x, res[j][1] = r0.y, res[j][2] = r0.z, res[j][3] = r0.w;
+        res[j][4] = r1.x, res[j][5] = r1.y, res[j][6] = r1.z, res[j][7] = r1.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) res[j][e] = cj + e < p.N ? p.residual[at + e] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+      const int cj = col + 16 * j;
+      if (cj >= p.N) break;
+      const int64_t at = idx + 16 * j;
+      float o[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if constexpr (EPILOGUE == static_cast<int>(Epilogue::kResidualUpdate)) {
+          o[e] = res[j][e] + (valid ? v[j][e] : 0.f);
+        } else {
+          o[e] = valid ? res[j][e] + v[j][e] : 0.f;
+        }
+      }
+      if (vec && cj + 8 <= p.N) {
+        *reinterpret_cast<float4*>(p.out_f32 + at) = make_float4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<float4*>(p.out_f32 + at + 4) = make_float4(o[4], o[5], o[6], o[7]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (cj + e < p.N) p.out_f32[at + e] = o[e];
+      }
+    }
+  }
+}
+
+// This lane's values of FN accumulator fragments side by side, the first at output column
+// col0, read one at a time through the warp's scratch (16 x kScratchLd floats): lane l owns
+// fragment row l / 2 and in each fragment j the 8 columns col0 + 16 j + 8 (l % 2) + [0, 8),
+// v[j] = accumulator + bias[j]. Fragments that start past N give 0 (warp-uniform).
+template <int FN>
+__device__ __forceinline__ void fragment_values(const LinearParams& p, float* scratch,
+                                                const FragC (&acc)[FN], int col0,
+                                                const float (&bias)[FN][8], float (&v)[FN][8]) {
+  const int lane = threadIdx.x % 32;
+  const int r = lane / 2, c = (lane % 2) * 8;
+#pragma unroll
+  for (int j = 0; j < FN; ++j) {
+    if (col0 + 16 * j >= p.N) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[j][e] = 0.f;
+      continue;
+    }
+    wmma::store_matrix_sync(scratch, acc[j], kScratchLd, wmma::mem_row_major);
+    __syncwarp();
+    const float4 x0 = *reinterpret_cast<const float4*>(scratch + r * kScratchLd + c);
+    const float4 x1 = *reinterpret_cast<const float4*>(scratch + r * kScratchLd + c + 4);
+    __syncwarp();  // the scratch is free for the next fragment
+    v[j][0] = x0.x + bias[j][0], v[j][1] = x0.y + bias[j][1];
+    v[j][2] = x0.z + bias[j][2], v[j][3] = x0.w + bias[j][3];
+    v[j][4] = x1.x + bias[j][4], v[j][5] = x1.y + bias[j][5];
+    v[j][6] = x1.z + bias[j][6], v[j][7] = x1.w + bias[j][7];
+  }
+}
+
+// The warp writes FN accumulator fragments side by side, the first at (row0, col0) of the
+// output (fragment_values: lane l writes row row0 + l / 2). The caller skips rows of
+// fragments that start past M.
+template <int FN>
+__device__ __forceinline__ void store_fragments(const LinearParams& p, int epilogue, bool vec,
+                                                float* scratch, const FragC (&acc)[FN],
+                                                int64_t row0, int col0,
+                                                const float (&bias)[FN][8]) {
+  const int lane = threadIdx.x % 32;
+  const int r = lane / 2, c = (lane % 2) * 8;
+  float v[FN][8];
+  fragment_values<FN>(p, scratch, acc, col0, bias, v);
+  const int64_t row = row0 + r;
+  if (row >= p.M) return;
+  const int col = col0 + c;
+  switch (static_cast<Epilogue>(epilogue)) {
+    case Epilogue::kHalf:
+      store_row<static_cast<int>(Epilogue::kHalf), FN>(p, row, col, v, vec);
+      break;
+    case Epilogue::kGeluPair:
+      store_row<static_cast<int>(Epilogue::kGeluPair), FN>(p, row, col, v, vec);
+      break;
+    case Epilogue::kResidualUpdate:
+      store_row<static_cast<int>(Epilogue::kResidualUpdate), FN>(p, row, col, v, vec);
+      break;
+    case Epilogue::kResidualSum:
+      store_row<static_cast<int>(Epilogue::kResidualSum), FN>(p, row, col, v, vec);
+      break;
+  }
+}
+
+// The norm epilogue's output of this lane's 8 columns [cj, cj + 8) at element index at:
+// y in q.out_type (fp16: the hi part, and the lo part where q.lo is given). 16-byte stores
+// where vec holds (and q's outputs are 16-byte aligned) and the group is inside N; element
+// by element (guarded by N) otherwise.
+__device__ __forceinline__ void store_norm(const LinearParams& p, const LinearNormParams& q,
+                                           int64_t at, int cj, const float (&y)[8], bool vec) {
+  const bool full = vec && cj + 8 <= p.N;
+  if (q.out_type == DType::kFloat32) {
+    float* out = static_cast<float*>(q.out) + at;
+    if (full) {
+      *reinterpret_cast<float4*>(out) = make_float4(y[0], y[1], y[2], y[3]);
+      *reinterpret_cast<float4*>(out + 4) = make_float4(y[4], y[5], y[6], y[7]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (cj + e < p.N) out[e] = y[e];
+    }
+  } else if (q.out_type == DType::kBFloat16) {
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(q.out) + at;
+    __nv_bfloat16 b[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) b[e] = __float2bfloat16_rn(y[e]);
+    if (full) {
+      uint4 u;
+      u.x = static_cast<unsigned>(__bfloat16_as_ushort(b[0])) |
+            static_cast<unsigned>(__bfloat16_as_ushort(b[1])) << 16;
+      u.y = static_cast<unsigned>(__bfloat16_as_ushort(b[2])) |
+            static_cast<unsigned>(__bfloat16_as_ushort(b[3])) << 16;
+      u.z = static_cast<unsigned>(__bfloat16_as_ushort(b[4])) |
+            static_cast<unsigned>(__bfloat16_as_ushort(b[5])) << 16;
+      u.w = static_cast<unsigned>(__bfloat16_as_ushort(b[6])) |
+            static_cast<unsigned>(__bfloat16_as_ushort(b[7])) << 16;
+      *reinterpret_cast<uint4*>(out) = u;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        if (cj + e < p.N) out[e] = b[e];
+    }
+  } else {
+    __half* out = static_cast<__half*>(q.out) + at;
+    __half hi[8], lo[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) split_half(y[e], hi[e], lo[e]);
+    if (full) {
+      *reinterpret_cast<uint4*>(out) = pack_halves(hi);
+      if (q.lo) *reinterpret_cast<uint4*>(q.lo + at) = pack_halves(lo);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if (cj + e < p.N) {
+          out[e] = hi[e];
+          if (q.lo) q.lo[at + e] = lo[e];
+        }
+      }
+    }
+  }
+}
+
+// The norm epilogue of one tile (see the top): the warp's FM x FN fragments, fragment (i, j)
+// at output row row0 + 16 i and column col0 + 16 j, one fragment row i at a time (o for all
+// of them at once makes ptxas spill); every warp of the CTA calls it (two __syncthreads per
+// fragment row). The partial row sums and squared deviations go to the padding columns of
+// the warps' scratch, which store_matrix_sync never writes (row r, column 16 + slot: sums in
+// slot i, squares in slot FM + i), so the next fragment may be stored while other warps
+// still read them; peers is the scratch of the first of the WARPS_N warps that share these
+// rows (consecutive warps). Each slot is rewritten only in the next tile, after the caller's
+// barrier. update: kResidualUpdate (else kResidualSum).
+template <int FM, int FN, int WARPS_N>
+__device__ __forceinline__ void norm_epilogue(const LinearParams& p, const LinearNormParams& q,
+                                              bool update, bool vec, float* scratch,
+                                              const float* peers, const FragC (&acc)[FM][FN],
+                                              int64_t row0, int col0) {
+  static_assert(2 * FM <= kScratchLd - 16, "a padding column per partial of each row");
+  constexpr int kPeerStride = kScratchBytes / 4;  // floats from one warp's scratch to the next
+  const int lane = threadIdx.x % 32;
+  const int r = lane / 2;
+  const int col = col0 + (lane % 2) * 8;
+  const int slot = r * kScratchLd + 16;  // this lane's row's first padding column
+  const bool vec_out = vec && ((reinterpret_cast<uintptr_t>(q.out) |
+                                reinterpret_cast<uintptr_t>(q.lo)) & 15) == 0;
+#pragma unroll
+  for (int i = 0; i < FM; ++i) {
+    const int64_t row = row0 + 16 * i + r;
+    float o[FN][8];  // the fp32 row (0 past N and M)
+    {
+      float bias[FN][8];  // loaded here: registers are short across the tile loop
+#pragma unroll
+      for (int j = 0; j < FN; ++j) load_bias(p, col + 16 * j, bias[j]);
+      float v[FN][8];
+      fragment_values<FN>(p, scratch, acc[i], col0, bias, v);
+      if (row < p.M) {
+        residual_row<FN>(p, row, col, v, vec, update, o);
+      } else {
+#pragma unroll
+        for (int j = 0; j < FN; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) o[j][e] = 0.f;
+      }
+    }
+
+    // Pass 1: the row sum (the lane pair, then the warps sharing the row) -> mean.
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < FN; ++j)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum += o[j][e];
+    sum += __shfl_xor_sync(kFullMask, sum, 1);
+    if (lane % 2 == 0) scratch[slot + i] = sum;
+    __syncthreads();
+    sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < WARPS_N; ++n) sum += peers[n * kPeerStride + slot + i];
+    const float mean = sum / p.N;
+
+    // Pass 2: the squared deviations over the columns inside N -> 1 / std.
+    float sq = 0.f;
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float d = o[j][e] - mean;
+        if (col + 16 * j + e < p.N) sq += d * d;
+      }
+    }
+    sq += __shfl_xor_sync(kFullMask, sq, 1);
+    if (lane % 2 == 0) scratch[slot + FM + i] = sq;
+    __syncthreads();
+    sq = 0.f;
+#pragma unroll
+    for (int n = 0; n < WARPS_N; ++n) sq += peers[n * kPeerStride + slot + FM + i];
+    const float rstd = 1.f / sqrtf(sq / p.N + q.eps);
+
+    // y = (x - mean) * rstd * w + b, as norm_split and norm_out compute it.
+    if (row < p.M) {
+      const bool zero = q.zero_invalid && p.valid != nullptr && p.valid[row] == 0;
+#pragma unroll
+      for (int j = 0; j < FN; ++j) {
+        const int cj = col + 16 * j;
+        if (cj >= p.N) break;
+        float y[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const float w = cj + e < p.N ? q.weight[cj + e] : 0.f;
+          const float b = cj + e < p.N ? q.bias[cj + e] : 0.f;
+          y[e] = zero ? 0.f : (o[j][e] - mean) * rstd * w + b;
+        }
+        store_norm(p, q, row * p.N + cj, cj, y, vec_out);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// linear_tiled
+
+template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES, int PRODUCTS>
+struct Tiled {
+  static constexpr int kThreads = WARPS_M * WARPS_N * 32;
+  static constexpr int kFragsM = BM / WARPS_M / 16;   // 16x16 fragments per warp
+  static constexpr int kFragsN = BN / WARPS_N / 16;
+  static constexpr int kLds = BK + 8;                 // shared row stride (halves): no conflicts
+  static constexpr int kAParts = Parts<PRODUCTS>::kA;
+  static constexpr int kWParts = Parts<PRODUCTS>::kW;
+  // Stage layout: a_hi [BM][kLds], (a_lo), w_hi [BN][kLds], (w_lo).
+  static constexpr int kStageHalves = (kAParts * BM + kWParts * BN) * kLds;
+  static constexpr int kChunks = BK / 8;              // 16-byte vectors per operand row
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kAVecs = BM / kRowsPerPass;    // per thread and part
+  static constexpr int kWVecs = BN / kRowsPerPass;
+  static constexpr int kOperandBytes = STAGES * kStageHalves * 2;
+  static constexpr int kScratch = WARPS_M * WARPS_N * kScratchBytes;
+  static constexpr int kSmemBytes = kOperandBytes > kScratch ? kOperandBytes : kScratch;
+  static_assert(STAGES >= 2, "at least two stages");
+  static_assert(BK % 16 == 0 && kThreads % kChunks == 0, "copy geometry");
+  static_assert(BM % kRowsPerPass == 0 && BN % kRowsPerPass == 0, "copy geometry");
+  static_assert(kFragsM * WARPS_M * 16 == BM && kFragsN * WARPS_N * 16 == BN, "warp tiles");
+};
+
+// LinearParams; grid (M tiles, N tiles); block T::kThreads; dynamic shared T::kSmemBytes.
+template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES, int PRODUCTS, int MINB>
+__global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MINB)
+linear_tiled(LinearParams p, int epilogue) {
+  using T = Tiled<BM, BN, WARPS_M, WARPS_N, BK, STAGES, PRODUCTS>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __half* smem = reinterpret_cast<__half*>(smem_raw);
 
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
-  const int64_t n0 = static_cast<int64_t>(blockIdx.y) * BN;
+  const int n0 = blockIdx.y * BN;
   const int warp = threadIdx.x / 32;
   const int wm = warp / WARPS_N, wn = warp % WARPS_N;
 
-  // Stage layout: a_hi [BM][kLds], (a_lo), w_hi [BN][kLds], (w_lo).
-  auto a_part = [&](int stage, int part) {
-    return smem + stage * T::kStageHalves + part * BM * kLds;
-  };
-  auto w_part = [&](int stage, int part) {
-    return smem + stage * T::kStageHalves + T::kParts * BM * kLds + part * BN * kLds;
-  };
+  // This thread copies column chunk c of rows r0 + q * kRowsPerPass: row offsets (rows
+  // clamped into range, so every address is valid) and byte counts (0: zero-fill) once.
+  const int c = (threadIdx.x % T::kChunks) * 8;
+  const int r0 = threadIdx.x / T::kChunks;
+  int64_t a_row[T::kAVecs];
+  int a_bytes[T::kAVecs];
+#pragma unroll
+  for (int q = 0; q < T::kAVecs; ++q) {
+    const int64_t row = m0 + r0 + q * T::kRowsPerPass;
+    a_bytes[q] = row < p.M ? 16 : 0;
+    a_row[q] = (row < p.M ? row : p.M - 1) * p.K;
+  }
+  int w_row[T::kWVecs];
+  int w_bytes[T::kWVecs];
+#pragma unroll
+  for (int q = 0; q < T::kWVecs; ++q) {
+    const int row = n0 + r0 + q * T::kRowsPerPass;
+    w_bytes[q] = row < p.N ? 16 : 0;
+    w_row[q] = row < p.N ? row : p.N - 1;
+  }
+  const int s_off = r0 * T::kLds + c;  // this thread's first shared vector in a part
+
   auto load_stage = [&](int stage, int k0) {
-    load_tile<BM, T::kThreads>(a_part(stage, 0), p.a_hi, m0, p.M, p.K, k0);
-    load_tile<BN, T::kThreads>(w_part(stage, 0), p.w_hi, n0, p.N, p.K, k0);
-    if (PRODUCTS == 3) {
-      load_tile<BM, T::kThreads>(a_part(stage, 1), p.a_lo, m0, p.M, p.K, k0);
-      load_tile<BN, T::kThreads>(w_part(stage, 1), p.w_lo, n0, p.N, p.K, k0);
+    const int kc = k0 + c;
+    const bool k_in = kc < p.K;
+    const int kk = k_in ? kc : 0;
+    __half* st = smem + stage * T::kStageHalves + s_off;
+#pragma unroll
+    for (int q = 0; q < T::kAVecs; ++q) {
+      const int64_t off = a_row[q] + kk;
+      const int bytes = k_in ? a_bytes[q] : 0;
+      __half* dst = st + q * T::kRowsPerPass * T::kLds;
+      cp_async16(dst, p.a_hi + off, bytes);
+      if constexpr (T::kAParts == 2) cp_async16(dst + BM * T::kLds, p.a_lo + off, bytes);
     }
-    cp_async_commit();
+    st += T::kAParts * BM * T::kLds;
+#pragma unroll
+    for (int q = 0; q < T::kWVecs; ++q) {
+      const int64_t off = static_cast<int64_t>(w_row[q]) * p.K + kk;
+      const int bytes = k_in ? w_bytes[q] : 0;
+      __half* dst = st + q * T::kRowsPerPass * T::kLds;
+      cp_async16(dst, p.w_hi + off, bytes);
+      if constexpr (T::kWParts == 2) cp_async16(dst + BN * T::kLds, p.w_lo + off, bytes);
+    }
   };
 
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[T::kFragsM][T::kFragsN];
+  FragC acc[T::kFragsM][T::kFragsN];
 #pragma unroll
   for (int i = 0; i < T::kFragsM; ++i)
 #pragma unroll
     for (int j = 0; j < T::kFragsN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
 
-  // One commit group per K tile (empty past the end): after the commit of iteration kt,
-  // waiting until STAGES - 1 groups are pending means tile kt has landed.
-  const int k_tiles = (p.K + kBK - 1) / kBK;
+  // One commit group per K tile (empty past the end): at iteration kt, kt + STAGES - 1
+  // groups are committed, and waiting until STAGES - 2 are pending means tile kt landed.
+  const int k_tiles = (p.K + BK - 1) / BK;
 #pragma unroll
   for (int t = 0; t < STAGES - 1; ++t) {
-    if (t < k_tiles) {
-      load_stage(t, t * kBK);
-    } else {
-      cp_async_commit();
-    }
+    if (t < k_tiles) load_stage(t, t * BK);
+    cp_async_commit();
   }
+  int read = 0, write = STAGES - 1;
+  const int a_warp = wm * T::kFragsM * 16 * T::kLds;
+  const int w_warp = T::kAParts * BM * T::kLds + wn * T::kFragsN * 16 * T::kLds;
   for (int kt = 0; kt < k_tiles; ++kt) {
-    const int ahead = kt + STAGES - 1;   // refills the stage computed in iteration kt - 1
-    if (ahead < k_tiles) {
-      load_stage(ahead % STAGES, ahead * kBK);
-    } else {
-      cp_async_commit();
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile kt visible to all; every warp is done with the stage read last
+    if (kt + STAGES - 1 < k_tiles) load_stage(write, (kt + STAGES - 1) * BK);
+    cp_async_commit();
+    const __half* st = smem + read * T::kStageHalves;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      mma_step<T::kFragsM, T::kFragsN, PRODUCTS>(acc, st + a_warp + kk, BM * T::kLds, T::kLds,
+                                                 st + w_warp + kk, BN * T::kLds, T::kLds);
     }
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
-    const int stage = kt % STAGES;
-#pragma unroll
-    for (int kk = 0; kk < kBK; kk += 16) {
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b_hi[T::kFragsN];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b_lo[T::kFragsN];
-#pragma unroll
-      for (int j = 0; j < T::kFragsN; ++j) {
-        const int n = (wn * T::kFragsN + j) * 16;
-        wmma::load_matrix_sync(b_hi[j], w_part(stage, 0) + n * kLds + kk, kLds);
-        if (PRODUCTS == 3) wmma::load_matrix_sync(b_lo[j], w_part(stage, 1) + n * kLds + kk, kLds);
-      }
-#pragma unroll
-      for (int i = 0; i < T::kFragsM; ++i) {
-        const int m = (wm * T::kFragsM + i) * 16;
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a_hi, a_lo;
-        wmma::load_matrix_sync(a_hi, a_part(stage, 0) + m * kLds + kk, kLds);
-        if (PRODUCTS == 3) wmma::load_matrix_sync(a_lo, a_part(stage, 1) + m * kLds + kk, kLds);
-#pragma unroll
-        for (int j = 0; j < T::kFragsN; ++j) {
-          if (PRODUCTS == 3) {
-            wmma::mma_sync(acc[i][j], a_lo, b_hi[j], acc[i][j]);
-            wmma::mma_sync(acc[i][j], a_hi, b_lo[j], acc[i][j]);
-          }
-          wmma::mma_sync(acc[i][j], a_hi, b_hi[j], acc[i][j]);
-        }
-      }
-    }
-    __syncthreads();  // the stage is refilled next iteration
+    read = read == STAGES - 1 ? 0 : read + 1;
+    write = write == STAGES - 1 ? 0 : write + 1;
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the operand stages become the warps' scratch
 
-  // Epilogue: accumulators -> shared fp32 tile -> per element bias, GELU, residual, zeroing.
-  float* c_tile = reinterpret_cast<float*>(smem_raw);
+  float* scratch = reinterpret_cast<float*>(smem_raw + warp * kScratchBytes);
+  const bool vec = vector_epilogue(p);
+  // One fragment at a time (a whole fragment row would hold FN x 16 more registers).
 #pragma unroll
-  for (int i = 0; i < T::kFragsM; ++i)
+  for (int j = 0; j < T::kFragsN; ++j) {
+    const int col0 = n0 + (wn * T::kFragsN + j) * 16;
+    if (col0 >= p.N) break;
+    float bias[1][8];
+    load_bias(p, col0 + threadIdx.x % 2 * 8, bias[0]);
 #pragma unroll
-    for (int j = 0; j < T::kFragsN; ++j) {
-      const int m = (wm * T::kFragsM + i) * 16, n = (wn * T::kFragsN + j) * 16;
-      wmma::store_matrix_sync(c_tile + m * T::kLdc + n, acc[i][j], T::kLdc, wmma::mem_row_major);
-    }
-  __syncthreads();
-  for (int e = threadIdx.x; e < BM * BN; e += T::kThreads) {
-    const int r = e / BN, c = e % BN;
-    const int64_t row = m0 + r, col = n0 + c;
-    if (row >= p.M || col >= p.N) continue;
-    const float v = c_tile[r * T::kLdc + c] + p.bias[col];
-    const int64_t idx = row * p.N + col;
-    if (EPILOGUE == static_cast<int>(Epilogue::kHalf)) {
-      p.out_hi[idx] = __float2half_rn(v);
-    } else if (EPILOGUE == static_cast<int>(Epilogue::kGeluPair)) {
-      __half hi, lo;
-      split_half(gelu(v), hi, lo);
-      p.out_hi[idx] = hi;
-      p.out_lo[idx] = lo;
-    } else {
-      const bool valid = p.valid == nullptr || p.valid[row] != 0;
-      const float res = p.residual[idx];
-      if (EPILOGUE == static_cast<int>(Epilogue::kResidualUpdate)) {
-        p.out_f32[idx] = res + (valid ? v : 0.f);
-      } else {
-        p.out_f32[idx] = valid ? res + v : 0.f;
-      }
+    for (int i = 0; i < T::kFragsM; ++i) {
+      const int64_t row0 = m0 + (wm * T::kFragsM + i) * 16;
+      if (row0 >= p.M) break;
+      const FragC one[1] = {acc[i][j]};
+      store_fragments<1>(p, epilogue, vec, scratch, one, row0, col0, bias);
     }
   }
 }
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, int PRODUCTS, int EPILOGUE, int STAGES>
-LaunchResult launch(const LinearParams& p, cudaStream_t stream, const char* name) {
-  using T = Tile<BM, BN, WARPS_M, WARPS_N, PRODUCTS, STAGES>;
-  auto kernel = linear_kernel<BM, BN, WARPS_M, WARPS_N, PRODUCTS, EPILOGUE, STAGES>;
-  if (T::kSmemBytes > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, T::kSmemBytes);
-    if (err != cudaSuccess) return {err, name};
+// ---------------------------------------------------------------------------------------
+// linear_stream
+
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int PRODUCTS>
+struct Stream {
+  static constexpr int kThreads = WARPS_M * WARPS_N * 32;
+  static constexpr int kFragsM = BM / WARPS_M / 16;
+  static constexpr int kFragsN = BN / WARPS_N / 16;
+  static constexpr int kAParts = Parts<PRODUCTS>::kA;
+  static constexpr int kWParts = Parts<PRODUCTS>::kW;
+  static constexpr int kScratch = WARPS_M * WARPS_N * kScratchBytes;
+  // Per thread, the most 16-byte vectors of one activation part per tile (K = 128).
+  static constexpr int kAVecs = (BM * (kStreamMaxK / 8) + kThreads - 1) / kThreads;
+  static_assert(STAGES >= 2, "at least two stages");
+  static_assert(kFragsM * WARPS_M * 16 == BM && kFragsN * WARPS_N * 16 == BN, "warp tiles");
+
+  // Shared row stride (halves) for K: K rounded up to 16, plus 8 (no LDSM bank conflicts).
+  __host__ __device__ static int ld(int k) { return (k + 15) / 16 * 16 + 8; }
+  // Layout: warp scratch, weight slice [kWParts][BN][ld], activation ring
+  // [STAGES][kAParts][BM][ld].
+  __host__ __device__ static int smem_bytes(int k) {
+    return kScratch + 2 * ld(k) * (kWParts * BN + STAGES * kAParts * BM);
   }
-  const dim3 grid(static_cast<unsigned>((p.M + BM - 1) / BM),
-                  static_cast<unsigned>((p.N + BN - 1) / BN));
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p);
+};
+
+// LinearParams with K <= 128; grid: a multiple of the N slices (ceil(N / BN)), CTA b takes
+// slice b % slices and M tiles b / slices, + gridDim.x / slices, ...; block T::kThreads;
+// dynamic shared T::smem_bytes(K). NORM: the norm epilogue with norm (a residual epilogue,
+// N <= BN); norm is unused otherwise.
+template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int PRODUCTS, int MINB,
+          bool NORM>
+__global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MINB)
+linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
+  using T = Stream<BM, BN, WARPS_M, WARPS_N, STAGES, PRODUCTS>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const int ld = T::ld(p.K);
+  const int k_pad = ld - 8;
+  const int warp = threadIdx.x / 32;
+  const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+  float* scratch = reinterpret_cast<float*>(smem_raw + warp * kScratchBytes);
+  __half* w_s = reinterpret_cast<__half*>(smem_raw + T::kScratch);
+  __half* a_s = w_s + T::kWParts * BN * ld;
+  const int a_stage = T::kAParts * BM * ld;  // halves per ring entry
+
+  const int slices = NORM ? 1 : (p.N + BN - 1) / BN;  // NORM: N <= BN
+  const int n0 = (blockIdx.x % slices) * BN;
+  const int64_t m_tiles = (p.M + BM - 1) / BM;
+  const int64_t tile_step = gridDim.x / slices;
+  int64_t tile = blockIdx.x / slices;
+
+  // Vector v of a [rows][k_pad] tile is row v / chunks, chunk v % chunks; this thread's
+  // vectors are threadIdx.x + q * kThreads, walked incrementally.
+  const int chunks = k_pad > 0 ? k_pad / 8 : 1;  // K = 0: one zero-filled chunk per row
+  const int r_first = threadIdx.x / chunks, c_first = threadIdx.x % chunks;
+  const int r_step = T::kThreads / chunks, c_step = T::kThreads % chunks;
+
+  // The weight slice once (rows past N and columns past K zero-filled).
+  for (int v = threadIdx.x; v < BN * chunks; v += T::kThreads) {
+    const int r = v / chunks, c = (v % chunks) * 8;
+    const int row = n0 + r;
+    const bool ok = row < p.N && c < p.K;
+    const int64_t off = ok ? static_cast<int64_t>(row) * p.K + c : 0;
+    cp_async16(w_s + r * ld + c, p.w_hi + off, ok ? 16 : 0);
+    if constexpr (T::kWParts == 2) cp_async16(w_s + (BN + r) * ld + c, p.w_lo + off, ok ? 16 : 0);
+  }
+  auto load_tile = [&](int stage, int64_t t) {
+    __half* dst = a_s + stage * a_stage;
+    const int64_t m0 = t * BM;
+    int r = r_first, c = c_first;
+#pragma unroll
+    for (int q = 0; q < T::kAVecs; ++q) {
+      if (r < BM) {
+        const int64_t row = m0 + r;
+        const bool ok = row < p.M && c * 8 < p.K;
+        const int64_t off = ok ? row * p.K + c * 8 : 0;
+        cp_async16(dst + r * ld + c * 8, p.a_hi + off, ok ? 16 : 0);
+        if constexpr (T::kAParts == 2)
+          cp_async16(dst + (BM + r) * ld + c * 8, p.a_lo + off, ok ? 16 : 0);
+      }
+      r += r_step;
+      c += c_step;
+      if (c >= chunks) {
+        c -= chunks;
+        ++r;
+      }
+    }
+  };
+
+  // Commit groups: (weight + tile 0), tiles 1 .. STAGES - 2, then one per iteration (empty
+  // past the end); at iteration it, waiting until STAGES - 2 are pending means that the
+  // weight and the iteration's tile have landed.
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    const int64_t t = tile + s * tile_step;
+    if (t < m_tiles) load_tile(s, t);
+    cp_async_commit();
+  }
+
+  const bool vec = vector_epilogue(p);
+  const int col0 = n0 + wn * T::kFragsN * 16;  // the warp's first output column
+  float bias[T::kFragsN][8];  // held across tiles (the norm epilogue loads it per tile)
+  if constexpr (!NORM) {
+#pragma unroll
+    for (int j = 0; j < T::kFragsN; ++j)
+      load_bias(p, col0 + 16 * j + threadIdx.x % 2 * 8, bias[j]);
+  }
+
+  const __half* w_warp = w_s + wn * T::kFragsN * 16 * ld;
+  const int a_warp = wm * T::kFragsM * 16 * ld;
+  int read = 0, write = STAGES - 1;
+  for (; tile < m_tiles; tile += tile_step) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // the tile is visible; every warp is done with the entry read last
+    const int64_t ahead = tile + (STAGES - 1) * tile_step;
+    if (ahead < m_tiles) load_tile(write, ahead);
+    cp_async_commit();
+
+    FragC acc[T::kFragsM][T::kFragsN];
+#pragma unroll
+    for (int i = 0; i < T::kFragsM; ++i)
+#pragma unroll
+      for (int j = 0; j < T::kFragsN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+    const __half* a_tile = a_s + read * a_stage + a_warp;
+    for (int kk = 0; kk < k_pad; kk += 16) {
+      mma_step<T::kFragsM, T::kFragsN, PRODUCTS>(acc, a_tile + kk, BM * ld, ld, w_warp + kk,
+                                                 BN * ld, ld);
+    }
+
+    const int64_t m0 = tile * BM;
+    if constexpr (NORM) {  // every warp: the epilogue has barriers
+      norm_epilogue<T::kFragsM, T::kFragsN, WARPS_N>(
+          p, norm, epilogue == static_cast<int>(Epilogue::kResidualUpdate), vec, scratch,
+          reinterpret_cast<const float*>(smem_raw + wm * WARPS_N * kScratchBytes), acc,
+          m0 + wm * T::kFragsM * 16, col0);
+    } else {
+#pragma unroll
+      for (int i = 0; i < T::kFragsM; ++i) {
+        const int64_t row0 = m0 + (wm * T::kFragsM + i) * 16;
+        if (row0 >= p.M || col0 >= p.N) break;
+        store_fragments<T::kFragsN>(p, epilogue, vec, scratch, acc[i], row0, col0, bias);
+      }
+    }
+    read = read == STAGES - 1 ? 0 : read + 1;
+    write = write == STAGES - 1 ? 0 : write + 1;
+  }
+  cp_async_wait<0>();
+}
+
+// ---------------------------------------------------------------------------------------
+// Variants (GemmTile; tiles.py GEMM_TILES describes the same list): shape, warps, and per
+// product count (1, 2, 3) the stages and the CTAs per SM asked of __launch_bounds__.
+
+template <int BM_, int BN_, int WM_, int WN_, int BK_, int S1, int S2, int S3, int B1, int B2,
+          int B3>
+struct TiledVariant {
+  static constexpr int BM = BM_, BN = BN_, WM = WM_, WN = WN_, BK = BK_;
+  static constexpr int stages(int products) { return products == 1 ? S1 : products == 2 ? S2 : S3; }
+  static constexpr int blocks(int products) { return products == 1 ? B1 : products == 2 ? B2 : B3; }
+};
+
+template <int BM_, int BN_, int WM_, int WN_, int S1, int S2, int S3, int B1, int B2, int B3>
+struct StreamVariant {
+  static constexpr int BM = BM_, BN = BN_, WM = WM_, WN = WN_;
+  static constexpr int stages(int products) { return products == 1 ? S1 : products == 2 ? S2 : S3; }
+  static constexpr int blocks(int products) { return products == 1 ? B1 : products == 2 ? B2 : B3; }
+};
+
+//                         BM   BN  warps  BK  stages p1/p2/p3  CTAs/SM p1/p2/p3
+using T128x128 = TiledVariant<128, 128, 4, 2, 32, 4, 4, 4, 2, 1, 1>;
+using T128x256 = TiledVariant<128, 256, 2, 4, 32, 4, 4, 3, 1, 1, 1>;
+using T128x128w4 = TiledVariant<128, 128, 2, 2, 32, 4, 3, 2, 2, 2, 2>;
+using T128x128k64 = TiledVariant<128, 128, 4, 2, 64, 4, 3, 3, 1, 1, 1>;
+using T64x64 = TiledVariant<64, 64, 2, 2, 32, 3, 3, 3, 2, 2, 2>;
+using T32x32 = TiledVariant<32, 32, 2, 2, 64, 2, 2, 2, 2, 2, 2>;
+//                          BM   BN  warps  stages p1/p2/p3  CTAs/SM p1/p2/p3
+using S128x128 = StreamVariant<128, 128, 4, 4, 3, 2, 2, 1, 1, 1>;
+using S64x128 = StreamVariant<64, 128, 2, 4, 3, 2, 2, 2, 2, 1>;
+using S64x64 = StreamVariant<64, 64, 2, 2, 2, 2, 2, 2, 2, 2>;
+using S32x128 = StreamVariant<32, 128, 1, 4, 3, 2, 2, 2, 2, 2>;
+
+// A variant whose shared memory exceeds the device's limit per block (e.g. 128x256 on an
+// A100, 163 KB; the 3-product stream variants below sm_90) runs as this one (80-90 KB); not
+// with the norm epilogue, which launch_stream then refuses (tiles.norm_gemm_tile picks a
+// variant within the limit).
+using Fallback = T128x128w4;
+constexpr const char* kFallbackName = "linear_tiled<128x128, 4 warps, bk32> (fallback)";
+
+struct DeviceInfo {
+  int sms;         // multiprocessors
+  int smem_limit;  // opt-in shared memory per block (bytes)
+};
+
+// The current device's DeviceInfo, cached for the device of the last call.
+cudaError_t device_info(DeviceInfo& info) {
+  static int cached_device = -1;
+  static DeviceInfo cached{0, 0};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device != cached_device) {
+    DeviceInfo fresh{0, 0};
+    err = cudaDeviceGetAttribute(&fresh.sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) {
+      err = cudaDeviceGetAttribute(&fresh.smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                   device);
+    }
+    if (err != cudaSuccess) return err;
+    cached = fresh;
+    cached_device = device;
+  }
+  info = cached;
+  return cudaSuccess;
+}
+
+cudaError_t allow_smem(const void* kernel, int bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+template <class V, int PRODUCTS>
+LaunchResult launch_tiled(const LinearParams& p, Epilogue epilogue, cudaStream_t stream,
+                          const DeviceInfo& dev, const char* name) {
+  constexpr int S = V::stages(PRODUCTS);
+  using T = Tiled<V::BM, V::BN, V::WM, V::WN, V::BK, S, PRODUCTS>;
+  if constexpr (!std::is_same_v<V, Fallback>) {
+    if (T::kSmemBytes > dev.smem_limit)
+      return launch_tiled<Fallback, PRODUCTS>(p, epilogue, stream, dev, kFallbackName);
+  }
+  auto kernel = linear_tiled<V::BM, V::BN, V::WM, V::WN, V::BK, S, PRODUCTS, V::blocks(PRODUCTS)>;
+  const cudaError_t err = allow_smem(reinterpret_cast<const void*>(kernel), T::kSmemBytes);
+  if (err != cudaSuccess) return {err, name};
+  const dim3 grid(static_cast<unsigned>((p.M + V::BM - 1) / V::BM),
+                  static_cast<unsigned>((p.N + V::BN - 1) / V::BN));
+  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p, static_cast<int>(epilogue));
   return {cudaGetLastError(), name};
 }
 
-template <int PRODUCTS, int EPILOGUE>
-LaunchResult launch_tile(const LinearParams& p, GemmTile tile, cudaStream_t stream) {
-  switch (tile) {
-    case GemmTile::k128x128:
-      return launch<128, 128, 4, 2, PRODUCTS, EPILOGUE, 2>(p, stream, "linear_kernel<128x128>");
-    case GemmTile::k64x64:
-      return launch<64, 64, 2, 2, PRODUCTS, EPILOGUE, 2>(p, stream, "linear_kernel<64x64>");
-    case GemmTile::k32x32:
-      return launch<32, 32, 2, 2, PRODUCTS, EPILOGUE, 2>(p, stream, "linear_kernel<32x32>");
-    case GemmTile::k128x128x3:
-      return launch<128, 128, 4, 2, PRODUCTS, EPILOGUE, 3>(p, stream,
-                                                            "linear_kernel<128x128, 3 stages>");
-    case GemmTile::k64x64x3:
-      return launch<64, 64, 2, 2, PRODUCTS, EPILOGUE, 3>(p, stream,
-                                                          "linear_kernel<64x64, 3 stages>");
-    case GemmTile::k32x32x3:
-      return launch<32, 32, 2, 2, PRODUCTS, EPILOGUE, 3>(p, stream,
-                                                          "linear_kernel<32x32, 3 stages>");
+template <class V, int PRODUCTS, bool NORM>
+LaunchResult launch_stream_kernel(const LinearParams& p, const LinearNormParams& norm,
+                                  Epilogue epilogue, cudaStream_t stream,
+                                  const DeviceInfo& dev, const char* name) {
+  constexpr int S = V::stages(PRODUCTS);
+  using T = Stream<V::BM, V::BN, V::WM, V::WN, S, PRODUCTS>;
+  auto kernel =
+      linear_stream<V::BM, V::BN, V::WM, V::WN, S, PRODUCTS, V::blocks(PRODUCTS), NORM>;
+  if (p.K > kStreamMaxK) return {cudaErrorInvalidValue, name};  // K above 128: linear_tiled
+  const int bytes = T::smem_bytes(p.K);
+  if (bytes > dev.smem_limit) {
+    if constexpr (NORM) {
+      return {cudaErrorInvalidValue, "linear_stream (norm epilogue: shared memory too large)"};
+    } else {
+      return launch_tiled<Fallback, PRODUCTS>(p, epilogue, stream, dev, kFallbackName);
+    }
   }
-  return {cudaErrorInvalidValue, "linear_kernel (unknown tile)"};
+  cudaError_t err = allow_smem(reinterpret_cast<const void*>(kernel), bytes);
+  if (err != cudaSuccess) return {err, name};
+  // Resident CTAs per SM at this K, cached per kernel for the last (SM count, bytes): the
+  // grid size only shapes the schedule, never the result.
+  static int cached_sms = -1, cached_bytes = -1, cached_per_sm = 1;
+  if (dev.sms != cached_sms || bytes != cached_bytes) {
+    int per_sm = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, T::kThreads, bytes);
+    if (err != cudaSuccess) return {err, name};
+    cached_per_sm = per_sm > 0 ? per_sm : 1;
+    cached_sms = dev.sms;
+    cached_bytes = bytes;
+  }
+  const int64_t slices = (p.N + V::BN - 1) / V::BN;
+  const int64_t work = (p.M + V::BM - 1) / V::BM * slices;
+  int64_t ctas = static_cast<int64_t>(dev.sms) * cached_per_sm / slices * slices;
+  if (ctas < slices) ctas = slices;
+  if (ctas > work) ctas = work;
+  kernel<<<static_cast<unsigned>(ctas), T::kThreads, bytes, stream>>>(
+      p, static_cast<int>(epilogue), norm);
+  return {cudaGetLastError(), name};
+}
+
+// The stream variant V; with a norm its norm epilogue, which needs a residual epilogue, two
+// or three products and whole rows in one CTA (N <= V::BN).
+template <class V, int PRODUCTS>
+LaunchResult launch_stream(const LinearParams& p, Epilogue epilogue, cudaStream_t stream,
+                           const DeviceInfo& dev, const char* name,
+                           const LinearNormParams* norm) {
+  if (norm == nullptr)
+    return launch_stream_kernel<V, PRODUCTS, false>(p, LinearNormParams{}, epilogue, stream,
+                                                    dev, name);
+  if (epilogue != Epilogue::kResidualUpdate && epilogue != Epilogue::kResidualSum)
+    return {cudaErrorInvalidValue, "linear_stream (norm epilogue needs a residual epilogue)"};
+  if (p.N > V::BN)
+    return {cudaErrorInvalidValue, "linear_stream (norm epilogue needs N <= the tile's columns)"};
+  if constexpr (PRODUCTS == 1) {
+    return {cudaErrorInvalidValue, "linear_stream (norm epilogue needs two or three products)"};
+  } else {
+    return launch_stream_kernel<V, PRODUCTS, true>(p, *norm, epilogue, stream, dev, name);
+  }
+}
+
+template <int PRODUCTS>
+LaunchResult launch_tile(const LinearParams& p, GemmTile tile, Epilogue e, cudaStream_t s,
+                         const LinearNormParams* norm) {
+  if (norm != nullptr && tile != GemmTile::kStream128x128 && tile != GemmTile::kStream64x128 &&
+      tile != GemmTile::kStream64x64 && tile != GemmTile::kStream32x128)
+    return {cudaErrorInvalidValue, "linear (the norm epilogue needs a stream tile)"};
+  DeviceInfo dev;
+  const cudaError_t err = device_info(dev);
+  if (err != cudaSuccess) return {err, "linear (device query)"};
+  switch (tile) {
+    case GemmTile::kTiled128x128:
+      return launch_tiled<T128x128, PRODUCTS>(p, e, s, dev, "linear_tiled<128x128, 8 warps, bk32>");
+    case GemmTile::kTiled128x256:
+      return launch_tiled<T128x256, PRODUCTS>(p, e, s, dev, "linear_tiled<128x256, 8 warps, bk32>");
+    case GemmTile::kTiled128x128w4:
+      return launch_tiled<T128x128w4, PRODUCTS>(p, e, s, dev,
+                                            "linear_tiled<128x128, 4 warps, bk32>");
+    case GemmTile::kTiled128x128k64:
+      return launch_tiled<T128x128k64, PRODUCTS>(p, e, s, dev,
+                                            "linear_tiled<128x128, 8 warps, bk64>");
+    case GemmTile::kTiled64x64:
+      return launch_tiled<T64x64, PRODUCTS>(p, e, s, dev, "linear_tiled<64x64, 4 warps, bk32>");
+    case GemmTile::kTiled32x32:
+      return launch_tiled<T32x32, PRODUCTS>(p, e, s, dev, "linear_tiled<32x32, 4 warps, bk64>");
+    case GemmTile::kStream128x128:
+      return launch_stream<S128x128, PRODUCTS>(p, e, s, dev, "linear_stream<128x128, 16 warps>",
+                                               norm);
+    case GemmTile::kStream64x128:
+      return launch_stream<S64x128, PRODUCTS>(p, e, s, dev, "linear_stream<64x128, 8 warps>", norm);
+    case GemmTile::kStream64x64:
+      return launch_stream<S64x64, PRODUCTS>(p, e, s, dev, "linear_stream<64x64, 4 warps>", norm);
+    case GemmTile::kStream32x128:
+      return launch_stream<S32x128, PRODUCTS>(p, e, s, dev, "linear_stream<32x128, 4 warps>", norm);
+  }
+  return {cudaErrorInvalidValue, "linear (unknown tile)"};
 }
 
 }  // namespace
 
 LaunchResult launch_linear(const LinearParams& p, GemmTile tile, int products,
-                           Epilogue epilogue, cudaStream_t stream) {
-  constexpr int kHalf = static_cast<int>(Epilogue::kHalf);
-  constexpr int kGelu = static_cast<int>(Epilogue::kGeluPair);
-  constexpr int kUpdate = static_cast<int>(Epilogue::kResidualUpdate);
-  constexpr int kSum = static_cast<int>(Epilogue::kResidualSum);
-  if (products == 1 && epilogue == Epilogue::kHalf) return launch_tile<1, kHalf>(p, tile, stream);
-  if (products == 3) {
-    switch (epilogue) {
-      case Epilogue::kHalf: break;  // Q/K/V: one product
-      case Epilogue::kGeluPair: return launch_tile<3, kGelu>(p, tile, stream);
-      case Epilogue::kResidualUpdate: return launch_tile<3, kUpdate>(p, tile, stream);
-      case Epilogue::kResidualSum: return launch_tile<3, kSum>(p, tile, stream);
-    }
+                           Epilogue epilogue, cudaStream_t stream,
+                           const LinearNormParams* norm) {
+  if (static_cast<int>(epilogue) < 0 || static_cast<int>(epilogue) > 3)
+    return {cudaErrorInvalidValue, "linear (unknown epilogue)"};
+  if (p.M <= 0 || p.N <= 0) return {cudaSuccess, "linear (empty output)"};
+  switch (products) {
+    case 1: return launch_tile<1>(p, tile, epilogue, stream, norm);
+    case 2: return launch_tile<2>(p, tile, epilogue, stream, norm);
+    case 3: return launch_tile<3>(p, tile, epilogue, stream, norm);
   }
-  return {cudaErrorInvalidValue, "linear_kernel (unsupported products/epilogue)"};
+  return {cudaErrorInvalidValue, "linear (products must be 1, 2 or 3)"};
 }
 
 }  // namespace lbw

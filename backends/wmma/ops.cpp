@@ -93,14 +93,20 @@ void norm_out(const Tensor& x, const Tensor& weight, const Tensor& bias, const T
   check_launch(lbw::launch_norm_out(p, current_stream()));
 }
 
-// out = epilogue(a @ w^T + bias); products 3 uses the lo parts (fp16x3), 1 only the hi parts.
+// out = epilogue(a @ w^T + bias): three products with both lo parts (fp16x3), two with a_lo
+// only (a_lo*w_hi + a_hi*w_hi), one with the hi parts only. With norm_w (residual epilogues,
+// stream tiles whose columns hold N): norm_out (and norm_lo) = LayerNorm of each written row
+// (fp16 norm_out: its hi part, norm_lo the lo part; else norm_out's dtype), rows with valid 0
+// written as 0 if norm_zero_invalid; out_f32 may then be None.
 void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
             const OptTensor& w_lo, const Tensor& bias, int64_t epilogue,
             const OptTensor& residual, const OptTensor& valid, const OptTensor& out_f32,
-            const OptTensor& out_hi, const OptTensor& out_lo, int64_t tile) {
+            const OptTensor& out_hi, const OptTensor& out_lo, int64_t tile,
+            const OptTensor& norm_w, const OptTensor& norm_b, const OptTensor& norm_out,
+            const OptTensor& norm_lo, bool norm_zero_invalid, double eps) {
   const int64_t m = a_hi.size(0), k = a_hi.size(1), n = w_hi.size(0);
-  const int products = a_lo.has_value() ? 3 : 1;
-  TORCH_CHECK(a_lo.has_value() == w_lo.has_value(), "a_lo and w_lo come together");
+  const int products = a_lo.has_value() ? (w_lo.has_value() ? 3 : 2) : 1;
+  TORCH_CHECK(a_lo.has_value() || !w_lo.has_value(), "w_lo needs a_lo (three products)");
   TORCH_CHECK(k % 8 == 0, "the inner dimension must be a multiple of 8, got ", k);
   check_rows(a_hi, m, k, at::kHalf, "a_hi");
   check_rows(w_hi, n, k, at::kHalf, "w_hi");
@@ -119,10 +125,16 @@ void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
   const bool residual_epilogue =
       kind == lbw::Epilogue::kResidualUpdate || kind == lbw::Epilogue::kResidualSum;
   TORCH_CHECK(epilogue >= 0 && epilogue <= 3, "unknown epilogue ", epilogue);
+  const bool norm = norm_w.has_value();
+  TORCH_CHECK(norm == norm_b.has_value() && norm == norm_out.has_value() &&
+                  (norm || !norm_lo.has_value()),
+              "norm_w, norm_b and norm_out come together (norm_lo only with them)");
+  TORCH_CHECK(!norm || residual_epilogue, "the norm epilogue needs a residual epilogue");
   if (residual_epilogue) {
-    TORCH_CHECK(residual && out_f32, "residual epilogues need residual and out_f32");
+    TORCH_CHECK(residual && (out_f32 || norm),
+                "residual epilogues need residual and out_f32 (or a norm)");
     check_rows(*residual, m, n, at::kFloat, "residual");
-    check_rows(*out_f32, m, n, at::kFloat, "out_f32");
+    if (out_f32) check_rows(*out_f32, m, n, at::kFloat, "out_f32");
   } else {
     TORCH_CHECK(out_hi, "this epilogue needs out_hi");
     check_rows(*out_hi, m, n, at::kHalf, "out_hi");
@@ -132,7 +144,17 @@ void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
     check_rows(*out_lo, m, n, at::kHalf, "out_lo");
   }
   if (valid) check_rows(valid->view({m, 1}), m, 1, at::kByte, "valid");
-  TORCH_CHECK(tile >= 0 && tile <= 5, "unknown tile ", tile);
+  if (norm) {
+    check_rows(norm_w->view({1, n}), 1, n, at::kFloat, "norm_w");
+    check_rows(norm_b->view({1, n}), 1, n, at::kFloat, "norm_b");
+    check_rows(*norm_out, m, n, norm_out->scalar_type(), "norm_out");
+    (void)dtype_of(*norm_out);  // fp32, fp16 or bf16
+    if (norm_lo) {
+      TORCH_CHECK(norm_out->scalar_type() == at::kHalf, "norm_lo needs an fp16 norm_out");
+      check_rows(*norm_lo, m, n, at::kHalf, "norm_lo");
+    }
+  }
+  TORCH_CHECK(tile >= 0 && tile < lbw::kGemmTiles, "unknown tile ", tile);
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(a_hi.device());
   lbw::LinearParams p{reinterpret_cast<const __half*>(a_hi.data_ptr()), ptr<const __half>(a_lo),
@@ -140,23 +162,36 @@ void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
                       bias.data_ptr<float>(), ptr<const float>(residual), ptr<uint8_t>(valid),
                       ptr<float>(out_f32), ptr<__half>(out_hi), ptr<__half>(out_lo), m,
                       static_cast<int>(n), static_cast<int>(k)};
+  lbw::LinearNormParams q{};
+  if (norm) {
+    q = lbw::LinearNormParams{norm_w->data_ptr<float>(), norm_b->data_ptr<float>(),
+                              norm_out->data_ptr(), ptr<__half>(norm_lo), dtype_of(*norm_out),
+                              norm_zero_invalid ? 1 : 0, static_cast<float>(eps)};
+  }
   check_launch(lbw::launch_linear(p, static_cast<lbw::GemmTile>(tile), products, kind,
-                                  current_stream()));
+                                  current_stream(), norm ? &q : nullptr));
 }
 
 // (ctx_hi, ctx_lo) = fp16 parts of softmax(q k^T / sqrt(head_dim)) v for every head.
 void attention(const Tensor& qkv, const Tensor& ctx_hi, const Tensor& ctx_lo,
                const OptTensor& valid, int64_t batch, int64_t seq_len, int64_t heads,
-               bool causal, int64_t block_n) {
+               bool causal, int64_t block_n, int64_t variant) {
   const int64_t rows = batch * seq_len, d_model = ctx_hi.size(1);
   const int64_t head_dim = d_model / heads;
   TORCH_CHECK(d_model % heads == 0 && head_dim % 8 == 0 && head_dim <= 256,
               "head dims must be a multiple of 8 up to 256, got ", head_dim);
-  TORCH_CHECK((seq_len + 63) / 64 <= 65535, "seq_len ", seq_len, " is too long");
+  TORCH_CHECK(variant >= 0 || (seq_len + 63) / 64 <= 65535, "seq_len ", seq_len,
+              " is too long");
+  TORCH_CHECK(variant < lbw::attention_variant_count(), "unknown attention variant ", variant);
   check_rows(qkv, rows, 3 * d_model, at::kHalf, "qkv");
   check_aligned(qkv, "qkv");
   check_rows(ctx_hi, rows, d_model, at::kHalf, "ctx_hi");
   check_rows(ctx_lo, rows, d_model, at::kHalf, "ctx_lo");
+  if (variant >= 0) {  // the flash kernels store two halves at a time
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(ctx_hi.data_ptr()) % 4 == 0 &&
+                    reinterpret_cast<uintptr_t>(ctx_lo.data_ptr()) % 4 == 0,
+                "ctx_hi and ctx_lo must be 4-byte aligned");
+  }
   if (valid) check_rows(valid->view({rows, 1}), rows, 1, at::kByte, "valid");
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(qkv.device());
@@ -168,8 +203,38 @@ void attention(const Tensor& qkv, const Tensor& ctx_hi, const Tensor& ctx_lo,
                          static_cast<int>(heads), static_cast<int>(head_dim), head_pad,
                          causal ? 1 : 0,
                          static_cast<float>(1.4426950408889634 / std::sqrt(double(head_dim)))};
-  check_launch(lbw::launch_attention(p, static_cast<int>(block_n),
-                                     current_stream()));
+  check_launch(variant >= 0
+                   ? lbw::launch_flash_attention(p, static_cast<int>(variant), current_stream())
+                   : lbw::launch_attention(p, static_cast<int>(block_n), current_stream()));
+}
+
+// The flash variants' names, in index order.
+std::vector<std::string> attention_variants() {
+  std::vector<std::string> names;
+  for (int i = 0; i < lbw::attention_variant_count(); ++i) {
+    names.emplace_back(lbw::attention_variant_name(i));
+  }
+  return names;
+}
+
+// (kernel name, head_pad, block_m, block_n, threads, shared bytes) of the instance a variant
+// runs for head_pad; the name is empty if there is none.
+std::tuple<std::string, int, int, int, int, int> attention_instance(int64_t variant,
+                                                                     int64_t head_pad) {
+  const lbw::AttentionInstanceInfo i =
+      lbw::attention_instance(static_cast<int>(variant), static_cast<int>(head_pad));
+  return {i.name ? i.name : "", i.head_pad, i.block_m, i.block_n, i.threads, i.smem_bytes};
+}
+
+// Mismatch counts of the fragment-layout probe on the current device (all 0: the flash
+// kernels' layout assumption holds there); synchronises.
+std::vector<int64_t> attention_layout_mismatches() {
+  const Tensor out = torch::full({4}, -1, torch::dtype(torch::kInt32).device(torch::kCUDA));
+  const c10::cuda::CUDAGuard guard(out.device());
+  check_launch(lbw::launch_attention_layout_probe(out.data_ptr<int>(), current_stream()));
+  const Tensor host = out.cpu();
+  return {host[0].item<int64_t>(), host[1].item<int64_t>(), host[2].item<int64_t>(),
+          host[3].item<int64_t>()};
 }
 
 // out = LayerNorm(x) @ w^T + bias (fp16, one product); copy = fp32 x when given.
@@ -248,10 +313,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "layerbench wmma kernels";
   m.def("norm_split", &norm_split, "LayerNorm rows into an fp16 (hi, lo) pair");
   m.def("norm_out", &norm_out, "final LayerNorm into the output dtype, invalid rows zero");
-  m.def("linear", &linear, "a @ w^T + bias with an epilogue, on wmma tensor cores");
+  m.def("linear", &linear, "a @ w^T + bias with an epilogue (and a row LayerNorm), on wmma",
+        py::arg("a_hi"), py::arg("a_lo"), py::arg("w_hi"), py::arg("w_lo"), py::arg("bias"),
+        py::arg("epilogue"), py::arg("residual"), py::arg("valid"), py::arg("out_f32"),
+        py::arg("out_hi"), py::arg("out_lo"), py::arg("tile"), py::arg("norm_w") = py::none(),
+        py::arg("norm_b") = py::none(), py::arg("norm_out") = py::none(),
+        py::arg("norm_lo") = py::none(), py::arg("norm_zero_invalid") = false,
+        py::arg("eps") = 1e-5);
   m.def("attention", &attention, "causal or full flash attention, context as an fp16 pair");
   m.def("attention_smem_bytes", &lbw::attention_smem_bytes,
         "dynamic shared memory of one attention block");
+  m.def("attention_variants", &attention_variants, "names of the flash attention variants");
+  m.def("attention_instance", &attention_instance,
+        "(kernel, head_pad, block_m, block_n, threads, shared bytes) of a variant's instance");
+  m.def("attention_layout_mismatches", &attention_layout_mismatches,
+        "mismatch counts of the wmma fragment-layout probe on the current device");
   m.def("norm_qkv", &norm_qkv, "norm1 fused into the Q/K/V GEMM (d_model up to 256)");
   m.def("ffn_block", &ffn_block,
         "out_proj, residual, norm2, FFN, residual (and the final norm) for whole rows");

@@ -3,20 +3,62 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-# Index = the GemmTile value in common.cuh: (rows, columns, operand stages) of one linear block.
-GEMM_TILES = ((128, 128, 2), (64, 64, 2), (32, 32, 2), (128, 128, 3), (64, 64, 3),
-              (32, 32, 3))
+
+class GemmVariant(NamedTuple):
+    """One GEMM kernel variant of linear.cu (a GemmTile value of common.cuh).
+
+    kind "tiled": one rows x cols output tile per CTA, operand tiles bk deep through the
+    stages; any K. kind "stream" (K <= 128): a persistent CTA keeps a cols-wide weight slice
+    (whole K) in shared memory and streams rows-high activation tiles through the stages.
+    stages and ctas_per_sm (what __launch_bounds__ asks; shared memory may allow fewer) are
+    given for one, two and three products.
+    """
+    name: str
+    kind: str
+    rows: int
+    cols: int
+    warps: int
+    warp_tile: tuple[int, int]
+    bk: int | None
+    stages: tuple[int, int, int]
+    ctas_per_sm: tuple[int, int, int]
+
+
+# Index = the GemmTile value in common.cuh (the variants' template arguments in linear.cu).
+GEMM_TILES = (
+    GemmVariant("tiled 128x128 bk32 8w", "tiled", 128, 128, 8, (32, 64), 32, (4, 4, 4), (2, 1, 1)),
+    GemmVariant("tiled 128x256 bk32 8w", "tiled", 128, 256, 8, (64, 64), 32, (4, 4, 3), (1, 1, 1)),
+    GemmVariant("tiled 128x128 bk32 4w", "tiled", 128, 128, 4, (64, 64), 32, (4, 3, 2), (2, 2, 2)),
+    GemmVariant("tiled 128x128 bk64 8w", "tiled", 128, 128, 8, (32, 64), 64, (4, 3, 3), (1, 1, 1)),
+    GemmVariant("tiled 64x64 bk32 4w", "tiled", 64, 64, 4, (32, 32), 32, (3, 3, 3), (2, 2, 2)),
+    GemmVariant("tiled 32x32 bk64 4w", "tiled", 32, 32, 4, (16, 16), 64, (2, 2, 2), (2, 2, 2)),
+    GemmVariant("stream 128x128 16w", "stream", 128, 128, 16, (32, 32), None, (3, 2, 2),
+                (1, 1, 1)),
+    GemmVariant("stream 64x128 8w", "stream", 64, 128, 8, (32, 32), None, (3, 2, 2), (2, 2, 1)),
+    GemmVariant("stream 64x64 4w", "stream", 64, 64, 4, (32, 32), None, (2, 2, 2), (2, 2, 2)),
+    GemmVariant("stream 32x128 4w", "stream", 32, 128, 4, (32, 32), None, (3, 2, 2), (2, 2, 2)),
+)
+TILED_128x128, TILED_128x256, TILED_128x128_W4, TILED_128x128_BK64 = 0, 1, 2, 3
+TILED_64x64, TILED_32x32, STREAM_128x128, STREAM_64x128, STREAM_64x64 = 4, 5, 6, 7, 8
+STREAM_32x128 = 9
+STREAM_MAX_K = 128  # the stream variants keep K whole in one shared-memory stage
+SCRATCH_BYTES = 16 * 20 * 4  # one warp's epilogue scratch (kScratchBytes in linear.cu)
+
 ATTENTION_BLOCK_M = 64  # query rows per attention block (kBlockM in attention.cu)
 MAX_HEAD_DIM = 256
 
 
 class Tiles(NamedTuple):
-    """The GemmTile index of each linear and the attention key block."""
+    """The GemmTile index of each linear and the attention key block; norm_out_proj and
+    norm_ffn_out: whether that linear's tile holds whole rows and runs the norm epilogue
+    (out_proj: norm2; ffn_out: the next block's norm1 or the final norm)."""
     qkv: int
     out_proj: int
     ffn_in: int
     ffn_out: int
     attention_block_n: int
+    norm_out_proj: bool = False
+    norm_ffn_out: bool = False
 
 
 def pad16(n: int) -> int:
@@ -24,21 +66,92 @@ def pad16(n: int) -> int:
     return -(-n // 16) * 16
 
 
+def gemm_tile(rows: int, n: int, k: int, multiprocessors: int) -> int:
+    """The GEMM variant for out[rows, n] = a[rows, k] @ w[n, k]^T.
+
+    K <= 128: the persistent 128x128 stream kernel when each SM gets at least two of its
+    tiles, else the 64x64 stream kernel when its tiles fill the SMs. Larger K: the largest
+    tiled variant whose grid gives every SM a CTA. Otherwise (few rows) 32x32 tiles.
+    """
+    def tiles(bm: int, bn: int) -> int:
+        return -(-rows // bm) * -(-n // bn)
+
+    if k <= STREAM_MAX_K:
+        if tiles(128, 128) >= 2 * multiprocessors:
+            return STREAM_128x128
+        if tiles(64, 64) >= multiprocessors:
+            return STREAM_64x64
+    else:
+        if tiles(128, 256) >= multiprocessors:
+            return TILED_128x256
+        if tiles(128, 128) >= multiprocessors:
+            return TILED_128x128
+        if tiles(64, 64) >= multiprocessors:
+            return TILED_64x64
+    return TILED_32x32
+
+
+def stream_smem_bytes(tile: int, products: int, k: int) -> int:
+    """Dynamic shared memory of a stream variant at K (Stream::smem_bytes in linear.cu): the
+    warps' scratch, the weight slice (hi, and lo with three products) and the activation
+    ring (hi, and lo from two products on), rows of K rounded up to 16 plus 8 halves."""
+    v = GEMM_TILES[tile]
+    ld = pad16(k) + 8
+    w_parts = 2 if products == 3 else 1
+    a_parts = 2 if products >= 2 else 1
+    stages = v.stages[products - 1]
+    return v.warps * SCRATCH_BYTES + 2 * ld * (w_parts * v.cols + stages * a_parts * v.rows)
+
+
+def norm_gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int,
+                   smem_limit: int | None = None) -> int | None:
+    """A stream variant whose tile holds whole output rows (cols >= n) for a residual linear
+    with the norm epilogue, or None where none applies (K > 128, n > 128, one product, or no
+    such variant fits smem_limit bytes of shared memory per block). n <= 64: the 64x64
+    variant (wider ones would leave most warps' columns empty). Else, like gemm_tile: the
+    128x128 variant when each SM gets two of its tiles, 64x128 when its tiles fill the SMs,
+    else (few rows) 32x128; a variant over smem_limit gives way to the next."""
+    if k > STREAM_MAX_K or n > 128 or products < 2:
+        return None
+
+    def tiles(bm: int) -> int:
+        return -(-rows // bm)
+
+    order = [STREAM_64x64] if n <= 64 else []
+    if tiles(128) >= 2 * multiprocessors:
+        order.append(STREAM_128x128)
+    if tiles(64) >= multiprocessors:
+        order.append(STREAM_64x128)
+    order.append(STREAM_32x128)
+    for tile in order:
+        if smem_limit is None or stream_smem_bytes(tile, products, k) <= smem_limit:
+            return tile
+    return None
+
+
 def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
-                 multiprocessors: int, gemm_stages: int = 2) -> Tiles:
-    """Per linear, the largest tile whose grid still gives every multiprocessor a block
-    (else 32x32), with gemm_stages operand stages; attention key
+                 multiprocessors: int, gemm_stages: int = 2, *, fuse_norms: bool = False,
+                 products: int = 3, smem_limit: int | None = None) -> Tiles:
+    """Per linear, gemm_tile for its (rows, N, K): Q/K/V (3 d_model, d_model), out_proj
+    (d_model, d_model), ffn_in (ffn_dim, d_model), ffn_out (d_model, ffn_dim). gemm_stages is
+    accepted for the callers and ignored: each variant fixes its own stages. Attention key
     blocks of 64, or 32 above head dim 128 so that one block's shared memory stays near
-    150 KB."""
-    def index_of(bm: int, stages: int) -> int:
-        return next(i for i, (rows_, _, stages_) in enumerate(GEMM_TILES)
-                    if rows_ == bm and stages_ == stages)
+    150 KB. fuse_norms: out_proj and ffn_out (products fp16 products) take norm_gemm_tile
+    where it applies, and their norm flags are set."""
+    del gemm_stages
 
-    def gemm(n: int) -> int:
-        for bm, bn in ((128, 128), (64, 64)):
-            if -(-rows // bm) * -(-n // bn) >= multiprocessors:
-                return index_of(bm, gemm_stages)
-        return index_of(32, gemm_stages)
+    def gemm(n: int, k: int) -> int:
+        return gemm_tile(rows, n, k, multiprocessors)
 
-    return Tiles(gemm(3 * d_model), gemm(d_model), gemm(ffn_dim), gemm(d_model),
-                 64 if pad16(head_dim) <= 128 else 32)
+    def fused(k: int) -> int | None:
+        if not fuse_norms:
+            return None
+        return norm_gemm_tile(rows, d_model, k, multiprocessors, products, smem_limit)
+
+    out_proj, ffn_out = fused(d_model), fused(ffn_dim)
+    return Tiles(gemm(3 * d_model, d_model),
+                 gemm(d_model, d_model) if out_proj is None else out_proj,
+                 gemm(ffn_dim, d_model),
+                 gemm(d_model, ffn_dim) if ffn_out is None else ffn_out,
+                 64 if pad16(head_dim) <= 128 else 32, out_proj is not None,
+                 ffn_out is not None)
