@@ -78,10 +78,10 @@ def test_tile_choice(wmma_selected):
     big = choose_tiles(8192, 1024, 1024, 256, 132)
     assert GEMM_TILES[big.qkv].name == "tiled 128x256 bk32 8w" and big.attention_block_n == 32
     assert GEMM_TILES[big.out_proj].name == "tiled 128x256 bk32 8w"
-    small = choose_tiles(128, 128, 128, 32, 132, gemm_stages=3)
+    small = choose_tiles(128, 128, 128, 32, 132)
     assert GEMM_TILES[small.out_proj].name == "tiled 32x32 bk64 4w"
     assert small.attention_block_n == 64
-    mid = choose_tiles(8192, 128, 128, 32, 132, gemm_stages=3)
+    mid = choose_tiles(8192, 128, 128, 32, 132)
     assert GEMM_TILES[mid.qkv].name == GEMM_TILES[mid.ffn_in].name == "stream 64x64 4w"
     long = choose_tiles(1_280_000, 128, 512, 32, 132)
     assert {GEMM_TILES[t].name for t in long[:3]} == {"stream 128x128 16w"}
@@ -430,21 +430,22 @@ def test_writes_into_out(wmma_selected):
     assert report.passed, report.summary()
 
 
-PLANS = [(True, False, 2), (True, True, 2), (False, False, 2), (False, False, 3)]
+PLANS = [(True, False, True, 3), (True, True, True, 3), (False, False, True, None),
+         (False, False, False, 2)]
 
 
 @needs_gpu
-@pytest.mark.parametrize("fuse_qkv,fuse_ffn,stages", PLANS,
-                         ids=["fused-qkv", "fused-qkv-ffn", "default", "3-stages"])
+@pytest.mark.parametrize("fuse_qkv,fuse_ffn,fuse_norms,products", PLANS,
+                         ids=["fused-qkv", "fused-qkv-ffn", "default", "separate-norms-2-products"])
 @pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
-def test_plans_pass(wmma_selected, number, fuse_qkv, fuse_ffn, stages):
-    """Every combination of the fused kernels and GEMM pipeline depths keeps the contract
-    on the same case (ffn_block only where whole rows fit its tile)."""
+def test_plans_pass(wmma_selected, number, fuse_qkv, fuse_ffn, fuse_norms, products):
+    """Every combination of the fused kernels, norm epilogues and linear products keeps the
+    contract on the same case (ffn_block only where whole rows fit its tile)."""
     from layerbench.common.shapes import CI
 
     cfg = CI[number].config
     _, x, mask, expected = _layer_and_reference(cfg)
-    layer = WmmaBackend(fuse_qkv, fuse_ffn, stages).build(
+    layer = WmmaBackend(fuse_qkv, fuse_ffn, products, fuse_norms).build(
         cfg, _layer_and_reference.model.state_dict(), device="cuda")
     assert layer.plan.fuse_ffn == (fuse_ffn and cfg.d_model <= 128)
     with torch.no_grad():

@@ -11,7 +11,8 @@ from layerbench.common.memory import MemoryPlan
 
 from . import block, build
 from .attention import max_seq_len, shared_bytes, supported_head_dim
-from .layer import Plan, WmmaLayer, weight_bytes, working_bytes_per_sequence
+from .layer import (Plan, WmmaLayer, linear_products_for, weight_bytes,
+                    working_bytes_per_sequence)
 from .tiles import choose_tiles
 
 
@@ -27,16 +28,16 @@ class WmmaBackend(Backend):
         notes="JIT-built with nvcc (sm_80+); fp32 residual stream; fp16/bf16 computed in fp32",
     )
 
-    def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool = False, gemm_stages: int = 2,
-                 linear_products: int = 3, fuse_norms: bool = True):
+    def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool = False,
+                 linear_products: int | None = None, fuse_norms: bool = True):
         # The fused kernels are off by default: on an H200 the separate kernels run every
         # official shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
         self.fuse_ffn = fuse_ffn  # ffn_block where whole rows fit its tile
-        self.gemm_stages = gemm_stages  # operand tiles in flight in the GEMM tiles
-        if linear_products not in (2, 3):
-            raise ValueError(f"linear_products must be 2 or 3, not {linear_products}")
-        self.linear_products = linear_products  # fp16 products of out_proj and the FFN
+        if linear_products not in (None, 2, 3):
+            raise ValueError(f"linear_products must be 2, 3 or None, not {linear_products}")
+        # fp16 products of out_proj and the FFN; None: linear_products_for(d_model)
+        self.linear_products = linear_products
         # LayerNorms in the residual GEMMs' epilogues where a tile holds whole rows (see Plan);
         # not yet timed on a GPU against the separate norm_split kernels.
         self.fuse_norms = fuse_norms
@@ -81,5 +82,6 @@ class WmmaBackend(Backend):
                     and (limit is None
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
         plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
-                    self.gemm_stages, self.linear_products, self.fuse_norms)
+                    self.linear_products or linear_products_for(config.d_model),
+                    self.fuse_norms)
         return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

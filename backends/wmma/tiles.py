@@ -130,16 +130,13 @@ def norm_gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: in
 
 
 def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
-                 multiprocessors: int, gemm_stages: int = 2, *, fuse_norms: bool = False,
+                 multiprocessors: int, *, fuse_norms: bool = False,
                  products: int = 3, smem_limit: int | None = None) -> Tiles:
     """Per linear, gemm_tile for its (rows, N, K): Q/K/V (3 d_model, d_model), out_proj
-    (d_model, d_model), ffn_in (ffn_dim, d_model), ffn_out (d_model, ffn_dim). gemm_stages is
-    accepted for the callers and ignored: each variant fixes its own stages. Attention key
+    (d_model, d_model), ffn_in (ffn_dim, d_model), ffn_out (d_model, ffn_dim). Attention key
     blocks of 64, or 32 above head dim 128 so that one block's shared memory stays near
     150 KB. fuse_norms: out_proj and ffn_out (products fp16 products) take norm_gemm_tile
     where it applies, and their norm flags are set."""
-    del gemm_stages
-
     def gemm(n: int, k: int) -> int:
         return gemm_tile(rows, n, k, multiprocessors)
 
