@@ -6,6 +6,7 @@ on the same inputs, each output checked, and the whole layer under each linear p
     python bench/wmma_sweep.py edges                     # odd sizes, every tile and epilogue
     python bench/wmma_sweep.py attention --batch 1 --seq-len 16384 --heads 16 --head-dim 64
     python bench/wmma_sweep.py precision --shapes 6,8 --products 2,3
+    python bench/wmma_sweep.py plans --shapes 2,1,6,13
 
 "gemm" times each tile (alternating rounds, CUDA events, median) and reports TFLOP/s counting
 every fp16 product. A GEMM case is MxNxK:products:epilogue (epilogues 0 half, 1 GELU pair,
@@ -13,7 +14,8 @@ every fp16 product. A GEMM case is MxNxK:products:epilogue (epilogues 0 half, 1 
 of any tile, into NaN-filled outputs, against a float64 product of the same fp16 parts.
 "attention" times each attention kernel and compares it with fp32 attention of one sequence.
 "precision" builds the layer with each count of linear products and prints the contract's
-worst error/allowed ratio and the median forward time.
+worst error/allowed ratio and the median forward time; "plans" does the same for LayerNorms
+in the GEMM epilogues against separate norm kernels (timed in alternating rounds).
 """
 from __future__ import annotations
 
@@ -266,11 +268,38 @@ def precision(shapes, products_list, rounds, padding):
     return rows
 
 
+def plans(shapes, rounds, padding):
+    """The layer with LayerNorms in the GEMM epilogues against separate norm kernels: median
+    ms of each (alternating rounds) and both error/allowed ratios."""
+    device = torch.device("cuda")
+    rows = []
+    for shape in resolve_shapes(shapes):
+        prepared = runner.prepare(shape, padding=padding, dtype=torch.float32, seed=1234,
+                                  device=device)
+        reference, layers, ratios = None, [], []
+        for fuse in (True, False):
+            layer = WmmaBackend(fuse_norms=fuse).build(shape.config,
+                                                        prepared.model.state_dict(),
+                                                        device=device)
+            report, reference = runner.check(layer, prepared, reference)
+            layers.append(layer)
+            ratios.append(report.worst_ratio)
+        timing = runner.time_against_baseline(layers[0], prepared, layers[1], rounds=rounds)
+        fused_ms, separate_ms = timing.median_ms, timing.baseline_ms
+        rows.append({"shape": shape.number, "fused_ms": fused_ms, "separate_ms": separate_ms,
+                     "fused_ratio": ratios[0], "separate_ratio": ratios[1]})
+        print(f"shape {shape.number:2d} norms fused {fused_ms:8.3f} ms (error/allowed "
+              f"{ratios[0]:.3f})  separate {separate_ms:8.3f} ms ({ratios[1]:.3f})", flush=True)
+        del layers, prepared, reference
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     """Run one study; JSON rows to --out."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("study", choices=("gemm", "edges", "attention", "precision"))
+    parser.add_argument("study", choices=("gemm", "edges", "attention", "precision", "plans"))
     parser.add_argument("--cases", default=",".join(GEMM_CASES), help="gemm: MxNxK:products:"
                         "epilogue, comma-separated")
     parser.add_argument("--tiles", default=None, help="gemm: tile indices (default all)")
@@ -295,6 +324,8 @@ def main() -> int:
     elif args.study == "attention":
         rows = sweep_attention(args.batch, args.seq_len, args.heads, args.head_dim,
                                not args.full, args.rounds)
+    elif args.study == "plans":
+        rows = plans(args.shapes, args.rounds, args.padding)
     else:
         rows = precision(args.shapes, [int(p) for p in args.products.split(",")], args.rounds,
                          args.padding)
