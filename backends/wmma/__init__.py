@@ -1,5 +1,5 @@
 """wmma: the whole stack in CUDA C++ on nvcuda::wmma tensor-core fragments, compiled just in
-time (fp16x3 split linears, fp16 flash attention, fp32 LayerNorm/softmax/residual)."""
+time (split fp16 linears, register-resident flash attention, fp32 LayerNorm/softmax/residual)."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +21,7 @@ class WmmaBackend(Backend):
     replayed as one CUDA graph where the input allows."""
 
     name = "wmma"
-    summary = "CUDA C++ on nvcuda::wmma: fp16x3 linears, flash attention, CUDA graph"
+    summary = "CUDA C++ on nvcuda::wmma: split-fp16 linears, flash attention, CUDA graph"
     capabilities = Capabilities(
         devices=("cuda",),
         head_dims=tuple(range(8, 257, 8)),
