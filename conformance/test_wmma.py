@@ -242,20 +242,27 @@ for tile, epilogue in ((TILED_32x32, RESIDUAL_SUM), (STREAM_64x64, RESIDUAL_SUM)
 """
 
 
+def _child_stdout(script: str) -> str:
+    """The stdout of script run by a child Python; xfail where the child dies of a signal
+    (the extension's C++ exception killed the process on the H200 machine, not on CPU
+    builds), fail where it exits nonzero."""
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300)
+    if run.returncode < 0:
+        pytest.xfail(f"the extension's C++ exception killed the process (signal "
+                     f"{-run.returncode}); seen on the H200 machine, not on CPU builds")
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
 @needs_gpu
 def test_norm_epilogue_refusals(wmma_selected):
     """The norm epilogue needs a stream tile holding whole rows (N <= its columns) and a
     residual epilogue; anything else raises, naming the reason (in a child process, as
     test_launch_errors_are_raised)."""
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", NORM_REFUSAL_SCRIPT], capture_output=True,
-                         text=True, timeout=300)
-    if run.returncode < 0:
-        pytest.xfail(f"the extension's C++ exception killed the process (signal "
-                     f"{-run.returncode}); seen on the H200 machine, not on CPU builds")
-    assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
+    lines = _child_stdout(NORM_REFUSAL_SCRIPT).splitlines()
     assert len(lines) == 3 and all(line.startswith("RuntimeError:") for line in lines), lines
     for line, reason in zip(lines, ("stream tile", "N <= the tile", "residual epilogue")):
         assert reason in line, line
@@ -383,15 +390,8 @@ except RuntimeError as exc:
 def test_launch_errors_are_raised(wmma_selected):
     """A bad request raises a RuntimeError that names the problem (TORCH_CHECK), run in a
     child process so that a crash fails this test alone."""
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", LAUNCH_ERROR_SCRIPT], capture_output=True,
-                         text=True, timeout=300)
-    if run.returncode < 0:
-        pytest.xfail(f"the extension's C++ exception killed the process (signal "
-                     f"{-run.returncode}); seen on the H200 machine, not on CPU builds")
-    assert run.returncode == 0, run.stderr
-    assert "RuntimeError:" in run.stdout and "unknown tile 99" in run.stdout, run.stdout
+    stdout = _child_stdout(LAUNCH_ERROR_SCRIPT)
+    assert "RuntimeError:" in stdout and "unknown tile 99" in stdout, stdout
 
 
 def _layer_and_reference(cfg, seed=3):
