@@ -173,7 +173,8 @@ __device__ __forceinline__ void residual_row(const LinearParams& p, int64_t row,
 
 // This lane's part of one output row: FN groups of 8 columns, group j at col + 16 j, with
 // values v = accumulator + bias. 16-byte accesses where vec holds and the group is inside N;
-// element by element (guarded by N) otherwise. The residual epilogues are residual_row's.
+// element by element (guarded by N) otherwise. The residual epilogues read every group's
+// residual before writing any (out may alias residual; the groups are disjoint).
 template <int EPILOGUE, int FN>
 __device__ __forceinline__ void store_row(const LinearParams& p, int64_t row, int col,
                                           const float (&v)[FN][8], bool vec) {
@@ -209,9 +210,45 @@ __device__ __forceinline__ void store_row(const LinearParams& p, int64_t row, in
       }
     }
   } else {
-    float o[FN][8];
-    residual_row<FN>(p, row, col, v, vec,
-                     EPILOGUE == static_cast<int>(Epilogue::kResidualUpdate), o);
+    const bool valid = p.valid == nullptr || p.valid[row] != 0;
+    float res[FN][8];
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+      const int cj = col + 16 * j;
+      const int64_t at = idx + 16 * j;
+      if (vec && cj + 8 <= p.N) {
+        const float4 r0 = *reinterpret_cast<const float4*>(p.residual + at);
+        const float4 r1 = *reinterpret_cast<const float4*>(p.residual + at + 4);
+        res[j][0] = r0.x, res[j][1] = r0.y, res[j][2] = r0.z, res[j][3] = r0.w;
+        res[j][4] = r1.x, res[j][5] = r1.y, res[j][6] = r1.z, res[j][7] = r1.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) res[j][e] = cj + e < p.N ? p.residual[at + e] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+      const int cj = col + 16 * j;
+      if (cj >= p.N) break;
+      const int64_t at = idx + 16 * j;
+      float o[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        if constexpr (EPILOGUE == static_cast<int>(Epilogue::kResidualUpdate)) {
+          o[e] = res[j][e] + (valid ? v[j][e] : 0.f);
+        } else {
+          o[e] = valid ? res[j][e] + v[j][e] : 0.f;
+        }
+      }
+      if (vec && cj + 8 <= p.N) {
+        *reinterpret_cast<float4*>(p.out_f32 + at) = make_float4(o[0], o[1], o[2], o[3]);
+        *reinterpret_cast<float4*>(p.out_f32 + at + 4) = make_float4(o[4], o[5], o[6], o[7]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (cj + e < p.N) p.out_f32[at + e] = o[e];
+      }
+    }
   }
 }
 
