@@ -25,7 +25,9 @@ class WmmaBackend(Backend):
     capabilities = Capabilities(
         devices=("cuda",),
         head_dims=tuple(range(8, 257, 8)),
-        notes="JIT-built with nvcc (sm_80+); fp32 residual stream; fp16/bf16 computed in fp32",
+        notes="JIT-built with nvcc (sm_80+); fp32 residual stream; fp16/bf16 computed in fp32; "
+              "attention in registers where a fragment-layout probe passes, else through "
+              "shared memory",
     )
 
     def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool = False,
