@@ -12,6 +12,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session")
+def wmma_objects(tmp_path_factory):
+    """One folder per test session for the wmma sources compiled to objects, named
+    '<source>-sm<arch>.o' (the compile test writes them; the SASS report reuses them)."""
+    return tmp_path_factory.mktemp("wmma-objects")
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("layerbench")
     group.addoption("--backend", action="append", default=None,

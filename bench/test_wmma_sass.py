@@ -13,12 +13,13 @@ import wmma_sass  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def sass_rows():
-    """Rows of bench/wmma_sass.py for sm_90 (every kernel of every .cu source)."""
+def sass_rows(wmma_objects):
+    """Rows of bench/wmma_sass.py for sm_90 (every kernel of every .cu source), from the
+    compile test's objects where that test ran first in the session."""
     if build.nvcc_path() is None:
         pytest.skip(build.toolkit_missing())
     try:
-        return wmma_sass.rows("90")
+        return wmma_sass.rows("90", wmma_objects)
     except FileNotFoundError as exc:
         pytest.skip(f"cuobjdump is not available ({exc})")
 

@@ -41,14 +41,17 @@ def short_name(mangled: str) -> str:
     return re.sub(r"\b\w+::", "", name)
 
 
-def rows(arch: str = "90") -> list[dict]:
-    """One row per kernel of every .cu source."""
+def rows(arch: str = "90", objects: Path | None = None) -> list[dict]:
+    """One row per kernel of every .cu source; objects: a folder of '<source>-sm<arch>.o'
+    files compiled by the same command (the strict compile test's) to read instead."""
     found = []
     with tempfile.TemporaryDirectory() as tmp:
         for source in (s for s in build.SOURCES if s.endswith(".cu")):
-            obj = Path(tmp) / f"{source}.o"
-            subprocess.run(build.nvcc_command(build.SOURCE_DIR / source, arch, obj),
-                           check=True, capture_output=True, text=True)
+            obj = Path(objects or tmp) / f"{source}-sm{arch}.o"
+            if objects is None or not obj.exists():
+                obj = Path(tmp) / obj.name
+                subprocess.run(build.nvcc_command(build.SOURCE_DIR / source, arch, obj),
+                               check=True, capture_output=True, text=True)
             for name, info in sorted(kernels(obj).items()):
                 found.append({"source": source, "kernel": short_name(name), "mangled": name,
                               "needs_mma": source in TENSOR_CORE_SOURCES, **info})

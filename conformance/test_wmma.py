@@ -30,13 +30,13 @@ def wmma_selected(pytestconfig):
 
 @pytest.mark.parametrize("arch", build.ARCHES, ids=[f"sm{a}" for a in build.ARCHES])
 @pytest.mark.parametrize("source", CUDA_SOURCES)
-def test_source_compiles_without_warnings(source, arch, tmp_path):
+def test_source_compiles_without_warnings(source, arch, wmma_objects):
     """nvcc compiles the source with the JIT build's flags, every warning (ptxas spills
-    included) an error."""
+    included) an error; the object stays in wmma_objects for the SASS report."""
     if build.nvcc_path() is None:
         pytest.skip(build.toolkit_missing())
-    command = build.nvcc_command(build.SOURCE_DIR / source, arch, tmp_path / "out.o",
-                                 strict=True)
+    command = build.nvcc_command(build.SOURCE_DIR / source, arch,
+                                 wmma_objects / f"{source}-sm{arch}.o", strict=True)
     run = subprocess.run(command, capture_output=True, text=True)
     output = run.stdout + run.stderr
     assert run.returncode == 0, f"{' '.join(command)}\n{output}"
