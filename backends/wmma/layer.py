@@ -16,7 +16,7 @@ from .attention import attention
 from .block import ffn_block, norm_qkv
 from .linear import GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE, RowNorm, linear
 from .norm import norm_out, norm_split
-from .tiles import choose_tiles
+from .tiles import choose_tiles, gemm_tile
 
 MAX_GRID_X = 2 ** 31 - 1  # attention blocks: sequences * heads in grid dimension x
 
@@ -132,8 +132,8 @@ class WmmaLayer(BuiltLayer):
                              fuse_norms=plan.fuse_norms and not plan.fuse_ffn,
                              products=plan.linear_products, smem_limit=self.smem_limit)
         if tiles.norm_ffn_out and plan.fuse_qkv:  # ffn_out norms only the final rows
-            plain_ffn_out = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
-                                         self.multiprocessors).ffn_out
+            plain_ffn_out = gemm_tile(x2.shape[0], cfg.d_model, cfg.ffn_dim,
+                                      self.multiprocessors)
         else:
             plain_ffn_out = tiles.ffn_out
         final = (self.params.final_weight, self.params.final_bias)
