@@ -22,6 +22,8 @@ SHAPES=${SHAPES:-official}
 EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# The cutile backend runs the cubins exported into build/cutile (carried to this machine).
+export LAYERBENCH_CUTILE_BUILD=${LAYERBENCH_CUTILE_BUILD:-$PWD/build/cutile}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
     || { cat "$OUT/install.log"; exit 1; }
 backend_args=()

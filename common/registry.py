@@ -25,6 +25,7 @@ BUILTIN = {
     "torch-fp16": "layerbench.backends.torch_fp16:TorchFp16Backend",
     "triton": "layerbench.backends.triton:TritonBackend",
     "wmma": "layerbench.backends.wmma:WmmaBackend",
+    "cutile": "layerbench.backends.cutile:CutileBackend",
 }
 
 # The plain-PyTorch forms every table ranks against; torch-baseline is the speedup denominator.

@@ -1,0 +1,83 @@
+"""cutile: the whole stack in NVIDIA's CUDA tile model (cuda.tile), compiled by tileiras and
+launched through cuda-python, either from an exported build or just in time."""
+from __future__ import annotations
+
+from layerbench.common.errors import Unsupported
+from layerbench.common.interface import Backend, Capabilities
+from layerbench.common.memory import MemoryPlan
+from layerbench.common.params import param_bytes
+
+from . import specs
+from .launch import kernels_for
+from .layer import CutileLayer, linear_products_for, working_bytes_per_sequence
+
+HEAD_DIMS = tuple(range(8, 257, 8))
+
+
+class CutileBackend(Backend):
+    """The stack in cuTile kernels: LayerNorm to fp16 pairs, split-fp16 GEMMs with fused
+    epilogues, flash attention; replayed as one CUDA graph where the input allows.
+
+    mode: "aot" (cubins exported by `python -m layerbench.backends.cutile.export`), "jit"
+    (ct.launch; needs cuda-tile[tileiras]) or "auto" (a build of these sources for the
+    device's architecture if there is one, else the JIT).
+    """
+
+    name = "cutile"
+    summary = "cuTile (cuda.tile): LayerNorm, split-fp16 GEMMs, flash attention, CUDA graph"
+    capabilities = Capabilities(
+        devices=("cuda",), head_dims=HEAD_DIMS,
+        notes=f"d_model up to {specs.MAX_ROW_WIDTH}; fp32 residual stream; runs exported "
+              "cubins (aot) or compiles with ct.launch (jit)")
+
+    def __init__(self, mode: str = "auto", linear_products: int | None = None):
+        self.mode = mode
+        self.linear_products = linear_products
+        self._kernels = {}
+
+    def kernels(self, device):
+        """The launcher for device (built once; raises Unsupported with the reason)."""
+        if device not in self._kernels:
+            self._kernels[device] = kernels_for(device, self.mode)
+        return self._kernels[device]
+
+    def unavailable_reason(self, device):
+        """cuda-python must import, and a build or the JIT must serve the device."""
+        try:
+            import cuda.core  # noqa: F401
+        except ImportError as exc:
+            return f"cuda-python (cuda.core) is not installed ({exc}); pip install '.[cutile]'"
+        try:
+            self.kernels(device)
+        except Unsupported as exc:
+            return str(exc)
+        return None
+
+    def check(self, config, device, dtype):
+        """The interface's checks, plus the widest LayerNorm row the kernels were built for."""
+        if config.d_model > specs.MAX_ROW_WIDTH:
+            raise Unsupported(f"{self.name} handles d_model up to {specs.MAX_ROW_WIDTH}, "
+                              f"not {config.d_model}")
+        super().check(config, device, dtype)
+
+    def memory_plan(self, config, dtype):
+        """One sequence's workspace (the layer streams the batch) plus the packed weights."""
+        return MemoryPlan({"one sequence": working_bytes_per_sequence(config),
+                           "parameters": param_bytes(config) * 2})
+
+    def _build(self, config, state_dict, device, dtype):
+        products = self.linear_products or linear_products_for(config.d_model)
+        return CutileLayer(self, config, state_dict, device, dtype, self.kernels(device),
+                           products)
+
+    def describe(self):
+        """Name, summary, capabilities, and how kernels are launched on this machine."""
+        import torch
+
+        row = super().describe()
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+            why = self.unavailable_reason(device)
+            row["notes"] += ("; launch: " + self._kernels[device].mode if why is None
+                             else f"; unavailable: {why}")
+        return row

@@ -1,0 +1,110 @@
+"""Ahead-of-time build: every specialisation in specs.py compiled to cubins per architecture,
+with a manifest. Run `python -m layerbench.backends.cutile.export [--arch sm_90 ...] [--out DIR]`
+on a machine with cuda-tile[tileiras] (no GPU needed); carry DIR to the GPU machine."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from . import specs
+from .manifest import ARCHS, build_dir
+
+INDEX_BITS = 32
+
+
+def constraint(param):
+    """The cuda.tile constraint of one specs.Array or specs.Scalar."""
+    import cuda.tile as ct
+    from cuda.tile.compilation import ArrayConstraint, ScalarConstraint
+
+    if isinstance(param, specs.Scalar):
+        return ScalarConstraint(getattr(ct, param.dtype))
+    dtype = getattr(ct, param.dtype)
+    itemsize = {"float32": 4, "int32": 4, "float16": 2, "uint8": 1}[param.dtype]
+    rest = param.ndim - 1
+    return ArrayConstraint(
+        dtype, param.ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
+        alias_groups=("workspace",), may_alias_internally=False,
+        stride_constant=(None,) * rest + (1,),
+        stride_divisible_by=((16 // itemsize) if param.aligned else 1,) * rest + (1,),
+        base_addr_divisible_by=16 if param.aligned else 1)
+
+
+def signature(name: str, constants: dict[str, int]):
+    """The KernelSignature of one specialisation (constants appended after the parameters)."""
+    from cuda.tile.compilation import CallingConvention, KernelSignature
+
+    kernel = specs.KERNELS[name]
+    params = [constraint(p) for _, p in kernel.params]
+    params += [constants[c] for c in kernel.constants]
+    return KernelSignature(params, CallingConvention.cutile_python_v1(),
+                           symbol=specs.symbol(name, constants))
+
+
+def kernel_function(name: str):
+    """The ct.kernel object of a kernel name."""
+    module = importlib.import_module(f"{__package__}.kernels.{specs.KERNELS[name].module}")
+    return getattr(module, name)
+
+
+def export_group(arch: str, name: str, constant_sets: list[dict[str, int]], folder: str):
+    """Compile one kernel's specialisations for arch into folder/<name>.cubin; its entries."""
+    from cuda.tile.compilation import export_kernel
+
+    start = time.perf_counter()
+    export_kernel(kernel_function(name), [signature(name, c) for c in constant_sets],
+                  f"{folder}/{name}.cubin", gpu_code=arch, output_format="cubin")
+    entries = [{"kernel": name, "symbol": specs.symbol(name, c), "constants": c,
+                "cubin": f"{name}.cubin"} for c in constant_sets]
+    return entries, time.perf_counter() - start
+
+
+def export(archs, out_dir=None, progress=True, jobs: int | None = None) -> dict:
+    """Compile every specialisation for each arch into out_dir/<source hash>/<arch>/ with a
+    manifest, one process per kernel and arch (jobs at once, default the CPU count)."""
+    groups: dict[str, list[dict[str, int]]] = {}
+    for name, constants in specs.specialisations():
+        groups.setdefault(name, []).append(constants)
+    folders = {arch: build_dir(arch, out_dir) for arch in archs}
+    for folder in folders.values():
+        folder.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor(jobs or os.cpu_count()) as pool:
+        futures = {(arch, name): pool.submit(export_group, arch, name, sets, str(folders[arch]))
+                   for arch in archs for name, sets in groups.items()}
+        results = {key: f.result() for key, f in futures.items()}
+    manifests = {}
+    for arch in archs:
+        entries = []
+        for name in groups:
+            found, seconds = results[(arch, name)]
+            entries += found
+            if progress:
+                print(f"{arch} {name}: {len(found)} specialisations in {seconds:.1f} s",
+                      file=sys.stderr)
+        manifest = {"arch": arch, "source_hash": specs.source_hash(), "entries": entries,
+                    "calling_convention": "cutile_python_v1", "index_bits": INDEX_BITS}
+        (folders[arch] / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        manifests[arch] = manifest
+    return manifests
+
+
+def main(argv=None) -> int:
+    """Command line: export the cubins."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--arch", action="append", choices=ARCHS,
+                        help="architecture to build (repeatable; default all)")
+    parser.add_argument("--out", help="build root (default: $LAYERBENCH_CUTILE_BUILD or "
+                        "~/.cache/layerbench/cutile)")
+    parser.add_argument("--jobs", type=int, help="compiler processes at once")
+    args = parser.parse_args(argv)
+    export(args.arch or list(ARCHS), args.out, jobs=args.jobs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

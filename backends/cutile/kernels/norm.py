@@ -1,0 +1,39 @@
+"""LayerNorm kernels: BM whole rows per block, each row padded to BD (a power of two) columns."""
+import cuda.tile as ct
+
+ConstInt = ct.Constant[int]
+ZERO = ct.PaddingMode.ZERO
+EPS = 1e-5
+
+
+def normed_rows(X, W, B, BM, BD):
+    """The block's BM rows of X, normalised and scaled (fp32, columns past the width are 0)."""
+    width = X.shape[1]
+    x = ct.load(X, index=(ct.bid(0), 0), shape=(BM, BD), padding_mode=ZERO, allow_tma=False)
+    inside = ct.arange(BD, dtype=ct.int32).reshape((1, BD)) < width
+    mean = ct.sum(x, axis=1, keepdims=True) / width
+    centred = ct.where(inside, x - mean, 0.0)
+    var = ct.sum(centred * centred, axis=1, keepdims=True) / width
+    w = ct.load(W, index=(0,), shape=(BD,), padding_mode=ZERO, allow_tma=False).reshape((1, BD))
+    b = ct.load(B, index=(0,), shape=(BD,), padding_mode=ZERO, allow_tma=False).reshape((1, BD))
+    return centred * ct.rsqrt(var + EPS) * w + b
+
+
+@ct.kernel
+def layer_norm_split(X, W, B, OUT_HI, OUT_LO, BM: ConstInt, BD: ConstInt):
+    """LayerNorm of BM rows, written as an fp16 pair (hi + lo is the fp32 result to ~22 bits)."""
+    y = normed_rows(X, W, B, BM, BD)
+    hi = ct.astype(y, ct.float16)
+    lo = ct.astype(y - ct.astype(hi, ct.float32), ct.float16)
+    ct.store(OUT_HI, index=(ct.bid(0), 0), tile=hi, allow_tma=False)
+    ct.store(OUT_LO, index=(ct.bid(0), 0), tile=lo, allow_tma=False)
+
+
+@ct.kernel
+def layer_norm_out(X, W, B, VALID, OUT, has_mask: int, BM: ConstInt, BD: ConstInt):
+    """LayerNorm of BM rows into fp32 OUT; with has_mask, rows whose VALID byte is 0 get 0."""
+    y = normed_rows(X, W, B, BM, BD)
+    if has_mask != 0:
+        valid = ct.load(VALID, index=(ct.bid(0),), shape=(BM,), padding_mode=ZERO, allow_tma=False)
+        y = ct.where(valid.reshape((BM, 1)) != 0, y, 0.0)
+    ct.store(OUT, index=(ct.bid(0), 0), tile=y, allow_tma=False)

@@ -1,0 +1,168 @@
+"""The two ways to run the kernels, behind one launch(name, constants, grid, args) call:
+ahead of time (cubins from export.py loaded through cuda.core, parameters packed by the
+cutile_python_v1 calling convention) and just in time (cuda.tile's own ct.launch)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from layerbench.common.errors import Unsupported
+
+from . import manifest, specs
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8,
+                "int32": torch.int32}
+INT32_MAX = 2 ** 31 - 1
+
+
+def arch_of(device: torch.device) -> str:
+    """The device's architecture name, e.g. sm_90."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def check_array(name: str, param: specs.Array, t: torch.Tensor, kernel: str) -> None:
+    """Raise ValueError unless t meets what the kernel was compiled to assume of param."""
+    where = f"cutile {kernel}: {name}"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+    if t.dtype != TORCH_DTYPES[param.dtype] or t.dim() != param.ndim:
+        raise ValueError(f"{where} must be a {param.ndim}-d {param.dtype} tensor, "
+                         f"got {t.dim()}-d {t.dtype}")
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{where} needs unit stride in its last dimension, got {t.stride()}")
+    if any(n > INT32_MAX for n in t.shape) or any(s > INT32_MAX for s in t.stride()):
+        raise ValueError(f"{where} has a size or stride beyond 32-bit indices: {t.shape}")
+    if param.aligned:
+        step = 16 // t.element_size()
+        if t.data_ptr() % 16 or any(s % step for s in t.stride()[:-1]):
+            raise ValueError(f"{where} must start on 16 bytes with strides of 16 bytes, "
+                             f"got address {t.data_ptr():#x} and strides {t.stride()}")
+
+
+def pack(kernel: str, args) -> list:
+    """ctypes values of a call's parameters by the cutile_python_v1 convention: per array its
+    address, then its shape and its strides as int32; per scalar its value."""
+    values = []
+    for (name, param), arg in zip(specs.KERNELS[kernel].params, args, strict=True):
+        if isinstance(param, specs.Scalar):
+            values.append(ctypes.c_int32(int(arg)) if param.dtype == "int32"
+                          else ctypes.c_float(float(arg)))
+            continue
+        check_array(name, param, arg, kernel)
+        values.append(ctypes.c_void_p(arg.data_ptr()))
+        values += [ctypes.c_int32(n) for n in arg.shape]
+        values += [ctypes.c_int32(s) for s in arg.stride()]
+    return values
+
+
+class _Stream:
+    """PyTorch's current stream seen through the __cuda_stream__ protocol."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+class AotKernels:
+    """Kernels from an exported build for one device, loaded on first use."""
+
+    mode = "aot"
+
+    def __init__(self, device: torch.device, root=None):
+        self.device = device
+        self.arch = arch_of(device)
+        self.manifest, why = manifest.load(self.arch, root)
+        if self.manifest is None:
+            raise Unsupported(why)
+        self.folder = manifest.build_dir(self.arch, root)
+        self.symbols = {e["symbol"]: e["cubin"] for e in self.manifest["entries"]}
+        self.modules: dict[str, object] = {}
+        self.kernels: dict[str, tuple[object, int]] = {}
+
+    def _kernel(self, symbol: str):
+        from cuda.core import Device, ObjectCode
+
+        if symbol not in self.kernels:
+            cubin = self.symbols.get(symbol)
+            if cubin is None:
+                raise Unsupported(f"the cutile build {self.folder} has no kernel {symbol}")
+            if cubin not in self.modules:
+                Device(self.device.index).set_current()
+                self.modules[cubin] = ObjectCode.from_cubin((self.folder / cubin).read_bytes())
+            kernel = self.modules[cubin].get_kernel(symbol)
+            self.kernels[symbol] = (kernel, kernel.attributes.max_threads_per_block())
+        return self.kernels[symbol]
+
+    def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args):
+        """Launch one specialisation on PyTorch's current stream."""
+        from cuda.core import LaunchConfig, launch
+
+        kernel, threads = self._kernel(specs.symbol(name, constants))
+        stream = _Stream(torch.cuda.current_stream(self.device).cuda_stream)
+        launch(stream, LaunchConfig(grid=grid, block=threads), kernel, *pack(name, args))
+
+
+class JitKernels:
+    """Kernels compiled by cuda.tile at first launch (needs cuda-tile[tileiras])."""
+
+    mode = "jit"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args):
+        """Launch through ct.launch on PyTorch's current stream."""
+        import cuda.tile as ct
+
+        from .export import kernel_function
+
+        for (pname, param), arg in zip(specs.KERNELS[name].params, args, strict=True):
+            if isinstance(param, specs.Array):
+                check_array(pname, param, arg, name)
+        consts = [constants[c] for c in specs.KERNELS[name].constants]
+        ct.launch(torch.cuda.current_stream(self.device), grid, kernel_function(name),
+                  (*args, *consts))
+
+
+@functools.cache
+def jit_unavailable_reason() -> str | None:
+    """Why ct.launch cannot compile here (checked once by compiling one small kernel), or None."""
+    try:
+        from cuda.tile.compilation import export_kernel
+
+        from .export import kernel_function, signature
+    except ImportError as exc:
+        return f"cuda.tile is not installed ({exc}); pip install '.[cutile]'"
+    import io
+
+    try:
+        name, constants = "layer_norm_split", {"BM": 32, "BD": 8}
+        export_kernel(kernel_function(name), [signature(name, constants)], io.BytesIO(),
+                      gpu_code="sm_90", output_format="cubin")
+    except Exception as exc:  # noqa: BLE001 - any compiler failure means no JIT here
+        return f"cuda.tile cannot compile here: {str(exc).strip().splitlines()[-1]}"
+    return None
+
+
+def kernels_for(device: torch.device, mode: str = "auto"):
+    """The launcher for device: "aot", "jit", or "auto" (a matching build, else the JIT)."""
+    if mode not in ("auto", "aot", "jit"):
+        raise ValueError(f"cutile mode must be auto, aot or jit, not {mode!r}")
+    if mode in ("auto", "aot"):
+        try:
+            return AotKernels(device)
+        except Unsupported as exc:
+            if mode == "aot":
+                raise
+            aot_reason = str(exc)
+    why = jit_unavailable_reason()
+    if why is None:
+        return JitKernels(device)
+    if mode == "jit":
+        raise Unsupported(why)
+    raise Unsupported(f"no ahead-of-time build ({aot_reason}) and no JIT ({why})")

@@ -1,0 +1,121 @@
+"""The cuTile layer: packs the weights as fp16 pairs, plans the workspace, streams the batch
+in chunks and launches seven kernels per block (replayed from a CUDA graph where it can)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from layerbench.common.cuda_host import ChunkPlan, mask_bytes, run_in_chunks, split_fp16
+from layerbench.common.graphs import GraphedForward
+from layerbench.common.interface import BuiltLayer
+from layerbench.common.params import pack_params, param_bytes
+
+from . import ops
+
+MAX_GRID_Y = 65535  # attention blocks: sequences x heads in grid dimension y
+
+
+def padded(n: int) -> int:
+    """n rounded up to a multiple of 8 (fp16 rows of 16-byte multiples)."""
+    return -(-n // 8) * 8
+
+
+def linear_products_for(d_model: int) -> int:
+    """fp16 products of out_proj and the FFN: 2 (activations split, weights rounded once)
+    from d_model 512 on, where the GEMMs are bound by the tensor cores; 3 below."""
+    return 2 if d_model >= 512 else 3
+
+
+def workspace(config) -> dict[str, tuple[int, torch.dtype]]:
+    """Per-token workspace buffers: name -> (columns, dtype). "rows" holds the normed rows,
+    then the context, as an fp16 (hi, lo) pair; "hidden" the FFN's hidden rows likewise."""
+    d, f = config.d_model, padded(config.ffn_dim)
+    return {"residual": (d, torch.float32), "staging": (d, torch.float32),
+            "qkv": (3 * d, torch.float16),
+            "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16),
+            "hidden_hi": (f, torch.float16), "hidden_lo": (f, torch.float16)}
+
+
+def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
+    """Workspace bytes of one sequence (of seq_len tokens, default the config's)."""
+    per_token = sum(c * t.itemsize for c, t in workspace(config).values())
+    return (config.seq_len if seq_len is None else seq_len) * per_token
+
+
+def weight_pair(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] as a transposed (hi, lo) fp16 pair [K, N], rows padded to 16 bytes."""
+    k, n = w.shape[1], w.shape[0]
+    pair = []
+    for part in split_fp16(w.t()):
+        store = torch.zeros(k, padded(n), dtype=torch.float16, device=w.device)
+        store[:, :n] = part
+        pair.append(store[:, :n])
+    return pair[0], pair[1]
+
+
+class CutileLayer(BuiltLayer):
+    """Per block: norm1, Q/K/V (one fp16 product), attention, out_proj + residual, norm2,
+    ffn_in + GELU, ffn_out + residual; the final norm into the output."""
+
+    def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int):
+        super().__init__(backend, config, device, dtype)
+        self.kernels = kernels
+        self.products = products
+        self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
+        names = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
+        self.weights = [{n: weight_pair(getattr(p, n)) for n in names}
+                        for p in self.params.layers]
+        self.chunks = ChunkPlan(
+            device, lambda s: working_bytes_per_sequence(replace(config, seq_len=s), s),
+            param_bytes(config) * 2, MAX_GRID_Y // config.num_heads)
+        self.graphed = GraphedForward(self._forward)
+
+    def forward(self, x, valid_token_mask, out=None):
+        """Run the kernels, through a CUDA graph once these input buffers repeat."""
+        return self.graphed(x, valid_token_mask, out)
+
+    def _forward(self, x, valid_token_mask, out=None):
+        b, s, _ = x.shape
+        valid = mask_bytes(valid_token_mask)
+        info = None if valid is None else ops.key_info(valid)
+        out = torch.empty_like(x) if out is None else out
+
+        def run_chunk(b0, b1, x2, out2, work):
+            masks = (None, None) if valid is None else (valid[b0:b1], info[b0:b1])
+            self._run(x2, masks, out2, b1 - b0, s, work)
+        run_in_chunks(x, out, self.chunks(b, s), workspace(self.config), run_chunk)
+        return out
+
+    def _run(self, x2, masks, out2, batch, s, work):
+        """The stack on one chunk of sequences (x2, out2: [tokens, d_model] views)."""
+        cfg, k = self.config, self.kernels
+        d, h, f = cfg.d_model, cfg.num_heads, cfg.ffn_dim
+        valid, info = masks
+        valid_rows = None if valid is None else valid.reshape(-1)
+        res, staging, qkv = work["residual"], work["staging"], work["qkv"]
+        rows = (work["rows_hi"], work["rows_lo"])
+        hidden = (work["hidden_hi"][:, :f], work["hidden_lo"][:, :f])
+        heads = [t.view(batch, s, h, d // h) for t in rows]
+        qkv_heads = qkv.view(batch, s, 3 * h, d // h)
+        src = x2
+        if x2.dtype != torch.float32 or x2.data_ptr() % 16:
+            staging.copy_(x2)
+            src = staging
+        for p, w in zip(self.params.layers, self.weights):
+            ops.layer_norm_split(k, src, p.norm1_weight, p.norm1_bias, *rows)
+            ops.linear_half(k, rows, w["qkv_weight"], p.qkv_bias, qkv)
+            ops.attention(k, qkv_heads, heads, valid, info, num_heads=h, causal=cfg.causal)
+            ops.linear_residual(k, rows, w["out_weight"], p.out_bias, src, valid_rows, res,
+                                self.products, zero_sum=False)
+            ops.layer_norm_split(k, res, p.norm2_weight, p.norm2_bias, *rows)
+            ops.linear_gelu(k, rows, w["ffn_in_weight"], p.ffn_in_bias, hidden, self.products)
+            ops.linear_residual(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, res,
+                                valid_rows, res, self.products, zero_sum=True)
+            src = res
+        direct = out2.dtype == torch.float32 and out2.data_ptr() % 16 == 0
+        target = out2 if direct else staging
+        ops.layer_norm_out(k, src, self.params.final_weight, self.params.final_bias,
+                           valid_rows, target)
+        if not direct:
+            out2.copy_(staging)

@@ -1,0 +1,113 @@
+"""Host side of each kernel family: tile choice, grid and arguments of one launch."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from layerbench.common.cuda_host import multiprocessor_count
+
+from . import specs
+
+
+def power_of_two_at_least(n: int, low: int = 8) -> int:
+    """The smallest power of two >= max(n, low)."""
+    return max(low, 1 << (max(n, 1) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+@functools.cache
+def placeholders(device: torch.device) -> dict[str, torch.Tensor]:
+    """Arrays passed where a kernel's mask argument is not used."""
+    return {"valid_rows": torch.ones(1, dtype=torch.uint8, device=device),
+            "valid": torch.ones(1, 1, dtype=torch.uint8, device=device),
+            "key_info": torch.zeros(1, 4, dtype=torch.int32, device=device)}
+
+
+def layer_norm_split(kernels, x, weight, bias, out_hi, out_lo) -> None:
+    """out_hi + out_lo = LayerNorm(x) (fp16 pair)."""
+    width = power_of_two_at_least(x.shape[1])
+    rows = specs.norm_rows(width)
+    kernels.launch("layer_norm_split", {"BM": rows, "BD": width},
+                   (cdiv(x.shape[0], rows), 1, 1), (x, weight, bias, out_hi, out_lo))
+
+
+def layer_norm_out(kernels, x, weight, bias, valid_rows, out) -> None:
+    """out = LayerNorm(x) (fp32), rows whose valid byte is 0 set to 0."""
+    width = power_of_two_at_least(x.shape[1])
+    rows = specs.norm_rows(width)
+    mask = placeholders(x.device)["valid_rows"] if valid_rows is None else valid_rows
+    kernels.launch("layer_norm_out", {"BM": rows, "BD": width},
+                   (cdiv(x.shape[0], rows), 1, 1),
+                   (x, weight, bias, mask, out, int(valid_rows is not None)))
+
+
+def gemm_tile(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
+    """(TM, TN, TK): the large tile when its grid still fills every multiprocessor."""
+    tm, tn, tk = specs.GEMM_TILES[-1]
+    if cdiv(rows, tm) * cdiv(cols, tn) >= multiprocessor_count(device):
+        return tm, tn, tk
+    return specs.GEMM_TILES[0]
+
+
+def _gemm(kernels, name, a, weight, out_shape, products, args) -> None:
+    tm, tn, tk = gemm_tile(out_shape[0], out_shape[1], a[0].device)
+    grid = (cdiv(out_shape[0], tm) * cdiv(out_shape[1], tn), 1, 1)
+    kernels.launch(name, {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}, grid,
+                   (a[0], a[1], weight[0], weight[1], *args))
+
+
+def linear_half(kernels, a, weight, bias, out) -> None:
+    """out (fp16) = a @ weight + bias, one fp16 product (a and weight are (hi, lo) pairs)."""
+    _gemm(kernels, "linear_half", a, weight, out.shape, 1, (bias, out))
+
+
+def linear_gelu(kernels, a, weight, bias, out, products: int) -> None:
+    """out (an fp16 pair) = GELU(a @ weight + bias)."""
+    _gemm(kernels, "linear_gelu", a, weight, out[0].shape, products, (bias, out[0], out[1]))
+
+
+def linear_residual(kernels, a, weight, bias, res, valid_rows, out, products: int,
+                    zero_sum: bool) -> None:
+    """out = res + a @ weight + bias; invalid rows get res (zero_sum False) or 0 (True)."""
+    mask = placeholders(a[0].device)["valid_rows"] if valid_rows is None else valid_rows
+    _gemm(kernels, "linear_residual", a, weight, out.shape, products,
+          (bias, res, mask, out, int(valid_rows is not None), int(zero_sum)))
+
+
+def key_info(valid: torch.Tensor) -> torch.Tensor:
+    """[B, 4] int32 per sequence: the end of its valid keys (last valid + 1, 0 if none),
+    1 where some key before that end is invalid (the kernel must then read the mask), and
+    two zeros that keep each row 16 bytes long."""
+    s = valid.shape[1]
+    positions = torch.arange(1, s + 1, device=valid.device, dtype=torch.int32)
+    end = (valid.to(torch.int32) * positions).amax(dim=1)
+    holes = valid.sum(dim=1, dtype=torch.int32) != end
+    zero = torch.zeros_like(end)
+    return torch.stack([end, holes.to(torch.int32), zero, zero], dim=1).contiguous()
+
+
+def attention_tile(batch_heads: int, seq_len: int, head_pad: int,
+                   device: torch.device) -> tuple[int, int]:
+    """(TM, TN): 128-query tiles where they give every multiprocessor two blocks."""
+    tiles = specs.attention_tiles(head_pad)
+    if len(tiles) > 1 and batch_heads * cdiv(seq_len, 128) < 2 * multiprocessor_count(device):
+        return tiles[0]
+    return tiles[-1]
+
+
+def attention(kernels, qkv, ctx, valid, info, *, num_heads: int, causal: bool) -> None:
+    """ctx (an fp16 pair, [B, S, H, hd] views) = attention of qkv ([B, S, 3H, hd] view)."""
+    b, s, _, hd = qkv.shape
+    hp = power_of_two_at_least(hd)
+    tm, tn = attention_tile(b * num_heads, s, hp, qkv.device)
+    spare = placeholders(qkv.device)
+    kernels.launch("flash_attention", {"TM": tm, "TN": tn, "HP": hp},
+                   (cdiv(s, tm), b * num_heads, 1),
+                   (qkv, ctx[0], ctx[1], spare["valid"] if valid is None else valid,
+                    spare["key_info"] if info is None else info, hd ** -0.5, num_heads,
+                    int(causal), int(valid is not None)))

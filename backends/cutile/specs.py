@@ -1,0 +1,121 @@
+"""Every kernel specialisation the backend launches, and each kernel's parameter list.
+
+This table is the contract between the export step (which compiles each entry) and the
+launcher (which finds an entry's symbol and packs its parameters); it imports no cuda.tile.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+MAX_ROW_WIDTH = 4096  # LayerNorm rows up to this width (padded to a power of two)
+HEAD_PADS = (8, 16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class Array:
+    """An array parameter: element type, rank, and whether it meets the 16-byte assumptions
+    (base address and every stride but the last divisible by 16 bytes, last stride 1)."""
+
+    dtype: str  # "float32", "float16", "uint8", "int32"
+    ndim: int
+    aligned: bool = True
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A scalar parameter passed at run time."""
+
+    dtype: str  # "int32" or "float32"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A kernel's module, its run-time parameters in order, and its constant names."""
+
+    module: str
+    params: tuple[tuple[str, Array | Scalar], ...]
+    constants: tuple[str, ...]
+
+
+F32_2, F16_2 = Array("float32", 2), Array("float16", 2)
+F32_1 = Array("float32", 1)
+F16_4 = Array("float16", 4)
+WEIGHTS = (("A_HI", F16_2), ("A_LO", F16_2), ("W_HI", F16_2), ("W_LO", F16_2),
+           ("BIAS", F32_1))
+GEMM_CONSTANTS = ("TM", "TN", "TK", "PRODUCTS")
+
+KERNELS: dict[str, Kernel] = {
+    "layer_norm_split": Kernel("norm", (("X", F32_2), ("W", F32_1), ("B", F32_1),
+                                        ("OUT_HI", F16_2), ("OUT_LO", F16_2)), ("BM", "BD")),
+    "layer_norm_out": Kernel("norm", (("X", F32_2), ("W", F32_1), ("B", F32_1),
+                                      ("VALID", Array("uint8", 1, aligned=False)),
+                                      ("OUT", F32_2), ("has_mask", Scalar("int32"))),
+                             ("BM", "BD")),
+    "linear_half": Kernel("linear", WEIGHTS + (("OUT", F16_2),), GEMM_CONSTANTS),
+    "linear_gelu": Kernel("linear", WEIGHTS + (("OUT_HI", F16_2), ("OUT_LO", F16_2)),
+                          GEMM_CONSTANTS),
+    "linear_residual": Kernel("linear", WEIGHTS + (
+        ("RES", F32_2), ("VALID", Array("uint8", 1, aligned=False)), ("OUT", F32_2),
+        ("has_mask", Scalar("int32")), ("zero_sum", Scalar("int32"))), GEMM_CONSTANTS),
+    "flash_attention": Kernel("attention", (
+        ("QKV", F16_4), ("CTX_HI", F16_4), ("CTX_LO", F16_4),
+        ("VALID", Array("uint8", 2, aligned=False)), ("KEY_INFO", Array("int32", 2)),
+        ("scale", Scalar("float32")), ("num_heads", Scalar("int32")),
+        ("causal", Scalar("int32")), ("has_mask", Scalar("int32"))), ("TM", "TN", "HP")),
+}
+
+
+def norm_rows(width_pad: int) -> int:
+    """Rows per LayerNorm block for rows padded to width_pad columns (about 4096 elements)."""
+    return max(1, min(32, 4096 // width_pad))
+
+
+def norm_widths() -> list[int]:
+    """Every padded LayerNorm width: the powers of two from 8 to MAX_ROW_WIDTH."""
+    return [1 << i for i in range(3, MAX_ROW_WIDTH.bit_length())]
+
+
+# GEMM tiles (TM, TN, TK): small for narrow outputs and few rows, large for the rest.
+GEMM_TILES = ((64, 64, 32), (128, 128, 64))
+# Products per kernel: Q/K/V one (its output is rounded to fp16 for attention anyway),
+# the others two (activations split) or three (weights split too).
+GEMM_PRODUCTS = {"linear_half": (1,), "linear_gelu": (2, 3), "linear_residual": (2, 3)}
+
+
+def attention_tiles(head_pad: int) -> list[tuple[int, int]]:
+    """(TM, TN) query and key tiles compiled for a padded head dim."""
+    if head_pad >= 256:
+        return [(64, 32)]
+    return [(64, 64), (128, 64)]
+
+
+def specialisations() -> list[tuple[str, dict[str, int]]]:
+    """Every (kernel name, constants) the backend may launch."""
+    out = []
+    for name in ("layer_norm_split", "layer_norm_out"):
+        out += [(name, {"BM": norm_rows(w), "BD": w}) for w in norm_widths()]
+    for name, counts in GEMM_PRODUCTS.items():
+        for (tm, tn, tk), p in itertools.product(GEMM_TILES, counts):
+            out.append((name, {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": p}))
+    for hp in HEAD_PADS:
+        out += [("flash_attention", {"TM": tm, "TN": tn, "HP": hp})
+                for tm, tn in attention_tiles(hp)]
+    return out
+
+
+def symbol(name: str, constants: dict[str, int]) -> str:
+    """The exported symbol of a specialisation, e.g. linear_half_TM64_TN64_TK32_PRODUCTS1."""
+    return "_".join([name] + [f"{k}{constants[k]}" for k in KERNELS[name].constants])
+
+
+def source_hash() -> str:
+    """A hash of the kernel sources and this table: a build is valid only for this hash."""
+    h = hashlib.sha256()
+    for path in sorted(KERNEL_DIR.glob("*.py")) + [Path(__file__)]:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,295 @@
+"""cutile-specific cases: every kernel specialisation exports to cubins for sm_80, sm_90 and
+sm_100 (also without a GPU), the launcher's parameter packing matches the exported kernels,
+the backend refuses clearly what it cannot run, and (on a GPU) each kernel family against
+PyTorch in fp64, and the ahead-of-time and JIT paths give identical outputs."""
+from __future__ import annotations
+
+import ctypes
+import math
+import re
+import subprocess
+
+import pytest
+import torch
+
+from layerbench.backends.cutile import CutileBackend, launch, manifest, ops, specs
+from layerbench.backends.cutile.layer import weight_pair
+from layerbench.common.config import LayerConfig
+from layerbench.common.errors import Unsupported
+from layerbench.common.selection import selected_backends
+from layerbench.reference import packed_attention
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def cutile_selected(pytestconfig):
+    """Skip unless --backend selects cutile."""
+    if "cutile" not in selected_backends(pytestconfig):
+        pytest.skip("cutile is not among the selected backends")
+
+
+@pytest.fixture(scope="session")
+def cutile_build(tmp_path_factory):
+    """Every specialisation exported for every architecture into one folder per session
+    (skips where cuda.tile cannot compile)."""
+    why = launch.jit_unavailable_reason()
+    if why is not None:
+        pytest.skip(why)
+    from layerbench.backends.cutile.export import export
+
+    root = tmp_path_factory.mktemp("cutile-build")
+    export(manifest.ARCHS, root, progress=False)
+    return root
+
+
+def kernel_parameters(cubin) -> dict[str, list[int]]:
+    """Per kernel symbol in a cubin, its parameter sizes in ordinal order (cuobjdump -elf)."""
+    from bench.sass import tool
+
+    text = subprocess.run([tool("cuobjdump"), "-elf", str(cubin)], check=True,
+                          capture_output=True, text=True).stdout
+    params: dict[str, dict[int, int]] = {}
+    for section in re.split(r"\n(?=\.nv\.info\.)", text):
+        head = re.match(r"\.nv\.info\.(\w+)", section)
+        if not head:
+            continue
+        found = re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*0x[0-9a-f]+\s+"
+                           r"Size\s*:\s*(0x[0-9a-f]+)", section)
+        params[head.group(1)] = {int(o, 16): int(s, 16) for o, s in found}
+    return {k: [v[i] for i in sorted(v)] for k, v in params.items()}
+
+
+def expected_sizes(name: str) -> list[int]:
+    """Parameter sizes the launcher packs for a kernel: 8 per address, 4 per int32/float."""
+    sizes = []
+    for _, param in specs.KERNELS[name].params:
+        sizes += [4] if isinstance(param, specs.Scalar) else [8] + [4] * (2 * param.ndim)
+    return sizes
+
+
+@pytest.mark.parametrize("arch", manifest.ARCHS)
+def test_every_specialisation_exports(cutile_selected, cutile_build, arch):
+    """The build has every (kernel, constants) of specs.py for arch, each symbol in its cubin
+    with exactly the parameters the launcher packs (no hidden tensor-map parameter)."""
+    found, why = manifest.load(arch, cutile_build)
+    assert found is not None, why
+    wanted = {specs.symbol(n, c) for n, c in specs.specialisations()}
+    assert {e["symbol"] for e in found["entries"]} == wanted
+    folder = manifest.build_dir(arch, cutile_build)
+    for cubin in {e["cubin"] for e in found["entries"]}:
+        params = kernel_parameters(folder / cubin)
+        for entry in (e for e in found["entries"] if e["cubin"] == cubin):
+            assert params.get(entry["symbol"]) == expected_sizes(entry["kernel"]), entry
+
+
+def test_stale_build_is_refused(cutile_selected, tmp_path, monkeypatch):
+    """A manifest from other kernel sources, or a missing one, gives a reason, not a build."""
+    assert manifest.load("sm_90", tmp_path)[0] is None
+    folder = manifest.build_dir("sm_90", tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text('{"source_hash": "0", "entries": []}')
+    found, why = manifest.load("sm_90", tmp_path)
+    assert found is None and "other kernel sources" in why
+
+
+def test_packing_follows_the_calling_convention(cutile_selected):
+    """Per array: address, shape, strides (int32); per scalar: its value, in order."""
+    x = torch.zeros(40, 24)
+    w, b = torch.zeros(24), torch.zeros(24)
+    hi = torch.zeros(40, 24, dtype=torch.float16)
+    values = launch.pack("layer_norm_split", (x, w, b, hi, hi))
+    assert len(values) == sum(1 + 2 * p.ndim for _, p in specs.KERNELS["layer_norm_split"].params)
+    assert values[0].value == x.data_ptr()
+    assert [v.value for v in values[1:5]] == [40, 24, 24, 1]
+    mask = torch.ones(40, dtype=torch.uint8)
+    values = launch.pack("layer_norm_out", (x, w, b, mask, x, 1))
+    assert isinstance(values[-1], ctypes.c_int32) and values[-1].value == 1
+
+
+@pytest.mark.parametrize("case", ["dtype", "rank", "stride", "address", "count"])
+def test_packing_refuses_what_the_build_assumes_otherwise(cutile_selected, case):
+    """A tensor off the compiled assumptions raises, naming the kernel and parameter."""
+    x = torch.zeros(40, 32)
+    w, b = torch.zeros(32), torch.zeros(32)
+    hi = torch.zeros(40, 32, dtype=torch.float16)
+    args = {"dtype": (x.double(), w, b, hi, hi), "rank": (x, w, b, hi.view(-1), hi),
+            "stride": (x, w, b, torch.zeros(40, 36, dtype=torch.float16)[:, :32], hi),
+            "address": (torch.zeros(40 * 32 + 1)[1:].view(40, 32), w, b, hi, hi),
+            "count": (x, w, b, hi)}[case]
+    error = ValueError if case != "count" else ValueError
+    with pytest.raises(error, match="layer_norm_split|zip"):
+        launch.pack("layer_norm_split", args)
+
+
+def test_key_info():
+    """Key end and the read-mask flag per sequence: prefix, holed, empty and full masks."""
+    valid = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]],
+                         dtype=torch.uint8)
+    info = ops.key_info(valid)
+    assert info.shape == (4, 4) and info.dtype == torch.int32
+    assert info[:, 0].tolist() == [2, 3, 0, 4] and info[:, 1].tolist() == [0, 1, 0, 0]
+
+
+def test_weight_pair_layout():
+    """Weights [N, K] become a transposed fp16 pair [K, N] with 16-byte row strides."""
+    w = torch.randn(20, 12)
+    hi, lo = weight_pair(w)
+    assert hi.shape == (12, 20) and hi.stride() == (24, 1) and lo.stride() == (24, 1)
+    assert torch.allclose(hi.float() + lo.float(), w.t(), atol=1e-6, rtol=0)
+
+
+def test_refuses_without_cuda_device(cutile_selected):
+    """Without a CUDA device the backend raises Unsupported; wide rows are refused by name."""
+    cfg = LayerConfig(1, 16, 32, 4, 32, 1)
+    with pytest.raises(Unsupported, match="cuda"):
+        CutileBackend().build(cfg, {}, device="cpu")
+    wide = LayerConfig(1, 16, specs.MAX_ROW_WIDTH + 64, 4, 32, 1)
+    with pytest.raises(Unsupported, match="d_model up to"):
+        CutileBackend().check(wide, "cuda", torch.float32)
+    with pytest.raises(ValueError, match="mode"):
+        launch.kernels_for(torch.device("cuda", 0), "fast")
+
+
+# GPU: each kernel family against fp64 PyTorch, outputs poisoned with NaN first.
+
+@pytest.fixture
+def kernels(cutile_selected):
+    """The backend's launcher on the current device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    device = torch.device("cuda", torch.cuda.current_device())
+    backend = CutileBackend()
+    why = backend.unavailable_reason(device)
+    if why:
+        pytest.skip(why)
+    return backend.kernels(device)
+
+
+def _norm64(x, w, b):
+    x = x.double()
+    mean = x.mean(1, keepdim=True)
+    var = ((x - mean) ** 2).mean(1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + 1e-5) * w.double() + b.double()
+
+
+@pytest.mark.parametrize("width", [8, 24, 128, 200, 1024, 4096])
+def test_layer_norm_kernels(kernels, width):
+    """Both LayerNorm kernels on 77 rows of any width: the pair sums to the fp32 norm, the
+    fp32 form zeroes invalid rows."""
+    g = torch.Generator(device="cuda").manual_seed(width)
+    x = torch.randn(77, width, device="cuda", generator=g) * 3 + 1
+    w = torch.rand(width, device="cuda", generator=g) + 0.5
+    b = torch.randn(width, device="cuda", generator=g)
+    hi = torch.full_like(x, math.nan, dtype=torch.float16)
+    lo = torch.full_like(hi, math.nan)
+    ops.layer_norm_split(kernels, x, w, b, hi, lo)
+    want = _norm64(x, w, b)
+    assert ((hi.double() + lo.double()) - want).abs().max().item() < 2e-5
+    out = torch.full_like(x, math.nan)
+    valid = (torch.rand(77, device="cuda", generator=g) > 0.3).to(torch.uint8)
+    ops.layer_norm_out(kernels, x, w, b, valid, out)
+    want = torch.where(valid.bool()[:, None], want, 0)
+    assert (out.double() - want).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("m,k,n", [(77, 40, 24), (300, 128, 384), (1000, 1032, 136),
+                                   (8192, 1024, 1024)])
+@pytest.mark.parametrize("kind", ["half", "gelu", "residual_update", "residual_sum"])
+def test_linear_kernels(kernels, kind, m, k, n):
+    """Each GEMM epilogue on odd and large sizes, with every product count compiled for it."""
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
+    bias = torch.randn(n, device="cuda", generator=g)
+    a_pair = tuple(torch.zeros(m, -(-k // 8) * 8, device="cuda", dtype=torch.float16)[:, :k]
+                   for _ in range(2))
+    a_pair[0].copy_(a)
+    a_pair[1].copy_(a - a_pair[0].float())
+    w_pair = weight_pair(w)
+    exact = a.double() @ w.double().t() + bias.double()
+    res = torch.randn(m, n, device="cuda", generator=g)
+    valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
+    name = "linear_half" if kind == "half" else ("linear_gelu" if kind == "gelu"
+                                                  else "linear_residual")
+    for products in specs.GEMM_PRODUCTS[name]:
+        if kind == "half":
+            out = torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
+            ops.linear_half(kernels, a_pair, w_pair, bias, out)
+            # one product: activations and weights rounded to fp16
+            exact1 = (a_pair[0].double() @ w_pair[0].double() + bias.double())
+            got, want, tol = out.double(), exact1, 2e-3
+        elif kind == "gelu":
+            pair = tuple(torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
+                         for _ in range(2))
+            ops.linear_gelu(kernels, a_pair, w_pair, bias, pair, products)
+            got = pair[0].double() + pair[1].double()
+            want, tol = torch.nn.functional.gelu(exact), 1e-4 if products == 3 else 2e-3
+        else:
+            out = torch.full((m, n), math.nan, device="cuda")
+            zero_sum = kind == "residual_sum"
+            ops.linear_residual(kernels, a_pair, w_pair, bias, res, valid, out, products,
+                                zero_sum=zero_sum)
+            keep = valid.bool()[:, None]
+            want = (torch.where(keep, res.double() + exact, 0) if zero_sum
+                    else res.double() + torch.where(keep, exact, 0))
+            got, tol = out.double(), 1e-4 if products == 3 else 2e-3
+        err = ((got - want).abs() / want.abs().clamp_min(1.0)).nan_to_num(nan=math.inf)
+        assert err.max().item() < tol, f"{kind} {products} products: {err.max().item():.3g}"
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 32, 64, 72, 128, 256])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("mask", ["none", "prefix", "holes"])
+def test_attention_kernel(kernels, head_dim, causal, mask):
+    """Flash attention at odd lengths against the fp32 oracle: every padded head dim, causal or
+    full, no mask, prefix masks (one sequence empty) and holed masks."""
+    batch, seq_len, heads = 3, 200, 2
+    d = heads * head_dim
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    qkv = torch.randn(batch * seq_len, 3 * d, device="cuda", generator=g).half()
+    valid = None
+    if mask != "none":
+        lengths = torch.tensor([seq_len, 0, 137], device="cuda")
+        valid = (torch.arange(seq_len, device="cuda")[None, :] < lengths[:, None])
+        if mask == "holes":
+            valid &= torch.rand(batch, seq_len, device="cuda", generator=g) > 0.3
+        valid = valid.to(torch.uint8)
+    want, blind = packed_attention(qkv, valid, batch=batch, seq_len=seq_len, heads=heads,
+                                   causal=causal)
+    ctx = tuple(torch.full((batch * seq_len, d), math.nan, device="cuda",
+                           dtype=torch.float16) for _ in range(2))
+    ops.attention(kernels, qkv.view(batch, seq_len, 3 * heads, head_dim),
+                  [t.view(batch, seq_len, heads, head_dim) for t in ctx], valid,
+                  None if valid is None else ops.key_info(valid), num_heads=heads,
+                  causal=causal)
+    got = (ctx[0].float() + ctx[1].float()).view(batch, seq_len, d)
+    assert torch.isfinite(got).all()
+    err = (got - want).abs().max().item()
+    assert err < 2e-2, f"max error {err:.3g}"
+    assert torch.equal(got[blind], torch.zeros_like(got[blind]))
+
+
+@needs_gpu
+def test_aot_and_jit_agree(cutile_selected):
+    """Both launch paths run the same sources: identical outputs on one layer."""
+    from layerbench.common.inputs import make_inputs
+    from layerbench.reference import make_reference
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    why = launch.jit_unavailable_reason()
+    if why:
+        pytest.skip(f"no JIT here: {why}")
+    try:
+        launch.AotKernels(device)
+    except Unsupported as exc:
+        pytest.skip(f"no ahead-of-time build here: {exc}")
+    cfg = LayerConfig(3, 100, 64, 2, 96, 2)
+    model = make_reference(cfg, seed=3)
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=4, device="cuda")
+    outs = []
+    for mode in ("aot", "jit"):
+        layer = CutileBackend(mode).build(cfg, model.state_dict(), device=device)
+        with torch.no_grad():
+            outs.append(layer(x, mask).clone())
+    assert torch.equal(outs[0], outs[1])
