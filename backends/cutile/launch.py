@@ -95,7 +95,8 @@ class AotKernels:
                 Device(self.device.index).set_current()
                 self.modules[cubin] = ObjectCode.from_cubin((self.folder / cubin).read_bytes())
             kernel = self.modules[cubin].get_kernel(symbol)
-            self.kernels[symbol] = (kernel, kernel.attributes.max_threads_per_block())
+            threads = kernel.attributes.max_threads_per_block  # the kernel's fixed block size
+            self.kernels[symbol] = (kernel, threads() if callable(threads) else threads)
         return self.kernels[symbol]
 
     def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args):
