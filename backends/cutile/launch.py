@@ -3,9 +3,9 @@ ahead of time (cubins from export.py loaded through cuda.core, parameters packed
 cutile_python_v1 calling convention) and just in time (cuda.tile's own ct.launch)."""
 from __future__ import annotations
 
-import ctypes
 import functools
 
+import numpy as np
 import torch
 
 from layerbench.common.errors import Unsupported
@@ -43,18 +43,17 @@ def check_array(name: str, param: specs.Array, t: torch.Tensor, kernel: str) -> 
 
 
 def pack(kernel: str, args) -> list:
-    """ctypes values of a call's parameters by the cutile_python_v1 convention: per array its
-    address, then its shape and its strides as int32; per scalar its value."""
+    """numpy scalars of a call's parameters by the cutile_python_v1 convention: per array its
+    address (64 bits), then its shape and its strides as int32; per scalar its value."""
     values = []
     for (name, param), arg in zip(specs.KERNELS[kernel].params, args, strict=True):
         if isinstance(param, specs.Scalar):
-            values.append(ctypes.c_int32(int(arg)) if param.dtype == "int32"
-                          else ctypes.c_float(float(arg)))
+            values.append(np.int32(arg) if param.dtype == "int32" else np.float32(arg))
             continue
         check_array(name, param, arg, kernel)
-        values.append(ctypes.c_void_p(arg.data_ptr()))
-        values += [ctypes.c_int32(n) for n in arg.shape]
-        values += [ctypes.c_int32(s) for s in arg.stride()]
+        values.append(np.uint64(arg.data_ptr()))
+        values += [np.int32(n) for n in arg.shape]
+        values += [np.int32(s) for s in arg.stride()]
     return values
 
 
