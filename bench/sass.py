@@ -3,9 +3,10 @@ from `cuobjdump` (the CUDA toolkit's, else the one bundled with Triton)."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
+
+from layerbench.common.cuda_host import cuda_tool as tool
 
 PATTERNS = {
     "HGMMA": r"\bHGMMA\.",
@@ -15,21 +16,6 @@ PATTERNS = {
     "spill_stores": r"\bSTL\b",
     "local_loads": r"\bLDL\b",
 }
-
-
-def tool(name: str) -> str:
-    """Path of a CUDA binary tool: the toolkit's on PATH, else Triton's bundled copy."""
-    found = shutil.which(name)
-    if found:
-        return found
-    try:
-        import triton
-        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-        if bundled.exists():
-            return str(bundled)
-    except ImportError:
-        pass
-    return name
 
 
 def _run(*args: str) -> str:

@@ -3,6 +3,8 @@ weight split, uint8 masks, the per-shape chunk plan and the chunk loop."""
 from __future__ import annotations
 
 import functools
+import shutil
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -25,6 +27,26 @@ def max_shared_memory_per_block(device: torch.device) -> int | None:
         return None
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin",
                    None)
+
+
+def cuda_tool(name: str) -> str:
+    """Path of a CUDA binary tool (cuobjdump, nvdisasm): the toolkit's on PATH, else the copy
+    bundled with Triton, else the NVIDIA pip package's; the bare name if none is found."""
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = []
+    try:
+        import triton
+        candidates.append(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+    except ImportError:
+        pass
+    try:
+        import nvidia
+        candidates += [Path(p) / "cu13" / "bin" / name for p in nvidia.__path__]
+    except ImportError:
+        pass
+    return next((str(c) for c in candidates if c.exists()), name)
 
 
 def split_fp16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,6 @@ PyTorch in fp64, and the ahead-of-time and JIT paths give identical outputs."""
 from __future__ import annotations
 
 import math
-import re
-import subprocess
 
 import numpy as np
 import pytest
@@ -43,23 +41,6 @@ def cutile_build(tmp_path_factory):
     return root
 
 
-def kernel_parameters(cubin) -> dict[str, list[int]]:
-    """Per kernel symbol in a cubin, its parameter sizes in ordinal order (cuobjdump -elf)."""
-    from bench.sass import tool
-
-    text = subprocess.run([tool("cuobjdump"), "-elf", str(cubin)], check=True,
-                          capture_output=True, text=True).stdout
-    params: dict[str, dict[int, int]] = {}
-    for section in re.split(r"\n(?=\.nv\.info\.)", text):
-        head = re.match(r"\.nv\.info\.(\w+)", section)
-        if not head:
-            continue
-        found = re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*0x[0-9a-f]+\s+"
-                           r"Size\s*:\s*(0x[0-9a-f]+)", section)
-        params[head.group(1)] = {int(o, 16): int(s, 16) for o, s in found}
-    return {k: [v[i] for i in sorted(v)] for k, v in params.items()}
-
-
 def expected_sizes(name: str) -> list[int]:
     """Parameter sizes the launcher packs for a kernel: 8 per address, 4 per int32/float."""
     sizes = []
@@ -71,16 +52,15 @@ def expected_sizes(name: str) -> list[int]:
 @pytest.mark.parametrize("arch", manifest.ARCHS)
 def test_every_specialisation_exports(cutile_selected, cutile_build, arch):
     """The build has every (kernel, constants) of specs.py for arch, each symbol in its cubin
-    with exactly the parameters the launcher packs (no hidden tensor-map parameter)."""
+    with exactly the parameters the launcher packs (no hidden tensor-map parameter) and a
+    required block size (cuobjdump -elf of the cubin, recorded in the manifest)."""
     found, why = manifest.load(arch, cutile_build)
     assert found is not None, why
     wanted = {specs.symbol(n, c) for n, c in specs.specialisations()}
     assert {e["symbol"] for e in found["entries"]} == wanted
-    folder = manifest.build_dir(arch, cutile_build)
-    for cubin in {e["cubin"] for e in found["entries"]}:
-        params = kernel_parameters(folder / cubin)
-        for entry in (e for e in found["entries"] if e["cubin"] == cubin):
-            assert params.get(entry["symbol"]) == expected_sizes(entry["kernel"]), entry
+    for entry in found["entries"]:
+        assert entry["param_sizes"] == expected_sizes(entry["kernel"]), entry
+        assert entry["threads"][0] % 32 == 0 and entry["threads"][1:] == [1, 1], entry
 
 
 def test_stale_build_is_refused(cutile_selected, tmp_path, monkeypatch):
@@ -255,8 +235,9 @@ def test_attention_kernel(kernels, head_dim, causal, mask):
         if mask == "holes":
             valid &= torch.rand(batch, seq_len, device="cuda", generator=g) > 0.3
         valid = valid.to(torch.uint8)
-    want, blind = packed_attention(qkv, valid, batch=batch, seq_len=seq_len, heads=heads,
-                                   causal=causal)
+    everyone = torch.ones(batch, seq_len, dtype=torch.uint8, device="cuda")
+    want, blind = packed_attention(qkv, everyone if valid is None else valid, batch=batch,
+                                   seq_len=seq_len, heads=heads, causal=causal)
     ctx = tuple(torch.full((batch * seq_len, d), math.nan, device="cuda",
                            dtype=torch.float16) for _ in range(2))
     ops.attention(kernels, qkv.view(batch, seq_len, 3 * heads, head_dim),

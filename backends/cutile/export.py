@@ -7,6 +7,8 @@ import argparse
 import importlib
 import json
 import os
+import re
+import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -52,6 +54,28 @@ def kernel_function(name: str):
     return getattr(module, name)
 
 
+def kernel_info(cubin) -> dict[str, dict]:
+    """Per kernel symbol in a cubin: its parameter sizes in order and its required block size
+    (EIATTR_REQNTID), read with cuobjdump -elf."""
+    from layerbench.common.cuda_host import cuda_tool
+
+    text = subprocess.run([cuda_tool("cuobjdump"), "-elf", str(cubin)], check=True,
+                          capture_output=True, text=True).stdout
+    info = {}
+    for section in re.split(r"\n(?=\.nv\.info\.)", text):
+        head = re.match(r"\.nv\.info\.(\w+)", section)
+        if not head:
+            continue
+        params = re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*0x[0-9a-f]+\s+"
+                            r"Size\s*:\s*(0x[0-9a-f]+)", section)
+        threads = re.search(r"EIATTR_REQNTID\s+Format:\s*\w+\s+Value:\s*(0x[0-9a-f]+)\s+"
+                            r"(0x[0-9a-f]+)\s+(0x[0-9a-f]+)", section)
+        info[head.group(1)] = {
+            "params": [int(s, 16) for _, s in sorted(params, key=lambda p: int(p[0], 16))],
+            "threads": [int(v, 16) for v in threads.groups()] if threads else None}
+    return info
+
+
 def export_group(arch: str, name: str, constant_sets: list[dict[str, int]], folder: str):
     """Compile one kernel's specialisations for arch into folder/<name>.cubin; its entries."""
     from cuda.tile.compilation import export_kernel
@@ -59,8 +83,15 @@ def export_group(arch: str, name: str, constant_sets: list[dict[str, int]], fold
     start = time.perf_counter()
     export_kernel(kernel_function(name), [signature(name, c) for c in constant_sets],
                   f"{folder}/{name}.cubin", gpu_code=arch, output_format="cubin")
-    entries = [{"kernel": name, "symbol": specs.symbol(name, c), "constants": c,
-                "cubin": f"{name}.cubin"} for c in constant_sets]
+    info = kernel_info(f"{folder}/{name}.cubin")
+    entries = []
+    for c in constant_sets:
+        found = info.get(specs.symbol(name, c))
+        if found is None or found["threads"] is None:
+            raise RuntimeError(f"{name}.cubin for {arch}: no block size for {c}")
+        entries.append({"kernel": name, "symbol": specs.symbol(name, c), "constants": c,
+                        "cubin": f"{name}.cubin", "threads": found["threads"],
+                        "param_sizes": found["params"]})
     return entries, time.perf_counter() - start
 
 

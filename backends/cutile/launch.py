@@ -79,7 +79,7 @@ class AotKernels:
         if self.manifest is None:
             raise Unsupported(why)
         self.folder = manifest.build_dir(self.arch, root)
-        self.symbols = {e["symbol"]: e["cubin"] for e in self.manifest["entries"]}
+        self.entries = {e["symbol"]: e for e in self.manifest["entries"]}
         self.modules: dict[str, object] = {}
         self.kernels: dict[str, tuple[object, int]] = {}
 
@@ -87,15 +87,15 @@ class AotKernels:
         from cuda.core import Device, ObjectCode
 
         if symbol not in self.kernels:
-            cubin = self.symbols.get(symbol)
-            if cubin is None:
+            entry = self.entries.get(symbol)
+            if entry is None:
                 raise Unsupported(f"the cutile build {self.folder} has no kernel {symbol}")
+            cubin = entry["cubin"]
             if cubin not in self.modules:
                 Device(self.device.index).set_current()
                 self.modules[cubin] = ObjectCode.from_cubin((self.folder / cubin).read_bytes())
             kernel = self.modules[cubin].get_kernel(symbol)
-            threads = kernel.attributes.max_threads_per_block  # the kernel's fixed block size
-            self.kernels[symbol] = (kernel, threads() if callable(threads) else threads)
+            self.kernels[symbol] = (kernel, tuple(entry["threads"]))  # its required block
         return self.kernels[symbol]
 
     def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args):
