@@ -69,7 +69,7 @@ def flash_attention(QKV, CTX_HI, CTX_LO, VALID, KEY_INFO, scale: float, num_head
         v = head_tile(QKV, b, j, 2 * num_heads + h, TN, HP)
         acc = ct.mma(ct.astype(p, ct.float16), v, acc * alpha)
         m = m_new
-    out = ct.where(l > 0.0, acc / ct.maximum(l, 1e-30), 0.0)
+    out = ct.where(l == 0.0, 0.0, acc / l)  # NaN inputs stay NaN, as in the reference
     hi = ct.astype(out, ct.float16)
     lo = ct.astype(out - ct.astype(hi, ct.float32), ct.float16)
     ct.store(CTX_HI, index=(b, qt, h, 0), tile=hi.reshape((1, TM, 1, HP)), allow_tma=False)
