@@ -87,18 +87,18 @@ def test_packing_follows_the_calling_convention(cutile_selected):
     assert values[-1].dtype == np.int32 and values[-1] == 1
 
 
-@pytest.mark.parametrize("case", ["dtype", "rank", "stride", "address", "count"])
+@pytest.mark.parametrize("case", ["dtype", "rank", "width", "stride", "address", "count"])
 def test_packing_refuses_what_the_build_assumes_otherwise(cutile_selected, case):
     """A tensor off the compiled assumptions raises, naming the kernel and parameter."""
     x = torch.zeros(40, 32)
     w, b = torch.zeros(32), torch.zeros(32)
     hi = torch.zeros(40, 32, dtype=torch.float16)
     args = {"dtype": (x.double(), w, b, hi, hi), "rank": (x, w, b, hi.view(-1), hi),
+            "width": (x, w, b, hi[:, :28], hi),
             "stride": (x, w, b, torch.zeros(40, 36, dtype=torch.float16)[:, :32], hi),
             "address": (torch.zeros(40 * 32 + 1)[1:].view(40, 32), w, b, hi, hi),
             "count": (x, w, b, hi)}[case]
-    error = ValueError if case != "count" else ValueError
-    with pytest.raises(error, match="layer_norm_split|zip"):
+    with pytest.raises(ValueError, match="layer_norm_split|zip"):
         launch.pack("layer_norm_split", args)
 
 
@@ -112,11 +112,12 @@ def test_key_info():
 
 
 def test_weight_pair_layout():
-    """Weights [N, K] become a transposed fp16 pair [K, N] with 16-byte row strides."""
+    """Weights [N, K] become a transposed fp16 pair [K8, N8], zero-padded to multiples of 8."""
     w = torch.randn(20, 12)
     hi, lo = weight_pair(w)
-    assert hi.shape == (12, 20) and hi.stride() == (24, 1) and lo.stride() == (24, 1)
-    assert torch.allclose(hi.float() + lo.float(), w.t(), atol=1e-6, rtol=0)
+    assert hi.shape == lo.shape == (16, 24) and hi.is_contiguous()
+    assert torch.allclose(hi[:12, :20].float() + lo[:12, :20].float(), w.t(), atol=1e-6, rtol=0)
+    assert not hi[12:].any() and not hi[:, 20:].any() and not lo[12:].any()
 
 
 def test_refuses_without_cuda_device(cutile_selected):
@@ -186,7 +187,7 @@ def test_linear_kernels(kernels, kind, m, k, n):
                    for _ in range(2))
     a_pair[0].copy_(a)
     a_pair[1].copy_(a - a_pair[0].float())
-    w_pair = weight_pair(w)
+    w_pair = weight_pair(w)  # k and n are multiples of 8 here: no padding
     exact = a.double() @ w.double().t() + bias.double()
     res = torch.randn(m, n, device="cuda", generator=g)
     valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)

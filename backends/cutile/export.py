@@ -34,6 +34,7 @@ def constraint(param):
         alias_groups=("workspace",), may_alias_internally=False,
         stride_constant=(None,) * rest + (1,),
         stride_divisible_by=((16 // itemsize) if param.aligned else 1,) * rest + (1,),
+        shape_divisible_by=(1,) * rest + ((16 // itemsize) if param.aligned else 1,),
         base_addr_divisible_by=16 if param.aligned else 1)
 
 

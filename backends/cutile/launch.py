@@ -37,9 +37,10 @@ def check_array(name: str, param: specs.Array, t: torch.Tensor, kernel: str) -> 
         raise ValueError(f"{where} has a size or stride beyond 32-bit indices: {t.shape}")
     if param.aligned:
         step = 16 // t.element_size()
-        if t.data_ptr() % 16 or any(s % step for s in t.stride()[:-1]):
-            raise ValueError(f"{where} must start on 16 bytes with strides of 16 bytes, "
-                             f"got address {t.data_ptr():#x} and strides {t.stride()}")
+        if t.data_ptr() % 16 or any(s % step for s in t.stride()[:-1]) or t.shape[-1] % step:
+            raise ValueError(f"{where} must start on 16 bytes, with rows and strides of 16 "
+                             f"bytes; got address {t.data_ptr():#x}, shape {tuple(t.shape)}, "
+                             f"strides {t.stride()}")
 
 
 def pack(kernel: str, args) -> list:
@@ -57,14 +58,12 @@ def pack(kernel: str, args) -> list:
     return values
 
 
-class _Stream:
-    """PyTorch's current stream seen through the __cuda_stream__ protocol."""
+@functools.lru_cache(maxsize=64)
+def core_stream(handle: int):
+    """A cuda.core Stream for a PyTorch stream handle (not owned: PyTorch keeps it alive)."""
+    from cuda.core import Stream
 
-    def __init__(self, handle: int):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
+    return Stream.from_handle(handle)
 
 
 class AotKernels:
@@ -103,7 +102,7 @@ class AotKernels:
         from cuda.core import LaunchConfig, launch
 
         kernel, threads = self._kernel(specs.symbol(name, constants))
-        stream = _Stream(torch.cuda.current_stream(self.device).cuda_stream)
+        stream = core_stream(torch.cuda.current_stream(self.device).cuda_stream)
         launch(stream, LaunchConfig(grid=grid, block=threads), kernel, *pack(name, args))
 
 

@@ -29,7 +29,8 @@ def linear_products_for(d_model: int) -> int:
 
 def workspace(config) -> dict[str, tuple[int, torch.dtype]]:
     """Per-token workspace buffers: name -> (columns, dtype). "rows" holds the normed rows,
-    then the context, as an fp16 (hi, lo) pair; "hidden" the FFN's hidden rows likewise."""
+    then the context, as an fp16 (hi, lo) pair; "hidden" the FFN's hidden rows likewise,
+    padded to a multiple of 8 columns (GELU(0) = 0 in the padding)."""
     d, f = config.d_model, padded(config.ffn_dim)
     return {"residual": (d, torch.float32), "staging": (d, torch.float32),
             "qkv": (3 * d, torch.float16),
@@ -44,14 +45,22 @@ def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
 
 
 def weight_pair(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] as a transposed (hi, lo) fp16 pair [K, N], rows padded to 16 bytes."""
-    k, n = w.shape[1], w.shape[0]
+    """W [N, K] as a transposed (hi, lo) fp16 pair [K8, N8], both sizes rounded up to
+    multiples of 8 with zeros (the padded columns of a GEMM's output are then bias only)."""
+    n, k = w.shape
     pair = []
     for part in split_fp16(w.t()):
-        store = torch.zeros(k, padded(n), dtype=torch.float16, device=w.device)
-        store[:, :n] = part
-        pair.append(store[:, :n])
+        store = torch.zeros(padded(k), padded(n), dtype=torch.float16, device=w.device)
+        store[:k, :n] = part
+        pair.append(store)
     return pair[0], pair[1]
+
+
+def padded_vector(v: torch.Tensor) -> torch.Tensor:
+    """v with zeros appended to a multiple of 8 elements."""
+    out = torch.zeros(padded(v.shape[0]), dtype=v.dtype, device=v.device)
+    out[:v.shape[0]] = v
+    return out
 
 
 class CutileLayer(BuiltLayer):
@@ -66,6 +75,7 @@ class CutileLayer(BuiltLayer):
         names = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
         self.weights = [{n: weight_pair(getattr(p, n)) for n in names}
                         for p in self.params.layers]
+        self.ffn_in_biases = [padded_vector(p.ffn_in_bias) for p in self.params.layers]
         self.chunks = ChunkPlan(
             device, lambda s: working_bytes_per_sequence(replace(config, seq_len=s), s),
             param_bytes(config) * 2, MAX_GRID_Y // config.num_heads)
@@ -90,26 +100,26 @@ class CutileLayer(BuiltLayer):
     def _run(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk of sequences (x2, out2: [tokens, d_model] views)."""
         cfg, k = self.config, self.kernels
-        d, h, f = cfg.d_model, cfg.num_heads, cfg.ffn_dim
+        d, h = cfg.d_model, cfg.num_heads
         valid, info = masks
         valid_rows = None if valid is None else valid.reshape(-1)
         res, staging, qkv = work["residual"], work["staging"], work["qkv"]
         rows = (work["rows_hi"], work["rows_lo"])
-        hidden = (work["hidden_hi"][:, :f], work["hidden_lo"][:, :f])
+        hidden = (work["hidden_hi"], work["hidden_lo"])
         heads = [t.view(batch, s, h, d // h) for t in rows]
         qkv_heads = qkv.view(batch, s, 3 * h, d // h)
         src = x2
         if x2.dtype != torch.float32 or x2.data_ptr() % 16:
             staging.copy_(x2)
             src = staging
-        for p, w in zip(self.params.layers, self.weights):
+        for p, w, ffn_in_bias in zip(self.params.layers, self.weights, self.ffn_in_biases):
             ops.layer_norm_split(k, src, p.norm1_weight, p.norm1_bias, *rows)
             ops.linear_half(k, rows, w["qkv_weight"], p.qkv_bias, qkv)
             ops.attention(k, qkv_heads, heads, valid, info, num_heads=h, causal=cfg.causal)
             ops.linear_residual(k, rows, w["out_weight"], p.out_bias, src, valid_rows, res,
                                 self.products, zero_sum=False)
             ops.layer_norm_split(k, res, p.norm2_weight, p.norm2_bias, *rows)
-            ops.linear_gelu(k, rows, w["ffn_in_weight"], p.ffn_in_bias, hidden, self.products)
+            ops.linear_gelu(k, rows, w["ffn_in_weight"], ffn_in_bias, hidden, self.products)
             ops.linear_residual(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, res,
                                 valid_rows, res, self.products, zero_sum=True)
             src = res

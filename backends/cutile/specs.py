@@ -18,7 +18,8 @@ HEAD_PADS = (8, 16, 32, 64, 128, 256)
 @dataclass(frozen=True)
 class Array:
     """An array parameter: element type, rank, and whether it meets the 16-byte assumptions
-    (base address and every stride but the last divisible by 16 bytes, last stride 1)."""
+    (base address, every stride but the last, and the last dimension's length divisible by
+    16 bytes; last stride 1). Without them cuTile loads element by element."""
 
     dtype: str  # "float32", "float16", "uint8", "int32"
     ndim: int
@@ -79,8 +80,9 @@ def norm_widths() -> list[int]:
     return [1 << i for i in range(3, MAX_ROW_WIDTH.bit_length())]
 
 
-# GEMM tiles (TM, TN, TK): small for narrow outputs and few rows, large for the rest.
-GEMM_TILES = ((64, 64, 32), (128, 128, 64))
+# GEMM tiles (TM, TN, TK): small for narrow outputs and few rows, large for the rest
+# (128x128 spills registers in every epilogue on sm_90).
+GEMM_TILES = ((64, 64, 32), (128, 64, 64))
 # Products per kernel: Q/K/V one (its output is rounded to fp16 for attention anyway),
 # the others two (activations split) or three (weights split too).
 GEMM_PRODUCTS = {"linear_half": (1,), "linear_gelu": (2, 3), "linear_residual": (2, 3)}
