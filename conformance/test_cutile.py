@@ -112,12 +112,12 @@ def test_key_info():
 
 
 def test_weight_pair_layout():
-    """Weights [N, K] become a transposed fp16 pair [K8, N8], zero-padded to multiples of 8."""
+    """Weights [N, K] become an fp16 pair [N8, K8], zero-padded to multiples of 8."""
     w = torch.randn(20, 12)
     hi, lo = weight_pair(w)
-    assert hi.shape == lo.shape == (16, 24) and hi.is_contiguous()
-    assert torch.allclose(hi[:12, :20].float() + lo[:12, :20].float(), w.t(), atol=1e-6, rtol=0)
-    assert not hi[12:].any() and not hi[:, 20:].any() and not lo[12:].any()
+    assert hi.shape == lo.shape == (24, 16) and hi.is_contiguous()
+    assert torch.allclose(hi[:20, :12].float() + lo[:20, :12].float(), w, atol=1e-6, rtol=0)
+    assert not hi[20:].any() and not hi[:, 12:].any() and not lo[:, 12:].any()
 
 
 def test_refuses_without_cuda_device(cutile_selected):
@@ -198,7 +198,7 @@ def test_linear_kernels(kernels, kind, m, k, n):
             out = torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
             ops.linear_half(kernels, a_pair, w_pair, bias, out)
             # one product: activations and weights rounded to fp16
-            exact1 = (a_pair[0].double() @ w_pair[0].double() + bias.double())
+            exact1 = (a_pair[0].double() @ w_pair[0].double().t() + bias.double())
             got, want, tol = out.double(), exact1, 2e-3
         elif kind == "gelu":
             pair = tuple(torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)

@@ -45,13 +45,13 @@ def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
 
 
 def weight_pair(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] as a transposed (hi, lo) fp16 pair [K8, N8], both sizes rounded up to
-    multiples of 8 with zeros (the padded columns of a GEMM's output are then bias only)."""
+    """W [N, K] as an (hi, lo) fp16 pair [N8, K8], both sizes rounded up to multiples of 8
+    with zeros (the padded columns of a GEMM's output are then bias only)."""
     n, k = w.shape
     pair = []
-    for part in split_fp16(w.t()):
-        store = torch.zeros(padded(k), padded(n), dtype=torch.float16, device=w.device)
-        store[:k, :n] = part
+    for part in split_fp16(w):
+        store = torch.zeros(padded(n), padded(k), dtype=torch.float16, device=w.device)
+        store[:n, :k] = part
         pair.append(store)
     return pair[0], pair[1]
 

@@ -1,5 +1,6 @@
-"""GEMM kernels on fp16 operand pairs: OUT = A @ W + bias, A given as (hi, lo) fp16 rows and
-W (stored [K, N]) as (hi, lo) fp16; PRODUCTS fp16 products per K step (1: A_hi W_hi;
+"""GEMM kernels on fp16 operand pairs: OUT = A @ W^T + bias, A given as (hi, lo) fp16 rows and
+W (stored [N, K] as nn.Linear keeps it, K contiguous: the layout the tensor cores read
+without a transposing copy) as (hi, lo) fp16; PRODUCTS fp16 products per K step (1: A_hi W_hi;
 2: + A_lo W_hi; 3: + A_hi W_lo), fp32 accumulation. Each kernel has its own epilogue."""
 import cuda.tile as ct
 
@@ -20,16 +21,18 @@ def tile_position(M, N, TM, TN):
 
 
 def products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS):
-    """The [TM, TN] fp32 tile of A @ W at (bm, bn)."""
+    """The [TM, TN] fp32 tile of A @ W^T at (bm, bn)."""
     acc = ct.full((TM, TN), 0.0, dtype=ct.float32)
     for k in range(ct.cdiv(A_HI.shape[1], TK)):
         a_hi = ct.load(A_HI, index=(bm, k), shape=(TM, TK), padding_mode=ZERO, allow_tma=False)
-        w_hi = ct.load(W_HI, index=(k, bn), shape=(TK, TN), padding_mode=ZERO, allow_tma=False)
+        w_hi = ct.transpose(ct.load(W_HI, index=(bn, k), shape=(TN, TK), padding_mode=ZERO,
+                                    allow_tma=False))
         if PRODUCTS >= 2:
             a_lo = ct.load(A_LO, index=(bm, k), shape=(TM, TK), padding_mode=ZERO, allow_tma=False)
             acc = ct.mma(a_lo, w_hi, acc)
         if PRODUCTS >= 3:
-            w_lo = ct.load(W_LO, index=(k, bn), shape=(TK, TN), padding_mode=ZERO, allow_tma=False)
+            w_lo = ct.transpose(ct.load(W_LO, index=(bn, k), shape=(TN, TK), padding_mode=ZERO,
+                                        allow_tma=False))
             acc = ct.mma(a_hi, w_lo, acc)
         acc = ct.mma(a_hi, w_hi, acc)
     return acc
@@ -53,7 +56,7 @@ def gelu(x):
 @ct.kernel
 def linear_half(A_HI, A_LO, W_HI, W_LO, BIAS, OUT,
                 TM: ConstInt, TN: ConstInt, TK: ConstInt, PRODUCTS: ConstInt):
-    """OUT (fp16) = A @ W + bias."""
+    """OUT (fp16) = A @ W^T + bias."""
     bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
     ct.store(OUT, index=(bm, bn), tile=ct.astype(acc, ct.float16), allow_tma=False)
@@ -62,7 +65,7 @@ def linear_half(A_HI, A_LO, W_HI, W_LO, BIAS, OUT,
 @ct.kernel
 def linear_gelu(A_HI, A_LO, W_HI, W_LO, BIAS, OUT_HI, OUT_LO,
                 TM: ConstInt, TN: ConstInt, TK: ConstInt, PRODUCTS: ConstInt):
-    """(OUT_HI, OUT_LO) = GELU(A @ W + bias) as an fp16 pair."""
+    """(OUT_HI, OUT_LO) = GELU(A @ W^T + bias) as an fp16 pair."""
     bm, bn = tile_position(OUT_HI.shape[0], OUT_HI.shape[1], TM, TN)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
     y = gelu(acc)
@@ -75,7 +78,7 @@ def linear_gelu(A_HI, A_LO, W_HI, W_LO, BIAS, OUT_HI, OUT_LO,
 def linear_residual(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, has_mask: int,
                     zero_sum: int, TM: ConstInt, TN: ConstInt, TK: ConstInt,
                     PRODUCTS: ConstInt):
-    """OUT (fp32) = RES + A @ W + bias. With has_mask, rows whose VALID byte is 0 get RES
+    """OUT (fp32) = RES + A @ W^T + bias. With has_mask, rows whose VALID byte is 0 get RES
     (zero_sum 0: the update is zeroed) or 0 (zero_sum 1: the sum is zeroed). OUT may be RES."""
     bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
