@@ -4,11 +4,15 @@
 # run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
-#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|sanitize]
+#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|cutile|sanitize]
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
 #   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
 #   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels
+#   bash bench/gpu_run.sh cutile      # cutile kernel tests, GEMM and attention tile sweeps
+# The cutile backend needs its cubins: export them where cuda-tile is installed
+# (python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile)
+# and bring build/cutile along.
 # The benchmark's own contract checks join the conformance cases (one JSON line each), so a
 # peer that misses the contract there keeps its verdict. A copy of the tree without its git
 # history records the commit given as LAYERBENCH_COMMIT.
@@ -70,6 +74,19 @@ if [[ $stage == kernels ]]; then
         --out "$OUT/attention-13.json" 2>&1 | tee -a "$log"
     python3 bench/wmma_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64 \
         --rounds 5 --out "$OUT/attention-14.json" 2>&1 | tee -a "$log"
+fi
+if [[ $stage == cutile ]]; then
+    # The cutile kernels on their own: kernel tests, then each GEMM and attention tile of the
+    # build (exported with --sweep) on the official shapes' sizes.
+    log="$OUT/cutile.log"
+    python3 -m pytest conformance/test_cutile.py --backend cutile -q -p no:cacheprovider \
+        2>&1 | tail -15 | tee -a "$log"
+    status=$((status | ${PIPESTATUS[0]}))
+    python3 bench/cutile_sweep.py gemm --out "$OUT/cutile-gemm.json" 2>&1 | tee -a "$log"
+    python3 bench/cutile_sweep.py attention --batch 64 --seq-len 1024 --heads 4 --head-dim 32 \
+        --out "$OUT/cutile-attention-13.json" 2>&1 | tee -a "$log"
+    python3 bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 \
+        --head-dim 64 --rounds 3 --out "$OUT/cutile-attention-14.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == sanitize ]]; then
     # compute-sanitizer memcheck and racecheck over one eager forward per shape.

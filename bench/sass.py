@@ -13,6 +13,7 @@ PATTERNS = {
     "HMMA": r"\bHMMA\.",
     "LDSM": r"\bLDSM\.",
     "load128": r"\b(LDG\.E\.128|LDGSTS\.E\.BYPASS\.128|LDG\.E\.EL\.128)",
+    "load16": r"\bLDG\.E\.(U16|S16)\b",
     "spill_stores": r"\bSTL\b",
     "local_loads": r"\bLDL\b",
 }

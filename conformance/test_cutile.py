@@ -63,14 +63,40 @@ def test_every_specialisation_exports(cutile_selected, cutile_build, arch):
         assert entry["threads"][0] % 32 == 0 and entry["threads"][1:] == [1, 1], entry
 
 
-def test_stale_build_is_refused(cutile_selected, tmp_path, monkeypatch):
-    """A manifest from other kernel sources, or a missing one, gives a reason, not a build."""
-    assert manifest.load("sm_90", tmp_path)[0] is None
+def test_sm90_sass(cutile_selected, cutile_build):
+    """The sm_90 SASS of every exported kernel: no local memory, no 2-byte global loads, and
+    HGMMA in the GEMM and attention kernels (cuobjdump -sass)."""
+    from bench.sass import kernels as sass_kernels
+
+    found, why = manifest.load("sm_90", cutile_build)
+    assert found is not None, why
+    folder = manifest.build_dir("sm_90", cutile_build)
+    for cubin in {e["cubin"] for e in found["entries"]}:
+        for name, row in sass_kernels(folder / cubin).items():
+            assert row["spill_stores"] == 0 and row["stack_bytes"] == 0, (name, row)
+            assert row["load16"] == 0, (name, row)
+            if not name.startswith("layer_norm"):
+                assert row["HGMMA"] > 0, (name, row)
+
+
+def test_stale_build_is_refused(cutile_selected, tmp_path):
+    """A missing manifest, one from other kernel sources or another calling convention, and
+    one whose cubins are gone each give a reason, not a build."""
+    import json
+
+    assert "no cubins" in manifest.load("sm_90", tmp_path)[1]
     folder = manifest.build_dir("sm_90", tmp_path)
     folder.mkdir(parents=True)
-    (folder / "manifest.json").write_text('{"source_hash": "0", "entries": []}')
-    found, why = manifest.load("sm_90", tmp_path)
-    assert found is None and "other kernel sources" in why
+    good = {"source_hash": specs.source_hash(), "calling_convention": "cutile_python_v1",
+            "index_bits": 32, "entries": [{"cubin": "norm.cubin"}]}
+    for change, reason in (({"source_hash": "0"}, "other kernel sources"),
+                           ({"index_bits": 64}, "calling convention"),
+                           ({}, "lacks")):
+        (folder / "manifest.json").write_text(json.dumps({**good, **change}))
+        found, why = manifest.load("sm_90", tmp_path)
+        assert found is None and reason in why, why
+    (folder / "norm.cubin").write_bytes(b"")
+    assert manifest.load("sm_90", tmp_path)[0] is not None
 
 
 def test_packing_follows_the_calling_convention(cutile_selected):
@@ -121,7 +147,8 @@ def test_weight_pair_layout():
 
 
 def test_refuses_without_cuda_device(cutile_selected):
-    """Without a CUDA device the backend raises Unsupported; wide rows are refused by name."""
+    """Without a CUDA device the backend raises Unsupported; wide rows, sequences past 32-bit
+    strides and product counts that were not built are refused by name."""
     cfg = LayerConfig(1, 16, 32, 4, 32, 1)
     with pytest.raises(Unsupported, match="cuda"):
         CutileBackend().build(cfg, {}, device="cpu")
@@ -130,6 +157,11 @@ def test_refuses_without_cuda_device(cutile_selected):
         CutileBackend().check(wide, "cuda", torch.float32)
     with pytest.raises(ValueError, match="mode"):
         launch.kernels_for(torch.device("cuda", 0), "fast")
+    long = LayerConfig(1, 700_000, 1024, 16, 1024, 1)
+    with pytest.raises(Unsupported, match="32 bits"):
+        CutileBackend().check(long, "cuda", torch.float32)
+    with pytest.raises(ValueError, match="linear_products"):
+        CutileBackend(linear_products=1)
 
 
 # GPU: each kernel family against fp64 PyTorch, outputs poisoned with NaN first.
@@ -217,14 +249,23 @@ def test_linear_kernels(kernels, kind, m, k, n):
             got, tol = out.double(), 1e-4 if products == 3 else 2e-3
         err = ((got - want).abs() / want.abs().clamp_min(1.0)).nan_to_num(nan=math.inf)
         assert err.max().item() < tol, f"{kind} {products} products: {err.max().item():.3g}"
+    if kind.startswith("residual"):  # in place (OUT is RES, as ffn_out runs) and without mask
+        out = res.clone()
+        ops.linear_residual(kernels, a_pair, w_pair, bias, out, None, out, 3, zero_sum=True)
+        err = ((out.double() - res.double() - exact).abs() / exact.abs().clamp_min(1.0))
+        assert err.max().item() < 1e-4
 
 
+@pytest.mark.parametrize("tile", ["small", "large"])
 @pytest.mark.parametrize("head_dim", [8, 24, 32, 64, 72, 128, 256])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("mask", ["none", "prefix", "holes"])
-def test_attention_kernel(kernels, head_dim, causal, mask):
+def test_attention_kernel(kernels, head_dim, causal, mask, tile, monkeypatch):
     """Flash attention at odd lengths against the fp32 oracle: every padded head dim, causal or
-    full, no mask, prefix masks (one sequence empty) and holed masks."""
+    full, no mask, prefix masks (one sequence empty) and holed masks, with the small query
+    tile and with the large one (chosen as if the device had one multiprocessor)."""
+    if tile == "large":
+        monkeypatch.setattr(ops, "multiprocessor_count", lambda device: 1)
     batch, seq_len, heads = 3, 200, 2
     d = heads * head_dim
     g = torch.Generator(device="cuda").manual_seed(head_dim)
@@ -275,3 +316,70 @@ def test_aot_and_jit_agree(cutile_selected):
         with torch.no_grad():
             outs.append(layer(x, mask).clone())
     assert torch.equal(outs[0], outs[1])
+
+
+def _layer_case(cfg, padding, seed, dtype=torch.float32):
+    """(reference model, x, mask, strict fp32 expected output) on the GPU."""
+    from layerbench.common.inputs import make_inputs
+    from layerbench.reference import make_reference, reference_forward
+
+    model = make_reference(cfg, seed=seed)
+    x, mask = make_inputs(cfg, padding_ratio=padding, seed=seed + 1, device="cuda", dtype=dtype)
+    expected = reference_forward(model.to("cuda"), x.float(), mask)
+    return model, x, mask, expected
+
+
+@pytest.mark.parametrize("ffn_dim", [100, 36])
+def test_ffn_dim_off_multiples_of_8(kernels, ffn_dim):
+    """Hidden rows and ffn weights are zero-padded to multiples of 8: the layer keeps the
+    contract where ffn_dim is not one."""
+    from layerbench.common.contract import compare
+
+    cfg = LayerConfig(2, 40, 64, 2, ffn_dim, 2)
+    model, x, mask, expected = _layer_case(cfg, 0.25, 11)
+    layer = CutileBackend().build(cfg, model.state_dict(), device="cuda")
+    with torch.no_grad():
+        report = compare(layer(x, mask), expected)
+    assert report.passed, report.summary()
+
+
+def test_chunks_and_misaligned_buffers(kernels):
+    """One sequence per chunk gives the same output as the whole batch at once, and fp32 x and
+    out that start off 16 bytes go through the staging rows to the same result."""
+    cfg = LayerConfig(5, 48, 64, 4, 64, 2)
+    model, x, mask, _ = _layer_case(cfg, 0.25, 21)
+    layer = CutileBackend().build(cfg, model.state_dict(), device="cuda")
+    with torch.no_grad():
+        whole = layer.forward(x, mask).clone()
+        layer.chunks.chunks[(cfg.batch_size, cfg.seq_len)] = 1
+        chunked = layer.graphed.forward(x, mask).clone()
+        store = torch.empty(x.numel() + 1, device="cuda")
+        x_off = store[1:].view_as(x)
+        x_off.copy_(x)
+        out_off = torch.empty(x.numel() + 1, device="cuda")[1:].view_as(x)
+        layer.graphed.forward(x_off, mask, out_off)
+    assert x_off.data_ptr() % 16 and out_off.data_ptr() % 16
+    assert torch.equal(whole, chunked)
+    assert torch.equal(whole, out_off)
+
+
+def test_graph_replay_follows_the_mask(kernels):
+    """A replayed graph reads the mask anew: switching the same buffer from a prefix mask to a
+    holed one (which needs the mask read inside attention) changes the output as the
+    reference does."""
+    from layerbench.common.contract import compare
+    from layerbench.reference import reference_forward
+
+    cfg = LayerConfig(3, 64, 64, 2, 64, 2)
+    model, x, mask, expected = _layer_case(cfg, 0.25, 31)
+    layer = CutileBackend().build(cfg, model.state_dict(), device="cuda")
+    with torch.no_grad():
+        for _ in range(3):  # eager, capture, replay
+            out = layer(x, mask)
+        assert compare(out, expected).passed
+        mask[:, 5] = False
+        mask[:, 0] = True
+        holed = reference_forward(model.to("cuda"), x, mask)
+        out = layer(x, mask)
+    report = compare(out, holed)
+    assert report.passed, report.summary()

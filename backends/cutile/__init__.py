@@ -31,6 +31,11 @@ class CutileBackend(Backend):
               "cubins (aot) or compiles with ct.launch (jit)")
 
     def __init__(self, mode: str = "auto", linear_products: int | None = None):
+        built = sorted(set(specs.GEMM_PRODUCTS["linear_gelu"]) &
+                       set(specs.GEMM_PRODUCTS["linear_residual"]))
+        if linear_products is not None and linear_products not in built:
+            raise ValueError(f"cutile linear_products must be one of {built}, "
+                             f"not {linear_products}")
         self.mode = mode
         self.linear_products = linear_products
         self._kernels = {}
@@ -54,16 +59,20 @@ class CutileBackend(Backend):
         return None
 
     def check(self, config, device, dtype):
-        """The interface's checks, plus the widest LayerNorm row the kernels were built for."""
+        """The interface's checks, plus the widest LayerNorm row the kernels were built for
+        and the 32-bit strides of one sequence's Q/K/V rows."""
         if config.d_model > specs.MAX_ROW_WIDTH:
             raise Unsupported(f"{self.name} handles d_model up to {specs.MAX_ROW_WIDTH}, "
                               f"not {config.d_model}")
+        if config.seq_len * 3 * config.d_model > specs.INT32_MAX:
+            raise Unsupported(f"{self.name} indexes with 32 bits: seq_len x 3 x d_model must "
+                              f"stay below 2^31, not {config.seq_len * 3 * config.d_model}")
         super().check(config, device, dtype)
 
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
         return MemoryPlan({"one sequence": working_bytes_per_sequence(config),
-                           "parameters": param_bytes(config) * 2})
+                           "parameters": param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):
         products = self.linear_products or linear_products_for(config.d_model)

@@ -17,6 +17,7 @@ from . import specs
 from .manifest import ARCHS, build_dir
 
 INDEX_BITS = 32
+CALLING_CONVENTION = "cutile_python_v1"
 
 
 def constraint(param):
@@ -96,11 +97,13 @@ def export_group(arch: str, name: str, constant_sets: list[dict[str, int]], fold
     return entries, time.perf_counter() - start
 
 
-def export(archs, out_dir=None, progress=True, jobs: int | None = None) -> dict:
-    """Compile every specialisation for each arch into out_dir/<source hash>/<arch>/ with a
-    manifest, one process per kernel and arch (jobs at once, default the CPU count)."""
+def export(archs, out_dir=None, progress=True, jobs: int | None = None,
+           sweep: bool = False) -> dict:
+    """Compile every specialisation (with sweep, also the sweep tiles) for each arch into
+    out_dir/<source hash>/<arch>/ with a manifest, one process per kernel and arch (jobs at
+    once, default the CPU count)."""
     groups: dict[str, list[dict[str, int]]] = {}
-    for name, constants in specs.specialisations():
+    for name, constants in specs.specialisations(sweep):
         groups.setdefault(name, []).append(constants)
     folders = {arch: build_dir(arch, out_dir) for arch in archs}
     for folder in folders.values():
@@ -118,8 +121,11 @@ def export(archs, out_dir=None, progress=True, jobs: int | None = None) -> dict:
             if progress:
                 print(f"{arch} {name}: {len(found)} specialisations in {seconds:.1f} s",
                       file=sys.stderr)
+        from cuda.tile import __version__ as cuda_tile_version
+
         manifest = {"arch": arch, "source_hash": specs.source_hash(), "entries": entries,
-                    "calling_convention": "cutile_python_v1", "index_bits": INDEX_BITS}
+                    "calling_convention": CALLING_CONVENTION, "index_bits": INDEX_BITS,
+                    "cuda_tile": cuda_tile_version}
         (folders[arch] / "manifest.json").write_text(json.dumps(manifest, indent=1))
         manifests[arch] = manifest
     return manifests
@@ -133,8 +139,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="build root (default: $LAYERBENCH_CUTILE_BUILD or "
                         "~/.cache/layerbench/cutile)")
     parser.add_argument("--jobs", type=int, help="compiler processes at once")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also the tiles bench/cutile_sweep.py compares")
     args = parser.parse_args(argv)
-    export(args.arch or list(ARCHS), args.out, jobs=args.jobs)
+    export(args.arch or list(ARCHS), args.out, jobs=args.jobs, sweep=args.sweep)
     return 0
 
 

@@ -9,7 +9,7 @@ import torch
 from layerbench.common.cuda_host import ChunkPlan, mask_bytes, run_in_chunks, split_fp16
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
-from layerbench.common.params import pack_params, param_bytes
+from layerbench.common.params import pack_params
 
 from . import ops
 
@@ -76,9 +76,14 @@ class CutileLayer(BuiltLayer):
         self.weights = [{n: weight_pair(getattr(p, n)) for n in names}
                         for p in self.params.layers]
         self.ffn_in_biases = [padded_vector(p.ffn_in_bias) for p in self.params.layers]
+        for p in self.params.layers:  # the fp16 pairs replace the fp32 matrices
+            for n in names:
+                setattr(p, n, None)
+        # Free memory is asked after the weights are packed: nothing fixed to add. (At 112 or
+        # more workspace bytes per token, the rows of a chunk stay far below 2^31.)
         self.chunks = ChunkPlan(
-            device, lambda s: working_bytes_per_sequence(replace(config, seq_len=s), s),
-            param_bytes(config) * 2, MAX_GRID_Y // config.num_heads)
+            device, lambda s: working_bytes_per_sequence(replace(config, seq_len=s), s), 0,
+            MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
     def forward(self, x, valid_token_mask, out=None):

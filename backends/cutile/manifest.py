@@ -32,6 +32,11 @@ def load(arch: str, root=None) -> tuple[dict | None, str]:
     manifest = json.loads(path.read_text())
     if manifest.get("source_hash") != specs.source_hash():
         return None, f"{path} was built from other kernel sources"
+    if (manifest.get("calling_convention"), manifest.get("index_bits")) != (
+            "cutile_python_v1", 32):
+        return None, (f"{path} uses calling convention {manifest.get('calling_convention')} "
+                      f"with {manifest.get('index_bits')}-bit indices; the launcher packs "
+                      "cutile_python_v1 with 32-bit indices")
     missing = [c for c in {e["cubin"] for e in manifest["entries"]} if not (folder / c).is_file()]
     if missing:
         return None, f"{folder} lacks {missing}"

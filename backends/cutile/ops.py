@@ -54,29 +54,31 @@ def gemm_tile(rows: int, cols: int, device: torch.device) -> tuple[int, int, int
     return specs.GEMM_TILES[0]
 
 
-def _gemm(kernels, name, a, weight, out_shape, products, args) -> None:
-    tm, tn, tk = gemm_tile(out_shape[0], out_shape[1], a[0].device)
+def _gemm(kernels, name, a, weight, out_shape, products, args, tile=None) -> None:
+    tm, tn, tk = tile or gemm_tile(out_shape[0], out_shape[1], a[0].device)
     grid = (cdiv(out_shape[0], tm) * cdiv(out_shape[1], tn), 1, 1)
     kernels.launch(name, {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}, grid,
                    (a[0], a[1], weight[0], weight[1], *args))
 
 
-def linear_half(kernels, a, weight, bias, out) -> None:
-    """out (fp16) = a @ weight + bias, one fp16 product (a and weight are (hi, lo) pairs)."""
-    _gemm(kernels, "linear_half", a, weight, out.shape, 1, (bias, out))
+def linear_half(kernels, a, weight, bias, out, tile=None) -> None:
+    """out (fp16) = a @ weight^T + bias, one fp16 product (a and weight are (hi, lo) pairs;
+    tile (TM, TN, TK) overrides gemm_tile)."""
+    _gemm(kernels, "linear_half", a, weight, out.shape, 1, (bias, out), tile)
 
 
-def linear_gelu(kernels, a, weight, bias, out, products: int) -> None:
-    """out (an fp16 pair) = GELU(a @ weight + bias)."""
-    _gemm(kernels, "linear_gelu", a, weight, out[0].shape, products, (bias, out[0], out[1]))
+def linear_gelu(kernels, a, weight, bias, out, products: int, tile=None) -> None:
+    """out (an fp16 pair) = GELU(a @ weight^T + bias)."""
+    _gemm(kernels, "linear_gelu", a, weight, out[0].shape, products, (bias, out[0], out[1]),
+          tile)
 
 
 def linear_residual(kernels, a, weight, bias, res, valid_rows, out, products: int,
-                    zero_sum: bool) -> None:
-    """out = res + a @ weight + bias; invalid rows get res (zero_sum False) or 0 (True)."""
+                    zero_sum: bool, tile=None) -> None:
+    """out = res + a @ weight^T + bias; invalid rows get res (zero_sum False) or 0 (True)."""
     mask = placeholders(a[0].device)["valid_rows"] if valid_rows is None else valid_rows
     _gemm(kernels, "linear_residual", a, weight, out.shape, products,
-          (bias, res, mask, out, int(valid_rows is not None), int(zero_sum)))
+          (bias, res, mask, out, int(valid_rows is not None), int(zero_sum)), tile)
 
 
 def key_info(valid: torch.Tensor) -> torch.Tensor:
@@ -100,11 +102,13 @@ def attention_tile(batch_heads: int, seq_len: int, head_pad: int,
     return tiles[-1]
 
 
-def attention(kernels, qkv, ctx, valid, info, *, num_heads: int, causal: bool) -> None:
-    """ctx (an fp16 pair, [B, S, H, hd] views) = attention of qkv ([B, S, 3H, hd] view)."""
+def attention(kernels, qkv, ctx, valid, info, *, num_heads: int, causal: bool,
+              tile=None) -> None:
+    """ctx (an fp16 pair, [B, S, H, hd] views) = attention of qkv ([B, S, 3H, hd] view);
+    tile (TM, TN) overrides attention_tile."""
     b, s, _, hd = qkv.shape
     hp = power_of_two_at_least(hd)
-    tm, tn = attention_tile(b * num_heads, s, hp, qkv.device)
+    tm, tn = tile or attention_tile(b * num_heads, s, hp, qkv.device)
     spare = placeholders(qkv.device)
     kernels.launch("flash_attention", {"TM": tm, "TN": tn, "HP": hp},
                    (cdiv(s, tm), b * num_heads, 1),

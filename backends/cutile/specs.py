@@ -12,6 +12,7 @@ from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 MAX_ROW_WIDTH = 4096  # LayerNorm rows up to this width (padded to a power of two)
+INT32_MAX = 2 ** 31 - 1  # shapes and strides are passed as int32 (cutile_python_v1)
 HEAD_PADS = (8, 16, 32, 64, 128, 256)
 
 
@@ -88,6 +89,12 @@ GEMM_TILES = ((64, 64, 32), (128, 64, 64))
 GEMM_PRODUCTS = {"linear_half": (1,), "linear_gelu": (2, 3), "linear_residual": (2, 3)}
 
 
+# Further tiles exported only for bench/cutile_sweep.py (`export --sweep`); each compiles
+# without spills on sm_90.
+SWEEP_GEMM_TILES = ((128, 64, 32), (64, 128, 64), (128, 32, 64), (64, 64, 64))
+SWEEP_ATTENTION_TILES = ((128, 32), (64, 32))
+
+
 def attention_tiles(head_pad: int) -> list[tuple[int, int]]:
     """(TM, TN) query and key tiles compiled for a padded head dim."""
     if head_pad >= 256:
@@ -95,17 +102,21 @@ def attention_tiles(head_pad: int) -> list[tuple[int, int]]:
     return [(64, 64), (128, 64)]
 
 
-def specialisations() -> list[tuple[str, dict[str, int]]]:
-    """Every (kernel name, constants) the backend may launch."""
+def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
+    """Every (kernel name, constants) the backend may launch (with sweep, also the tiles
+    bench/cutile_sweep.py compares)."""
     out = []
     for name in ("layer_norm_split", "layer_norm_out"):
         out += [(name, {"BM": norm_rows(w), "BD": w}) for w in norm_widths()]
+    gemm_tiles = GEMM_TILES + (SWEEP_GEMM_TILES if sweep else ())
     for name, counts in GEMM_PRODUCTS.items():
-        for (tm, tn, tk), p in itertools.product(GEMM_TILES, counts):
+        for (tm, tn, tk), p in itertools.product(gemm_tiles, counts):
             out.append((name, {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": p}))
     for hp in HEAD_PADS:
-        out += [("flash_attention", {"TM": tm, "TN": tn, "HP": hp})
-                for tm, tn in attention_tiles(hp)]
+        tiles = attention_tiles(hp)
+        if sweep and hp <= 128:
+            tiles = tiles + [t for t in SWEEP_ATTENTION_TILES if t not in tiles]
+        out += [("flash_attention", {"TM": tm, "TN": tn, "HP": hp}) for tm, tn in tiles]
     return out
 
 
@@ -115,9 +126,11 @@ def symbol(name: str, constants: dict[str, int]) -> str:
 
 
 def source_hash() -> str:
-    """A hash of the kernel sources and this table: a build is valid only for this hash."""
+    """A hash of the kernel sources, this table and the export step (which sets what each
+    kernel may assume of its arrays): a build is valid only for this hash."""
     h = hashlib.sha256()
-    for path in sorted(KERNEL_DIR.glob("*.py")) + [Path(__file__)]:
+    for path in sorted(KERNEL_DIR.glob("*.py")) + [Path(__file__), Path(__file__).with_name(
+            "export.py")]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]

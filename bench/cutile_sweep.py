@@ -1,0 +1,213 @@
+"""Kernel-level sweeps of the cutile backend on a GPU: GEMM and attention tiles on the same
+inputs, timed in alternating rounds (CUDA events, median), each output checked.
+
+    python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile
+    python bench/cutile_sweep.py gemm                  # the linears of shapes 8, 6 and 13
+    python bench/cutile_sweep.py gemm --cases 8192x1024x1024:2:residual
+    python bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
+    python bench/cutile_sweep.py sass [--arch sm_90]  # no GPU needed: the build's SASS
+
+"sass" prints, per kernel of the build ($LAYERBENCH_CUTILE_BUILD or the default root),
+registers, stack bytes, HGMMA, 16- and 2-byte load counts and spill stores (cuobjdump -sass).
+A GEMM case is MxNxK:products:kind (kind half, gelu or residual); TFLOP/s count every fp16
+product. The sweep tiles need a build exported with --sweep; tiles missing from the build
+are reported and skipped. Attention is checked against fp32 attention where the sequence is
+at most 4096 long, and between tiles (against the first) above that.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from layerbench.backends.cutile import CutileBackend, ops, specs
+from layerbench.backends.cutile.layer import weight_pair
+from layerbench.common.errors import Unsupported
+from layerbench.common.timing import alternating_medians_ms
+from layerbench.reference import packed_attention
+
+GEMM_CASES = (
+    "8192x3072x1024:1:half",        # shape 8 Q/K/V
+    "8192x1024x1024:2:residual",    # shape 8 out_proj / ffn_out
+    "8192x1024x1024:2:gelu",        # shape 8 ffn_in
+    "1280000x384x128:1:half",       # shape 6 Q/K/V
+    "1280000x128x128:3:residual",   # shape 6 out_proj / ffn_out
+    "65536x128x128:3:gelu",         # shape 13 ffn_in
+)
+
+
+def _gemm_call(kernels, kind, m, n, k, products, tile, gen):
+    """(run, check) closures of one GEMM case on fresh operands."""
+    a = torch.randn(m, k, device="cuda", generator=gen)
+    w = torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)
+    bias = torch.randn(n, device="cuda", generator=gen)
+    hi = a.half()
+    a_pair = (hi, (a - hi.float()).half())
+    w_pair = weight_pair(w)
+    res = torch.randn(m, n, device="cuda", generator=gen)
+    if kind == "half":
+        out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        run = lambda: ops.linear_half(kernels, a_pair, w_pair, bias, out, tile)  # noqa: E731
+        got = lambda: out.float()  # noqa: E731
+        want = lambda: (hi.float() @ w_pair[0][:n, :k].float().t() + bias)  # noqa: E731
+    elif kind == "gelu":
+        pair = (torch.empty(m, n, device="cuda", dtype=torch.float16),
+                torch.empty(m, n, device="cuda", dtype=torch.float16))
+        run = lambda: ops.linear_gelu(kernels, a_pair, w_pair, bias, pair, products,  # noqa
+                                      tile)
+        got = lambda: pair[0].float() + pair[1].float()  # noqa: E731
+        want = lambda: torch.nn.functional.gelu(a @ w.t() + bias)  # noqa: E731
+    else:
+        out = torch.empty(m, n, device="cuda")
+        run = lambda: ops.linear_residual(kernels, a_pair, w_pair, bias, res, None, out,  # noqa
+                                          products, zero_sum=False, tile=tile)
+        got = lambda: out  # noqa: E731
+        want = lambda: res + a @ w.t() + bias  # noqa: E731
+
+    def check() -> float:
+        rows = slice(0, min(m, 4096))
+        run()
+        g, e = got()[rows].double(), want()[rows].double()
+        return ((g - e).abs() / e.abs().clamp_min(1.0)).max().item()
+    return run, check
+
+
+def sweep_gemm(kernels, cases, rounds):
+    """Every GEMM tile of the build on each case: median ms, TFLOP/s, max relative error."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for case in cases:
+        size, products, kind = case.split(":")
+        m, n, k = (int(v) for v in size.split("x"))
+        products = int(products)
+        tiles = [t for t in specs.GEMM_TILES + specs.SWEEP_GEMM_TILES]
+        runs, names = [], []
+        for tile in tiles:
+            run, check = _gemm_call(kernels, kind, m, n, k, products, tile, gen)
+            try:
+                err = check()
+            except Unsupported as exc:
+                print(f"{case} {tile}: not in this build ({exc})")
+                continue
+            runs.append(run)
+            names.append((tile, err))
+        for (tile, err), ms in zip(names, alternating_medians_ms(runs, "cuda", rounds=rounds)):
+            tflops = 2 * m * n * k * products / ms / 1e9
+            rows.append({"case": case, "tile": list(tile), "ms": ms, "tflops": tflops,
+                         "max_rel_error": err})
+            print(f"{case:28s} tile {tile}: {ms:8.4f} ms {tflops:7.1f} TFLOP/s "
+                  f"error {err:.2e}")
+    return rows
+
+
+def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds):
+    """Every attention tile of the build for this head dim: median ms, TFLOP/s, error."""
+    d = heads * head_dim
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qkv = torch.randn(batch * seq_len, 3 * d, device="cuda", generator=gen).half()
+    view = qkv.view(batch, seq_len, 3 * heads, head_dim)
+    hp = ops.power_of_two_at_least(head_dim)
+    tiles = list(dict.fromkeys(specs.attention_tiles(hp) + list(specs.SWEEP_ATTENTION_TILES)))
+    outs, runs, kept = [], [], []
+    for tile in tiles:
+        ctx = tuple(torch.empty(batch * seq_len, d, device="cuda", dtype=torch.float16)
+                    for _ in range(2))
+        heads_view = [t.view(batch, seq_len, heads, head_dim) for t in ctx]
+        run = (lambda hv=heads_view, t=tile: ops.attention(
+            kernels, view, hv, None, None, num_heads=heads, causal=causal, tile=t))
+        try:
+            run()
+        except Unsupported as exc:
+            print(f"attention {tile}: not in this build ({exc})")
+            continue
+        runs.append(run)
+        outs.append(ctx)
+        kept.append(tile)
+    reference = None
+    if seq_len <= 4096:
+        everyone = torch.ones(batch, seq_len, dtype=torch.uint8, device="cuda")
+        reference = packed_attention(qkv, everyone, batch=batch, seq_len=seq_len, heads=heads,
+                                     causal=causal)[0].view(batch * seq_len, d)
+    flops = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
+    rows = []
+    for tile, ctx, ms in zip(kept, outs, alternating_medians_ms(runs, "cuda", rounds=rounds)):
+        got = ctx[0].float() + ctx[1].float()
+        base = reference if reference is not None else outs[0][0].float() + outs[0][1].float()
+        err = (got - base).abs().max().item()
+        rows.append({"tile": list(tile), "ms": ms, "tflops": flops / ms / 1e9,
+                     "max_abs_error": err, "against": "fp32" if reference is not None
+                     else f"tile {kept[0]}"})
+        print(f"attention tile {tile}: {ms:9.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s "
+              f"error {err:.2e} ({rows[-1]['against']})")
+    return rows
+
+
+def sass_report(arch: str) -> dict[str, dict]:
+    """Per kernel symbol of the build for arch: registers, stack, HGMMA, loads, spills."""
+    from layerbench.backends.cutile import manifest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from sass import kernels as sass_kernels
+
+    found, why = manifest.load(arch)
+    if found is None:
+        raise SystemExit(f"cutile: {why}")
+    folder = manifest.build_dir(arch)
+    report = {}
+    for cubin in sorted({e["cubin"] for e in found["entries"]}):
+        report.update(sass_kernels(folder / cubin))
+    for name, row in sorted(report.items()):
+        print(f"{name:48s} regs {row['registers']:3d} stack {row['stack_bytes']:4d} "
+              f"HGMMA {row['HGMMA']:4d} LDG.128 {row['load128']:4d} "
+              f"LDG.U16 {row['load16']:3d} spills {row['spill_stores']}")
+    return report
+
+
+def main() -> int:
+    """Command line."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["gemm", "attention", "sass"])
+    parser.add_argument("--arch", default="sm_90", help="sass: the build's architecture")
+    parser.add_argument("--cases", default=",".join(GEMM_CASES))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--full", action="store_true", help="non-causal attention")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--out", help="write the rows as JSON")
+    args = parser.parse_args()
+    if args.what == "sass":
+        rows = sass_report(args.arch)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    backend = CutileBackend("aot")
+    why = backend.unavailable_reason(device)
+    if why:
+        print(f"cutile: {why}", file=sys.stderr)
+        return 2
+    kernels = backend.kernels(device)
+    if args.what == "gemm":
+        rows = sweep_gemm(kernels, args.cases.split(","), args.rounds)
+    else:
+        rows = sweep_attention(kernels, args.batch, args.seq_len, args.heads, args.head_dim,
+                               not args.full, args.rounds)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
