@@ -113,7 +113,8 @@ def test_list_says_tf32_is_cuda_only(capsys):
 @no_cuda
 @pytest.mark.parametrize("script, argv", [("one_forward.py", []),
                                           ("tile_sweep.py", ["narrow", "--shapes", "1"]),
-                                          ("wmma_sweep.py", ["gemm"])])
+                                          ("wmma_sweep.py", ["gemm"]),
+                                          ("cutile_sweep.py", ["attention"])])
 def test_gpu_scripts_say_they_need_cuda(script, argv, monkeypatch, capsys):
     """The GPU scripts stop with 'needs a CUDA device' and exit 2 on a machine without CUDA."""
     monkeypatch.setattr(sys, "argv", [script, *argv])
