@@ -256,6 +256,65 @@ def test_linear_kernels(kernels, kind, m, k, n):
         assert err.max().item() < 1e-4
 
 
+@pytest.mark.parametrize("n", [24, 72, 128])
+@pytest.mark.parametrize("final", [False, True], ids=["pair", "final"])
+def test_linear_residual_norm_kernel(kernels, n, final):
+    """The residual GEMM with the LayerNorm of its new rows in the epilogue: the rows and the
+    normed pair, or the final fp32 norm with invalid rows 0, against fp64; wider rows than
+    its tiles are refused."""
+    m, k = 300, 136
+    g = torch.Generator(device="cuda").manual_seed(n)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    hi = a.half()
+    a_pair = (hi, (a - hi.float()).half())
+    w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
+    bias, res = torch.randn(n, device="cuda", generator=g), torch.randn(m, n, device="cuda")
+    nw = torch.rand(n, device="cuda", generator=g) + 0.5
+    nb = torch.randn(n, device="cuda", generator=g)
+    valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
+    keep = valid.bool()[:, None]
+    rows = torch.where(keep, res.double() + a.double() @ w.double().t() + bias.double(), 0)
+    want = _norm64(rows, nw, nb)
+    out = torch.full((m, n), math.nan, device="cuda")
+    if final:
+        normed = torch.full((m, n), math.nan, device="cuda")
+        ops.linear_residual_norm(kernels, a_pair, weight_pair(w), bias, res, valid, out,
+                                 (nw, nb), products=3, zero_sum=True, final=normed)
+        got, want = normed.double(), torch.where(keep, want, 0)
+    else:
+        pair = tuple(torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
+                     for _ in range(2))
+        ops.linear_residual_norm(kernels, a_pair, weight_pair(w), bias, res, valid, out,
+                                 (nw, nb), products=3, zero_sum=True, pair=pair)
+        got = pair[0].double() + pair[1].double()
+        assert (out.double() - rows).abs().max().item() < 1e-4
+    assert (got - want).abs().max().item() < 1e-4
+    wide = torch.zeros(m, 200, device="cuda")
+    with pytest.raises(ValueError, match="one tile"):
+        ops.linear_residual_norm(kernels, a_pair, weight_pair(w), bias, wide, None, wide,
+                                 (nw, nb), products=3, zero_sum=True, final=wide)
+
+
+@pytest.mark.parametrize("number", [1, 7, 11], ids=["d128", "d32", "h16"])
+def test_fused_norms_keep_the_contract(kernels, number):
+    """fuse_norms=True (five launches per block) keeps the contract on CI shapes with padding
+    and agrees with the separate norm kernels to rounding."""
+    from layerbench.common.contract import compare
+    from layerbench.common.shapes import CI
+
+    cfg = CI[number].config
+    model, x, mask, expected = _layer_case(cfg, 0.25, 41)
+    outs = []
+    for fuse in (True, False):
+        layer = CutileBackend(fuse_norms=fuse).build(cfg, model.state_dict(), device="cuda")
+        assert layer.fuse_norms == fuse
+        with torch.no_grad():
+            outs.append(layer(x, mask).clone())
+        report = compare(outs[-1], expected)
+        assert report.passed, f"fuse_norms={fuse}: {report.summary()}"
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-3
+
+
 @pytest.mark.parametrize("tile", ["small", "large"])
 @pytest.mark.parametrize("head_dim", [8, 24, 32, 64, 72, 128, 256])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])

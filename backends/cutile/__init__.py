@@ -20,7 +20,9 @@ class CutileBackend(Backend):
 
     mode: "aot" (cubins exported by `python -m layerbench.backends.cutile.export`), "jit"
     (ct.launch; needs cuda-tile[tileiras]) or "auto" (a build of these sources for the
-    device's architecture if there is one, else the JIT).
+    device's architecture if there is one, else the JIT). linear_products: fp16 products of
+    out_proj and the FFN (2 or 3; default 2 from d_model 512 on). fuse_norms: LayerNorms in
+    the residual GEMMs' epilogues where rows are at most 128 wide (off until timed on a GPU).
     """
 
     name = "cutile"
@@ -30,7 +32,8 @@ class CutileBackend(Backend):
         notes=f"d_model up to {specs.MAX_ROW_WIDTH}; fp32 residual stream; runs exported "
               "cubins (aot) or compiles with ct.launch (jit)")
 
-    def __init__(self, mode: str = "auto", linear_products: int | None = None):
+    def __init__(self, mode: str = "auto", linear_products: int | None = None,
+                 fuse_norms: bool = False):
         built = sorted(set(specs.GEMM_PRODUCTS["linear_gelu"]) &
                        set(specs.GEMM_PRODUCTS["linear_residual"]))
         if linear_products is not None and linear_products not in built:
@@ -38,6 +41,7 @@ class CutileBackend(Backend):
                              f"not {linear_products}")
         self.mode = mode
         self.linear_products = linear_products
+        self.fuse_norms = fuse_norms
         self._kernels = {}
 
     def kernels(self, device):
@@ -71,13 +75,14 @@ class CutileBackend(Backend):
 
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
-        return MemoryPlan({"one sequence": working_bytes_per_sequence(config),
+        return MemoryPlan({"one sequence": working_bytes_per_sequence(
+                               config, fuse_norms=self.fuse_norms),
                            "parameters": param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):
         products = self.linear_products or linear_products_for(config.d_model)
         return CutileLayer(self, config, state_dict, device, dtype, self.kernels(device),
-                           products)
+                           products, self.fuse_norms)
 
     def describe(self):
         """Name, summary, capabilities, and how kernels are launched on this machine."""

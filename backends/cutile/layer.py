@@ -27,20 +27,25 @@ def linear_products_for(d_model: int) -> int:
     return 2 if d_model >= 512 else 3
 
 
-def workspace(config) -> dict[str, tuple[int, torch.dtype]]:
+def workspace(config, fuse_norms: bool = False) -> dict[str, tuple[int, torch.dtype]]:
     """Per-token workspace buffers: name -> (columns, dtype). "rows" holds the normed rows,
     then the context, as an fp16 (hi, lo) pair; "hidden" the FFN's hidden rows likewise,
-    padded to a multiple of 8 columns (GELU(0) = 0 in the padding)."""
+    padded to a multiple of 8 columns (GELU(0) = 0 in the padding); with fuse_norms,
+    "normed" holds norm2's rows (out_proj writes them while it still reads the context)."""
     d, f = config.d_model, padded(config.ffn_dim)
-    return {"residual": (d, torch.float32), "staging": (d, torch.float32),
-            "qkv": (3 * d, torch.float16),
-            "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16),
-            "hidden_hi": (f, torch.float16), "hidden_lo": (f, torch.float16)}
+    buffers = {"residual": (d, torch.float32), "staging": (d, torch.float32),
+               "qkv": (3 * d, torch.float16),
+               "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16),
+               "hidden_hi": (f, torch.float16), "hidden_lo": (f, torch.float16)}
+    if fuse_norms:
+        buffers.update(normed_hi=(d, torch.float16), normed_lo=(d, torch.float16))
+    return buffers
 
 
-def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
+def working_bytes_per_sequence(config, seq_len: int | None = None,
+                               fuse_norms: bool = True) -> int:
     """Workspace bytes of one sequence (of seq_len tokens, default the config's)."""
-    per_token = sum(c * t.itemsize for c, t in workspace(config).values())
+    per_token = sum(c * t.itemsize for c, t in workspace(config, fuse_norms).values())
     return (config.seq_len if seq_len is None else seq_len) * per_token
 
 
@@ -65,12 +70,16 @@ def padded_vector(v: torch.Tensor) -> torch.Tensor:
 
 class CutileLayer(BuiltLayer):
     """Per block: norm1, Q/K/V (one fp16 product), attention, out_proj + residual, norm2,
-    ffn_in + GELU, ffn_out + residual; the final norm into the output."""
+    ffn_in + GELU, ffn_out + residual; the final norm into the output. With fuse_norms
+    (rows up to 128 wide), out_proj's epilogue writes norm2 and ffn_out's the next block's
+    norm1 or the final norm: five launches per block instead of seven."""
 
-    def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int):
+    def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
+                 fuse_norms: bool = False):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
+        self.fuse_norms = fuse_norms and ops.norm_gemm_width(config.d_model) is not None
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         names = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
         self.weights = [{n: weight_pair(getattr(p, n)) for n in names}
@@ -82,7 +91,8 @@ class CutileLayer(BuiltLayer):
         # Free memory is asked after the weights are packed: nothing fixed to add. (At 112 or
         # more workspace bytes per token, the rows of a chunk stay far below 2^31.)
         self.chunks = ChunkPlan(
-            device, lambda s: working_bytes_per_sequence(replace(config, seq_len=s), s), 0,
+            device, lambda s: working_bytes_per_sequence(replace(config, seq_len=s), s,
+                                                         self.fuse_norms), 0,
             MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
@@ -99,7 +109,8 @@ class CutileLayer(BuiltLayer):
         def run_chunk(b0, b1, x2, out2, work):
             masks = (None, None) if valid is None else (valid[b0:b1], info[b0:b1])
             self._run(x2, masks, out2, b1 - b0, s, work)
-        run_in_chunks(x, out, self.chunks(b, s), workspace(self.config), run_chunk)
+        run_in_chunks(x, out, self.chunks(b, s), workspace(self.config, self.fuse_norms),
+                      run_chunk)
         return out
 
     def _run(self, x2, masks, out2, batch, s, work):
@@ -117,20 +128,39 @@ class CutileLayer(BuiltLayer):
         if x2.dtype != torch.float32 or x2.data_ptr() % 16:
             staging.copy_(x2)
             src = staging
-        for p, w, ffn_in_bias in zip(self.params.layers, self.weights, self.ffn_in_biases):
-            ops.layer_norm_split(k, src, p.norm1_weight, p.norm1_bias, *rows)
-            ops.linear_half(k, rows, w["qkv_weight"], p.qkv_bias, qkv)
-            ops.attention(k, qkv_heads, heads, valid, info, num_heads=h, causal=cfg.causal)
-            ops.linear_residual(k, rows, w["out_weight"], p.out_bias, src, valid_rows, res,
-                                self.products, zero_sum=False)
-            ops.layer_norm_split(k, res, p.norm2_weight, p.norm2_bias, *rows)
-            ops.linear_gelu(k, rows, w["ffn_in_weight"], ffn_in_bias, hidden, self.products)
-            ops.linear_residual(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, res,
-                                valid_rows, res, self.products, zero_sum=True)
-            src = res
+        layers = list(zip(self.params.layers, self.weights, self.ffn_in_biases))
         direct = out2.dtype == torch.float32 and out2.data_ptr() % 16 == 0
         target = out2 if direct else staging
-        ops.layer_norm_out(k, src, self.params.final_weight, self.params.final_bias,
-                           valid_rows, target)
+        final = (self.params.final_weight, self.params.final_bias)
+        for i, (p, w, ffn_in_bias) in enumerate(layers):
+            if i == 0 or not self.fuse_norms:
+                ops.layer_norm_split(k, src, p.norm1_weight, p.norm1_bias, *rows)
+            ops.linear_half(k, rows, w["qkv_weight"], p.qkv_bias, qkv)
+            ops.attention(k, qkv_heads, heads, valid, info, num_heads=h, causal=cfg.causal)
+            if self.fuse_norms:
+                normed = (work["normed_hi"], work["normed_lo"])
+                ops.linear_residual_norm(k, rows, w["out_weight"], p.out_bias, src, valid_rows,
+                                         res, (p.norm2_weight, p.norm2_bias), pair=normed,
+                                         products=self.products, zero_sum=False)
+                ops.linear_gelu(k, normed, w["ffn_in_weight"], ffn_in_bias, hidden,
+                                self.products)
+                last = i == len(layers) - 1
+                norm = final if last else (layers[i + 1][0].norm1_weight,
+                                           layers[i + 1][0].norm1_bias)
+                ops.linear_residual_norm(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, res,
+                                         valid_rows, res, norm, products=self.products,
+                                         zero_sum=True, pair=None if last else rows,
+                                         final=target if last else None)
+            else:
+                ops.linear_residual(k, rows, w["out_weight"], p.out_bias, src, valid_rows,
+                                    res, self.products, zero_sum=False)
+                ops.layer_norm_split(k, res, p.norm2_weight, p.norm2_bias, *rows)
+                ops.linear_gelu(k, rows, w["ffn_in_weight"], ffn_in_bias, hidden,
+                                self.products)
+                ops.linear_residual(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, res,
+                                    valid_rows, res, self.products, zero_sum=True)
+            src = res
+        if not self.fuse_norms:
+            ops.layer_norm_out(k, src, *final, valid_rows, target)
         if not direct:
             out2.copy_(staging)

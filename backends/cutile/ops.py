@@ -22,10 +22,12 @@ def cdiv(a: int, b: int) -> int:
 
 @functools.cache
 def placeholders(device: torch.device) -> dict[str, torch.Tensor]:
-    """Arrays passed where a kernel's mask argument is not used."""
+    """Arrays passed where a kernel's mask or output argument is not used."""
     return {"valid_rows": torch.ones(1, dtype=torch.uint8, device=device),
             "valid": torch.ones(1, 1, dtype=torch.uint8, device=device),
-            "key_info": torch.zeros(1, 4, dtype=torch.int32, device=device)}
+            "key_info": torch.zeros(1, 4, dtype=torch.int32, device=device),
+            "half": torch.zeros(1, 8, dtype=torch.float16, device=device),
+            "float": torch.zeros(1, 4, dtype=torch.float32, device=device)}
 
 
 def layer_norm_split(kernels, x, weight, bias, out_hi, out_lo) -> None:
@@ -79,6 +81,34 @@ def linear_residual(kernels, a, weight, bias, res, valid_rows, out, products: in
     mask = placeholders(a[0].device)["valid_rows"] if valid_rows is None else valid_rows
     _gemm(kernels, "linear_residual", a, weight, out.shape, products,
           (bias, res, mask, out, int(valid_rows is not None), int(zero_sum)), tile)
+
+
+def norm_gemm_width(n: int) -> int | None:
+    """The padded row width of linear_residual_norm for rows of n columns, or None (too wide)."""
+    width = power_of_two_at_least(n)
+    return width if width in specs.NORM_GEMM_WIDTHS else None
+
+
+def linear_residual_norm(kernels, a, weight, bias, res, valid_rows, out, norm, *,
+                         products: int, zero_sum: bool, pair=None, final=None) -> None:
+    """linear_residual, then the LayerNorm (norm = (weight, bias)) of the new rows: into pair
+    (an fp16 pair; out gets the rows too) or into final (fp32, invalid rows 0; out is not
+    written). The rows must fit one tile (norm_gemm_width)."""
+    if (pair is None) == (final is None):
+        raise ValueError("linear_residual_norm writes either a pair or a final output")
+    width = norm_gemm_width(out.shape[1])
+    if width is None:
+        raise ValueError(f"linear_residual_norm: rows of {out.shape[1]} do not fit one tile")
+    spare = placeholders(a[0].device)
+    tm, tk = specs.NORM_GEMM_TILE
+    pair = pair or (spare["half"], spare["half"])
+    kernels.launch("linear_residual_norm",
+                   {"TM": tm, "TN": width, "TK": tk, "PRODUCTS": products},
+                   (cdiv(out.shape[0], tm), 1, 1),
+                   (a[0], a[1], weight[0], weight[1], bias, res,
+                    spare["valid_rows"] if valid_rows is None else valid_rows, out, norm[0],
+                    norm[1], pair[0], pair[1], spare["float"] if final is None else final,
+                    int(valid_rows is not None), int(zero_sum), int(final is not None)))
 
 
 def key_info(valid: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,11 @@ KERNELS: dict[str, Kernel] = {
     "linear_residual": Kernel("linear", WEIGHTS + (
         ("RES", F32_2), ("VALID", Array("uint8", 1, aligned=False)), ("OUT", F32_2),
         ("has_mask", Scalar("int32")), ("zero_sum", Scalar("int32"))), GEMM_CONSTANTS),
+    "linear_residual_norm": Kernel("linear", WEIGHTS + (
+        ("RES", F32_2), ("VALID", Array("uint8", 1, aligned=False)), ("OUT", F32_2),
+        ("NORM_W", F32_1), ("NORM_B", F32_1), ("NORM_HI", F16_2), ("NORM_LO", F16_2),
+        ("NORM_OUT", F32_2), ("has_mask", Scalar("int32")), ("zero_sum", Scalar("int32")),
+        ("final", Scalar("int32"))), GEMM_CONSTANTS),
     "flash_attention": Kernel("attention", (
         ("QKV", F16_4), ("CTX_HI", F16_4), ("CTX_LO", F16_4),
         ("VALID", Array("uint8", 2, aligned=False)), ("KEY_INFO", Array("int32", 2)),
@@ -95,6 +100,12 @@ SWEEP_GEMM_TILES = ((128, 64, 32), (64, 128, 64), (128, 32, 64), (64, 64, 64))
 SWEEP_ATTENTION_TILES = ((128, 32), (64, 32))
 
 
+# LayerNorm in the residual GEMMs' epilogue (CutileBackend(fuse_norms=True)): one tile holds
+# whole rows, padded to NORM_GEMM_WIDTHS columns; 64 rows and K steps of 64.
+NORM_GEMM_WIDTHS = (8, 16, 32, 64, 128)  # 256 spills registers on sm_90
+NORM_GEMM_TILE = (64, 64)
+
+
 def attention_tiles(head_pad: int) -> list[tuple[int, int]]:
     """(TM, TN) query and key tiles compiled for a padded head dim."""
     if head_pad >= 256:
@@ -112,6 +123,9 @@ def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
     for name, counts in GEMM_PRODUCTS.items():
         for (tm, tn, tk), p in itertools.product(gemm_tiles, counts):
             out.append((name, {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": p}))
+    for width, p in itertools.product(NORM_GEMM_WIDTHS, GEMM_PRODUCTS["linear_residual"]):
+        out.append(("linear_residual_norm", {"TM": NORM_GEMM_TILE[0], "TN": width,
+                                             "TK": NORM_GEMM_TILE[1], "PRODUCTS": p}))
     for hp in HEAD_PADS:
         tiles = attention_tiles(hp)
         if sweep and hp <= 128:

@@ -1,1 +1,2 @@
-"""cuTile kernel sources (they import cuda.tile; only the export step and the JIT path load them)."""
+"""cuTile kernel sources. They import cuda.tile, so only the export step and the JIT path
+load them."""

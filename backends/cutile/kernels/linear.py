@@ -4,6 +4,8 @@ without a transposing copy) as (hi, lo) fp16; PRODUCTS fp16 products per K step 
 2: + A_lo W_hi; 3: + A_hi W_lo), fp32 accumulation. Each kernel has its own epilogue."""
 import cuda.tile as ct
 
+from .norm import normalise, store_pair
+
 ConstInt = ct.Constant[int]
 ZERO = ct.PaddingMode.ZERO
 
@@ -24,11 +26,13 @@ def products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS):
     """The [TM, TN] fp32 tile of A @ W^T at (bm, bn)."""
     acc = ct.full((TM, TN), 0.0, dtype=ct.float32)
     for k in range(ct.cdiv(A_HI.shape[1], TK)):
-        a_hi = ct.load(A_HI, index=(bm, k), shape=(TM, TK), padding_mode=ZERO, allow_tma=False)
+        a_hi = ct.load(A_HI, index=(bm, k), shape=(TM, TK), padding_mode=ZERO,
+                       allow_tma=False)
         w_hi = ct.transpose(ct.load(W_HI, index=(bn, k), shape=(TN, TK), padding_mode=ZERO,
                                     allow_tma=False))
         if PRODUCTS >= 2:
-            a_lo = ct.load(A_LO, index=(bm, k), shape=(TM, TK), padding_mode=ZERO, allow_tma=False)
+            a_lo = ct.load(A_LO, index=(bm, k), shape=(TM, TK), padding_mode=ZERO,
+                           allow_tma=False)
             acc = ct.mma(a_lo, w_hi, acc)
         if PRODUCTS >= 3:
             w_lo = ct.transpose(ct.load(W_LO, index=(bn, k), shape=(TN, TK), padding_mode=ZERO,
@@ -40,7 +44,8 @@ def products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS):
 
 def biased(acc, BIAS, bn, TN):
     """acc plus the bias of its columns."""
-    return acc + ct.load(BIAS, index=(bn,), shape=(TN,), padding_mode=ZERO, allow_tma=False).reshape((1, TN))
+    bias = ct.load(BIAS, index=(bn,), shape=(TN,), padding_mode=ZERO, allow_tma=False)
+    return acc + bias.reshape((1, TN))
 
 
 def gelu(x):
@@ -68,27 +73,54 @@ def linear_gelu(A_HI, A_LO, W_HI, W_LO, BIAS, OUT_HI, OUT_LO,
     """(OUT_HI, OUT_LO) = GELU(A @ W^T + bias) as an fp16 pair."""
     bm, bn = tile_position(OUT_HI.shape[0], OUT_HI.shape[1], TM, TN)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
-    y = gelu(acc)
-    hi = ct.astype(y, ct.float16)
-    ct.store(OUT_HI, index=(bm, bn), tile=hi, allow_tma=False)
-    ct.store(OUT_LO, index=(bm, bn), tile=ct.astype(y - ct.astype(hi, ct.float32), ct.float16), allow_tma=False)
+    store_pair(OUT_HI, OUT_LO, (bm, bn), gelu(acc))
 
 
-@ct.kernel
-def linear_residual(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, has_mask: int,
-                    zero_sum: int, TM: ConstInt, TN: ConstInt, TK: ConstInt,
-                    PRODUCTS: ConstInt):
-    """OUT (fp32) = RES + A @ W^T + bias. With has_mask, rows whose VALID byte is 0 get RES
-    (zero_sum 0: the update is zeroed) or 0 (zero_sum 1: the sum is zeroed). OUT may be RES."""
-    bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
-    acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
+def residual_sum(acc, RES, VALID, bm, bn, has_mask, zero_sum, TM, TN):
+    """RES + acc on the tile at (bm, bn); with has_mask, rows whose VALID byte is 0 get RES
+    (zero_sum 0: the update is zeroed) or 0 (zero_sum 1: the sum is zeroed)."""
     res = ct.load(RES, index=(bm, bn), shape=(TM, TN), padding_mode=ZERO, allow_tma=False)
     if has_mask != 0:
-        valid = ct.load(VALID, index=(bm,), shape=(TM,), padding_mode=ZERO, allow_tma=False).reshape((TM, 1)) != 0
+        valid = ct.load(VALID, index=(bm,), shape=(TM,), padding_mode=ZERO,
+                        allow_tma=False).reshape((TM, 1)) != 0
         if zero_sum != 0:
             y = ct.where(valid, res + acc, 0.0)
         else:
             y = res + ct.where(valid, acc, 0.0)
     else:
         y = res + acc
+    return y
+
+
+@ct.kernel
+def linear_residual(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, has_mask: int,
+                    zero_sum: int, TM: ConstInt, TN: ConstInt, TK: ConstInt,
+                    PRODUCTS: ConstInt):
+    """OUT (fp32) = RES + A @ W^T + bias, invalid rows as residual_sum. OUT may be RES."""
+    bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
+    acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
+    y = residual_sum(acc, RES, VALID, bm, bn, has_mask, zero_sum, TM, TN)
     ct.store(OUT, index=(bm, bn), tile=y, allow_tma=False)
+
+
+@ct.kernel
+def linear_residual_norm(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, NORM_W, NORM_B,
+                         NORM_HI, NORM_LO, NORM_OUT, has_mask: int, zero_sum: int,
+                         final: int, TM: ConstInt, TN: ConstInt, TK: ConstInt,
+                         PRODUCTS: ConstInt):
+    """linear_residual where one tile holds whole rows (N <= TN), followed by the LayerNorm
+    of the new rows: as an fp16 pair (NORM_HI, NORM_LO), or with final, in fp32 into
+    NORM_OUT with invalid rows set to 0 (OUT is then not written)."""
+    bm = ct.bid(0)
+    acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, 0, TM, TN, TK, PRODUCTS), BIAS, 0, TN)
+    y = residual_sum(acc, RES, VALID, bm, 0, has_mask, zero_sum, TM, TN)
+    normed = normalise(y, OUT.shape[1], NORM_W, NORM_B, TN)
+    if final != 0:
+        if has_mask != 0:
+            valid = ct.load(VALID, index=(bm,), shape=(TM,), padding_mode=ZERO,
+                            allow_tma=False).reshape((TM, 1)) != 0
+            normed = ct.where(valid, normed, 0.0)
+        ct.store(NORM_OUT, index=(bm, 0), tile=normed, allow_tma=False)
+    else:
+        ct.store(OUT, index=(bm, 0), tile=y, allow_tma=False)
+        store_pair(NORM_HI, NORM_LO, (bm, 0), normed)

@@ -8,8 +8,12 @@ EPS = 1e-5
 
 def normed_rows(X, W, B, BM, BD):
     """The block's BM rows of X, normalised and scaled (fp32, columns past the width are 0)."""
-    width = X.shape[1]
     x = ct.load(X, index=(ct.bid(0), 0), shape=(BM, BD), padding_mode=ZERO, allow_tma=False)
+    return normalise(x, X.shape[1], W, B, BD)
+
+
+def normalise(x, width, W, B, BD):
+    """LayerNorm of the rows of tile x ([rows, BD], zero past width) with weight W, bias B."""
     inside = ct.arange(BD, dtype=ct.int32).reshape((1, BD)) < width
     mean = ct.sum(x, axis=1, keepdims=True) / width
     centred = ct.where(inside, x - mean, 0.0)
@@ -19,14 +23,18 @@ def normed_rows(X, W, B, BM, BD):
     return centred * ct.rsqrt(var + EPS) * w + b
 
 
+def store_pair(OUT_HI, OUT_LO, index, y):
+    """Store fp32 tile y as an fp16 pair: hi = fp16(y), lo = fp16(y - hi) (~22 bits in all)."""
+    hi = ct.astype(y, ct.float16)
+    ct.store(OUT_HI, index=index, tile=hi, allow_tma=False)
+    ct.store(OUT_LO, index=index, tile=ct.astype(y - ct.astype(hi, ct.float32), ct.float16),
+             allow_tma=False)
+
+
 @ct.kernel
 def layer_norm_split(X, W, B, OUT_HI, OUT_LO, BM: ConstInt, BD: ConstInt):
     """LayerNorm of BM rows, written as an fp16 pair (hi + lo is the fp32 result to ~22 bits)."""
-    y = normed_rows(X, W, B, BM, BD)
-    hi = ct.astype(y, ct.float16)
-    lo = ct.astype(y - ct.astype(hi, ct.float32), ct.float16)
-    ct.store(OUT_HI, index=(ct.bid(0), 0), tile=hi, allow_tma=False)
-    ct.store(OUT_LO, index=(ct.bid(0), 0), tile=lo, allow_tma=False)
+    store_pair(OUT_HI, OUT_LO, (ct.bid(0), 0), normed_rows(X, W, B, BM, BD))
 
 
 @ct.kernel
