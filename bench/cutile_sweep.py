@@ -5,10 +5,13 @@ inputs, timed in alternating rounds (CUDA events, median), each output checked.
     python bench/cutile_sweep.py gemm                  # the linears of shapes 8, 6 and 13
     python bench/cutile_sweep.py gemm --cases 8192x1024x1024:2:residual
     python bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
+    python bench/cutile_sweep.py plans --shapes 1,2,7,13  # fuse_norms on against off
     python bench/cutile_sweep.py sass [--arch sm_90]  # no GPU needed: the build's SASS
 
-"sass" prints, per kernel of the build ($LAYERBENCH_CUTILE_BUILD or the default root),
-registers, stack bytes, HGMMA, 16- and 2-byte load counts and spill stores (cuobjdump -sass).
+"plans" builds the layer with fuse_norms on and off, checks both against one reference and
+times them in alternating rounds. "sass" prints, per kernel of the build
+($LAYERBENCH_CUTILE_BUILD or the default root), registers, stack bytes, HGMMA, 16- and
+2-byte load counts and spill stores (cuobjdump -sass), without a GPU.
 A GEMM case is MxNxK:products:kind (kind half, gelu or residual); TFLOP/s count every fp16
 product. The sweep tiles need a build exported with --sweep; tiles missing from the build
 are reported and skipped. Attention is checked against fp32 attention where the sequence is
@@ -26,6 +29,7 @@ import torch
 
 from layerbench.backends.cutile import CutileBackend, ops, specs
 from layerbench.backends.cutile.layer import weight_pair
+from layerbench.common import runner
 from layerbench.common.errors import Unsupported
 from layerbench.common.timing import alternating_medians_ms
 from layerbench.reference import packed_attention
@@ -171,7 +175,10 @@ def main() -> int:
     """Command line."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["gemm", "attention", "sass"])
+    parser.add_argument("what", choices=["gemm", "attention", "plans", "sass"])
+    parser.add_argument("--shapes", default="1,2,3,4,7,9,10,11,12,13,6",
+                        help="plans: official shape numbers")
+    parser.add_argument("--padding", type=float, default=0.0, help="plans: padding ratio")
     parser.add_argument("--arch", default="sm_90", help="sass: the build's architecture")
     parser.add_argument("--cases", default=",".join(GEMM_CASES))
     parser.add_argument("--batch", type=int, default=1)
@@ -198,7 +205,13 @@ def main() -> int:
         print(f"cutile: {why}", file=sys.stderr)
         return 2
     kernels = backend.kernels(device)
-    if args.what == "gemm":
+    if args.what == "plans":
+        rows = runner.compare_plans(
+            args.shapes,
+            lambda fuse, cfg, sd: CutileBackend("aot", fuse_norms=fuse).build(cfg, sd,
+                                                                              device=device),
+            padding=args.padding, rounds=args.rounds, device=device, label="norms fused")
+    elif args.what == "gemm":
         rows = sweep_gemm(kernels, args.cases.split(","), args.rounds)
     else:
         rows = sweep_attention(kernels, args.batch, args.seq_len, args.heads, args.head_dim,

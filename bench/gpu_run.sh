@@ -77,7 +77,7 @@ if [[ $stage == kernels ]]; then
 fi
 if [[ $stage == cutile ]]; then
     # The cutile kernels on their own: kernel tests, then each GEMM and attention tile of the
-    # build (exported with --sweep) on the official shapes' sizes.
+    # build (exported with --sweep) on the official shapes' sizes, then fuse_norms on and off.
     log="$OUT/cutile.log"
     python3 -m pytest conformance/test_cutile.py --backend cutile -q -p no:cacheprovider \
         2>&1 | tail -15 | tee -a "$log"
@@ -87,6 +87,7 @@ if [[ $stage == cutile ]]; then
         --out "$OUT/cutile-attention-13.json" 2>&1 | tee -a "$log"
     python3 bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 \
         --head-dim 64 --rounds 3 --out "$OUT/cutile-attention-14.json" 2>&1 | tee -a "$log"
+    python3 bench/cutile_sweep.py plans --out "$OUT/cutile-plans.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == sanitize ]]; then
     # compute-sanitizer memcheck and racecheck over one eager forward per shape.

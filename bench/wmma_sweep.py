@@ -272,27 +272,9 @@ def plans(shapes, rounds, padding):
     """The layer with LayerNorms in the GEMM epilogues against separate norm kernels: median
     ms of each (alternating rounds) and both error/allowed ratios."""
     device = torch.device("cuda")
-    rows = []
-    for shape in resolve_shapes(shapes):
-        prepared = runner.prepare(shape, padding=padding, dtype=torch.float32, seed=1234,
-                                  device=device)
-        reference, layers, ratios = None, [], []
-        for fuse in (True, False):
-            layer = WmmaBackend(fuse_norms=fuse).build(shape.config,
-                                                        prepared.model.state_dict(),
-                                                        device=device)
-            report, reference = runner.check(layer, prepared, reference)
-            layers.append(layer)
-            ratios.append(report.worst_ratio)
-        timing = runner.time_against_baseline(layers[0], prepared, layers[1], rounds=rounds)
-        fused_ms, separate_ms = timing.median_ms, timing.baseline_ms
-        rows.append({"shape": shape.number, "fused_ms": fused_ms, "separate_ms": separate_ms,
-                     "fused_ratio": ratios[0], "separate_ratio": ratios[1]})
-        print(f"shape {shape.number:2d} norms fused {fused_ms:8.3f} ms (error/allowed "
-              f"{ratios[0]:.3f})  separate {separate_ms:8.3f} ms ({ratios[1]:.3f})", flush=True)
-        del layers, prepared, reference
-        torch.cuda.empty_cache()
-    return rows
+    return runner.compare_plans(
+        shapes, lambda fuse, cfg, sd: WmmaBackend(fuse_norms=fuse).build(cfg, sd, device=device),
+        padding=padding, rounds=rounds, device=device, label="norms fused")
 
 
 def main() -> int:

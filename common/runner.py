@@ -273,3 +273,33 @@ def fmt_ms(value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+
+
+def compare_plans(shapes, build_plan, plans=(True, False), *, padding: float = 0.0,
+                  rounds: int = 20, device="cuda", label: str = "plan") -> list[dict]:
+    """Two plans of one backend per shape: build_plan(plan, config, state_dict) builds each;
+    both are checked against one reference and timed in alternating rounds (the first
+    against the second). One row per shape: median ms and error/allowed of each."""
+    from .shapes import resolve_shapes
+
+    rows = []
+    for shape in resolve_shapes(shapes):
+        prepared = prepare(shape, padding=padding, dtype=torch.float32, seed=1234,
+                           device=device)
+        reference, layers, ratios = None, [], []
+        for plan in plans:
+            layer = build_plan(plan, shape.config, prepared.model.state_dict())
+            report, reference = check(layer, prepared, reference)
+            layers.append(layer)
+            ratios.append(report.worst_ratio)
+        timing = time_against_baseline(layers[0], prepared, layers[1], rounds=rounds)
+        row = {"shape": shape.number, "plans": list(plans),
+               "median_ms": [timing.median_ms, timing.baseline_ms], "worst_ratio": ratios}
+        rows.append(row)
+        print(f"shape {shape.number:2d} {label} {plans[0]}: {timing.median_ms:8.3f} ms "
+              f"(error/allowed {ratios[0]:.3f})  {plans[1]}: {timing.baseline_ms:8.3f} ms "
+              f"({ratios[1]:.3f})", flush=True)
+        del layers, prepared, reference
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
