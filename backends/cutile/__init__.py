@@ -7,7 +7,7 @@ from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import MemoryPlan
 from layerbench.common.params import param_bytes
 
-from . import specs
+from . import ops, specs
 from .launch import kernels_for
 from .layer import CutileLayer, linear_products_for, working_bytes_per_sequence
 
@@ -75,8 +75,8 @@ class CutileBackend(Backend):
 
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
-        return MemoryPlan({"one sequence": working_bytes_per_sequence(
-                               config, fuse_norms=self.fuse_norms),
+        fused = self.fuse_norms and ops.norm_gemm_width(config.d_model) is not None
+        return MemoryPlan({"one sequence": working_bytes_per_sequence(config, fuse_norms=fused),
                            "parameters": param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):

@@ -43,7 +43,7 @@ def workspace(config, fuse_norms: bool = False) -> dict[str, tuple[int, torch.dt
 
 
 def working_bytes_per_sequence(config, seq_len: int | None = None,
-                               fuse_norms: bool = True) -> int:
+                               fuse_norms: bool = False) -> int:
     """Workspace bytes of one sequence (of seq_len tokens, default the config's)."""
     per_token = sum(c * t.itemsize for c, t in workspace(config, fuse_norms).values())
     return (config.seq_len if seq_len is None else seq_len) * per_token
