@@ -189,38 +189,39 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", help="write the rows as JSON")
     args = parser.parse_args()
-    if args.what == "sass":
-        rows = sass_report(args.arch)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
-        return 0
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
+    rows = sweep(args)
+    if rows is None:
         return 2
-    device = torch.device("cuda", torch.cuda.current_device())
-    backend = CutileBackend("aot")
-    why = backend.unavailable_reason(device)
-    if why:
-        print(f"cutile: {why}", file=sys.stderr)
-        return 2
-    kernels = backend.kernels(device)
-    if args.what == "plans":
-        rows = runner.compare_plans(
-            args.shapes,
-            lambda fuse, cfg, sd: CutileBackend("aot", fuse_norms=fuse).build(cfg, sd,
-                                                                              device=device),
-            padding=args.padding, rounds=args.rounds, device=device, label="norms fused")
-    elif args.what == "gemm":
-        rows = sweep_gemm(kernels, args.cases.split(","), args.rounds)
-    else:
-        rows = sweep_attention(kernels, args.batch, args.seq_len, args.heads, args.head_dim,
-                               not args.full, args.rounds)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
 
+
+def sweep(args):
+    """The rows of the sweep args.what asks for (None, with why, where it cannot run)."""
+    if args.what == "sass":
+        return sass_report(args.arch)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return None
+    device = torch.device("cuda", torch.cuda.current_device())
+    backend = CutileBackend("aot")
+    why = backend.unavailable_reason(device)
+    if why:
+        print(f"cutile: {why}", file=sys.stderr)
+        return None
+    kernels = backend.kernels(device)
+    if args.what == "plans":
+        return runner.compare_plans(
+            args.shapes,
+            lambda fuse, cfg, sd: CutileBackend("aot", fuse_norms=fuse).build(cfg, sd,
+                                                                              device=device),
+            padding=args.padding, rounds=args.rounds, device=device, label="norms fused")
+    if args.what == "gemm":
+        return sweep_gemm(kernels, args.cases.split(","), args.rounds)
+    return sweep_attention(kernels, args.batch, args.seq_len, args.heads, args.head_dim,
+                           not args.full, args.rounds)
 
 if __name__ == "__main__":
     sys.exit(main())

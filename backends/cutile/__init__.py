@@ -7,9 +7,10 @@ from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import MemoryPlan
 from layerbench.common.params import param_bytes
 
-from . import ops, specs
+from . import specs
 from .launch import kernels_for
-from .layer import CutileLayer, linear_products_for, working_bytes_per_sequence
+from .layer import (CutileLayer, linear_products_for, norms_fused,
+                    working_bytes_per_sequence)
 
 HEAD_DIMS = tuple(range(8, 257, 8))
 
@@ -75,7 +76,7 @@ class CutileBackend(Backend):
 
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
-        fused = self.fuse_norms and ops.norm_gemm_width(config.d_model) is not None
+        fused = norms_fused(config, self.fuse_norms)
         return MemoryPlan({"one sequence": working_bytes_per_sequence(config, fuse_norms=fused),
                            "parameters": param_bytes(config)})
 

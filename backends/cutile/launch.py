@@ -14,7 +14,6 @@ from . import manifest, specs
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "uint8": torch.uint8,
                 "int32": torch.int32}
-INT32_MAX = 2 ** 31 - 1
 
 
 def arch_of(device: torch.device) -> str:
@@ -33,7 +32,7 @@ def check_array(name: str, param: specs.Array, t: torch.Tensor, kernel: str) -> 
                          f"got {t.dim()}-d {t.dtype}")
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(f"{where} needs unit stride in its last dimension, got {t.stride()}")
-    if any(n > INT32_MAX for n in t.shape) or any(s > INT32_MAX for s in t.stride()):
+    if max(*t.shape, *t.stride()) > specs.INT32_MAX:
         raise ValueError(f"{where} has a size or stride beyond 32-bit indices: {t.shape}")
     if param.aligned:
         step = 16 // t.element_size()

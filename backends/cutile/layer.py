@@ -2,8 +2,6 @@
 in chunks and launches seven kernels per block (replayed from a CUDA graph where it can)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from layerbench.common.cuda_host import ChunkPlan, mask_bytes, run_in_chunks, split_fp16
@@ -25,6 +23,12 @@ def linear_products_for(d_model: int) -> int:
     """fp16 products of out_proj and the FFN: 2 (activations split, weights rounded once)
     from d_model 512 on, where the GEMMs are bound by the tensor cores; 3 below."""
     return 2 if d_model >= 512 else 3
+
+
+def norms_fused(config, requested: bool) -> bool:
+    """Whether LayerNorms run in the residual GEMMs' epilogues: when asked for and rows fit
+    one linear_residual_norm tile."""
+    return requested and ops.norm_gemm_width(config.d_model) is not None
 
 
 def workspace(config, fuse_norms: bool = False) -> dict[str, tuple[int, torch.dtype]]:
@@ -79,7 +83,7 @@ class CutileLayer(BuiltLayer):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
-        self.fuse_norms = fuse_norms and ops.norm_gemm_width(config.d_model) is not None
+        self.fuse_norms = norms_fused(config, fuse_norms)
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         names = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
         self.weights = [{n: weight_pair(getattr(p, n)) for n in names}
@@ -91,8 +95,7 @@ class CutileLayer(BuiltLayer):
         # Free memory is asked after the weights are packed: nothing fixed to add. (At 112 or
         # more workspace bytes per token, the rows of a chunk stay far below 2^31.)
         self.chunks = ChunkPlan(
-            device, lambda s: working_bytes_per_sequence(replace(config, seq_len=s), s,
-                                                         self.fuse_norms), 0,
+            device, lambda s: working_bytes_per_sequence(config, s, self.fuse_norms), 0,
             MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 

@@ -30,6 +30,13 @@ def placeholders(device: torch.device) -> dict[str, torch.Tensor]:
             "float": torch.zeros(1, 4, dtype=torch.float32, device=device)}
 
 
+def row_mask(valid_rows, device) -> tuple[torch.Tensor, int]:
+    """(the VALID argument, the has_mask flag) for a row mask or None."""
+    if valid_rows is None:
+        return placeholders(device)["valid_rows"], 0
+    return valid_rows, 1
+
+
 def layer_norm_split(kernels, x, weight, bias, out_hi, out_lo) -> None:
     """out_hi + out_lo = LayerNorm(x) (fp16 pair)."""
     width = power_of_two_at_least(x.shape[1])
@@ -42,10 +49,9 @@ def layer_norm_out(kernels, x, weight, bias, valid_rows, out) -> None:
     """out = LayerNorm(x) (fp32), rows whose valid byte is 0 set to 0."""
     width = power_of_two_at_least(x.shape[1])
     rows = specs.norm_rows(width)
-    mask = placeholders(x.device)["valid_rows"] if valid_rows is None else valid_rows
+    mask, has_mask = row_mask(valid_rows, x.device)
     kernels.launch("layer_norm_out", {"BM": rows, "BD": width},
-                   (cdiv(x.shape[0], rows), 1, 1),
-                   (x, weight, bias, mask, out, int(valid_rows is not None)))
+                   (cdiv(x.shape[0], rows), 1, 1), (x, weight, bias, mask, out, has_mask))
 
 
 def gemm_tile(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
@@ -78,9 +84,9 @@ def linear_gelu(kernels, a, weight, bias, out, products: int, tile=None) -> None
 def linear_residual(kernels, a, weight, bias, res, valid_rows, out, products: int,
                     zero_sum: bool, tile=None) -> None:
     """out = res + a @ weight^T + bias; invalid rows get res (zero_sum False) or 0 (True)."""
-    mask = placeholders(a[0].device)["valid_rows"] if valid_rows is None else valid_rows
+    mask, has_mask = row_mask(valid_rows, a[0].device)
     _gemm(kernels, "linear_residual", a, weight, out.shape, products,
-          (bias, res, mask, out, int(valid_rows is not None), int(zero_sum)), tile)
+          (bias, res, mask, out, has_mask, int(zero_sum)), tile)
 
 
 def norm_gemm_width(n: int) -> int | None:
@@ -100,15 +106,13 @@ def linear_residual_norm(kernels, a, weight, bias, res, valid_rows, out, norm, *
     if width is None:
         raise ValueError(f"linear_residual_norm: rows of {out.shape[1]} do not fit one tile")
     spare = placeholders(a[0].device)
-    tm, tk = specs.NORM_GEMM_TILE
+    mask, has_mask = row_mask(valid_rows, a[0].device)
     pair = pair or (spare["half"], spare["half"])
-    kernels.launch("linear_residual_norm",
-                   {"TM": tm, "TN": width, "TK": tk, "PRODUCTS": products},
-                   (cdiv(out.shape[0], tm), 1, 1),
-                   (a[0], a[1], weight[0], weight[1], bias, res,
-                    spare["valid_rows"] if valid_rows is None else valid_rows, out, norm[0],
-                    norm[1], pair[0], pair[1], spare["float"] if final is None else final,
-                    int(valid_rows is not None), int(zero_sum), int(final is not None)))
+    tm, tk = specs.NORM_GEMM_TILE  # one column tile: the grid covers row tiles only
+    _gemm(kernels, "linear_residual_norm", a, weight, out.shape, products,
+          (bias, res, mask, out, norm[0], norm[1], pair[0], pair[1],
+           spare["float"] if final is None else final, has_mask, int(zero_sum),
+           int(final is not None)), tile=(tm, width, tk))
 
 
 def key_info(valid: torch.Tensor) -> torch.Tensor:
