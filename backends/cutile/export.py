@@ -14,10 +14,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 from . import specs
-from .manifest import ARCHS, build_dir
-
-INDEX_BITS = 32
-CALLING_CONVENTION = "cutile_python_v1"
+from .manifest import ARCHS, CALLING_CONVENTION, INDEX_BITS, build_dir
 
 
 def constraint(param):
@@ -88,10 +85,11 @@ def export_group(arch: str, name: str, constant_sets: list[dict[str, int]], fold
     info = kernel_info(f"{folder}/{name}.cubin")
     entries = []
     for c in constant_sets:
-        found = info.get(specs.symbol(name, c))
+        symbol = specs.symbol(name, c)
+        found = info.get(symbol)
         if found is None or found["threads"] is None:
             raise RuntimeError(f"{name}.cubin for {arch}: no block size for {c}")
-        entries.append({"kernel": name, "symbol": specs.symbol(name, c), "constants": c,
+        entries.append({"kernel": name, "symbol": symbol, "constants": c,
                         "cubin": f"{name}.cubin", "threads": found["threads"],
                         "param_sizes": found["params"]})
     return entries, time.perf_counter() - start
@@ -102,6 +100,8 @@ def export(archs, out_dir=None, progress=True, jobs: int | None = None,
     """Compile every specialisation (with sweep, also the sweep tiles) for each arch into
     out_dir/<source hash>/<arch>/ with a manifest, one process per kernel and arch (jobs at
     once, default the CPU count)."""
+    from cuda.tile import __version__ as cuda_tile_version
+
     groups: dict[str, list[dict[str, int]]] = {}
     for name, constants in specs.specialisations(sweep):
         groups.setdefault(name, []).append(constants)
@@ -112,7 +112,7 @@ def export(archs, out_dir=None, progress=True, jobs: int | None = None,
         futures = {(arch, name): pool.submit(export_group, arch, name, sets, str(folders[arch]))
                    for arch in archs for name, sets in groups.items()}
         results = {key: f.result() for key, f in futures.items()}
-    manifests = {}
+    manifests, source_hash = {}, specs.source_hash()
     for arch in archs:
         entries = []
         for name in groups:
@@ -121,9 +121,7 @@ def export(archs, out_dir=None, progress=True, jobs: int | None = None,
             if progress:
                 print(f"{arch} {name}: {len(found)} specialisations in {seconds:.1f} s",
                       file=sys.stderr)
-        from cuda.tile import __version__ as cuda_tile_version
-
-        manifest = {"arch": arch, "source_hash": specs.source_hash(), "entries": entries,
+        manifest = {"arch": arch, "source_hash": source_hash, "entries": entries,
                     "calling_convention": CALLING_CONVENTION, "index_bits": INDEX_BITS,
                     "cuda_tile": cuda_tile_version}
         (folders[arch] / "manifest.json").write_text(json.dumps(manifest, indent=1))

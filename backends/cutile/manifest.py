@@ -9,6 +9,8 @@ from . import specs
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
 BUILD_ENV = "LAYERBENCH_CUTILE_BUILD"
+CALLING_CONVENTION = "cutile_python_v1"  # what launch.pack packs
+INDEX_BITS = 32
 
 
 def default_root() -> Path:
@@ -33,10 +35,10 @@ def load(arch: str, root=None) -> tuple[dict | None, str]:
     if manifest.get("source_hash") != specs.source_hash():
         return None, f"{path} was built from other kernel sources"
     if (manifest.get("calling_convention"), manifest.get("index_bits")) != (
-            "cutile_python_v1", 32):
+            CALLING_CONVENTION, INDEX_BITS):
         return None, (f"{path} uses calling convention {manifest.get('calling_convention')} "
                       f"with {manifest.get('index_bits')}-bit indices; the launcher packs "
-                      "cutile_python_v1 with 32-bit indices")
+                      f"{CALLING_CONVENTION} with {INDEX_BITS}-bit indices")
     missing = [c for c in {e["cubin"] for e in manifest["entries"]} if not (folder / c).is_file()]
     if missing:
         return None, f"{folder} lacks {missing}"

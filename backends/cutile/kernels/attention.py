@@ -3,6 +3,8 @@ key tiles, fp16 products. QKV is viewed [B, S, 3H, head_dim] (Q heads, then K, t
 head dim is padded to HP (a power of two) with zeros."""
 import cuda.tile as ct
 
+from .norm import store_pair
+
 ConstInt = ct.Constant[int]
 ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634
@@ -72,7 +74,4 @@ def flash_attention(QKV, CTX_HI, CTX_LO, VALID, KEY_INFO, scale: float, num_head
         acc = ct.mma(ct.astype(p, ct.float16), v, acc * alpha)
         m = m_new
     out = ct.where(l == 0.0, 0.0, acc / l)  # NaN inputs stay NaN, as in the reference
-    hi = ct.astype(out, ct.float16)
-    lo = ct.astype(out - ct.astype(hi, ct.float32), ct.float16)
-    ct.store(CTX_HI, index=(b, qt, h, 0), tile=hi.reshape((1, TM, 1, HP)), allow_tma=False)
-    ct.store(CTX_LO, index=(b, qt, h, 0), tile=lo.reshape((1, TM, 1, HP)), allow_tma=False)
+    store_pair(CTX_HI, CTX_LO, (b, qt, h, 0), out.reshape((1, TM, 1, HP)))
