@@ -75,13 +75,26 @@ def kernel_info(cubin) -> dict[str, dict]:
     return info
 
 
+COMPILER_CRASH_RETRIES = 2
+
+
 def export_group(arch: str, name: str, constant_sets: list[dict[str, int]], folder: str):
     """Compile one kernel's specialisations for arch into folder/<name>.cubin; its entries."""
+    from cuda.tile import TileCompilerExecutionError
     from cuda.tile.compilation import export_kernel
 
     start = time.perf_counter()
-    export_kernel(kernel_function(name), [signature(name, c) for c in constant_sets],
-                  f"{folder}/{name}.cubin", gpu_code=arch, output_format="cubin")
+    for attempt in range(COMPILER_CRASH_RETRIES + 1):
+        try:
+            export_kernel(kernel_function(name), [signature(name, c) for c in constant_sets],
+                          f"{folder}/{name}.cubin", gpu_code=arch, output_format="cubin")
+            break
+        except TileCompilerExecutionError as error:
+            # tileiras sometimes aborts on heap corruption ("double free"); a compile error
+            # exits with a positive code and is raised at once.
+            if not str(error).startswith("Return code -") or attempt == COMPILER_CRASH_RETRIES:
+                raise
+            print(f"{arch} {name}: tileiras crashed, compiling again", file=sys.stderr)
     info = kernel_info(f"{folder}/{name}.cubin")
     entries = []
     for c in constant_sets:
