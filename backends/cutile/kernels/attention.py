@@ -13,8 +13,7 @@ NO_MAX = -1.0e30  # finite start for the running max: a row with no visible key 
 
 def head_tile(QKV, b, row_tile, head, rows, HP):
     """The [rows, HP] fp16 tile of one head at a row tile."""
-    t = ct.load(QKV, index=(b, row_tile, head, 0), shape=(1, rows, 1, HP), padding_mode=ZERO,
-                allow_tma=False)
+    t = ct.load(QKV, index=(b, row_tile, head, 0), shape=(1, rows, 1, HP), padding_mode=ZERO)
     return t.reshape((rows, HP))
 
 
@@ -35,8 +34,8 @@ def flash_attention(QKV, CTX_HI, CTX_LO, VALID, KEY_INFO, scale: float, num_head
     key_end = seq_len
     read_mask = 0
     if has_mask != 0:
-        key_end = ct.load(KEY_INFO, index=(b, 0), shape=(1, 1), allow_tma=False).item()
-        read_mask = ct.load(KEY_INFO, index=(b, 1), shape=(1, 1), allow_tma=False).item()
+        key_end = ct.load(KEY_INFO, index=(b, 0), shape=(1, 1)).item()
+        read_mask = ct.load(KEY_INFO, index=(b, 1), shape=(1, 1)).item()
     q_first = qt * TM
     if causal != 0:
         key_end = min(key_end, q_first + TM)
@@ -62,8 +61,7 @@ def flash_attention(QKV, CTX_HI, CTX_LO, VALID, KEY_INFO, scale: float, num_head
             if causal != 0:
                 visible = visible & (keys <= rows)
             if read_mask != 0:
-                valid = ct.load(VALID, index=(b, j), shape=(1, TN), padding_mode=ZERO,
-                                allow_tma=False)
+                valid = ct.load(VALID, index=(b, j), shape=(1, TN), padding_mode=ZERO)
                 visible = visible & (valid != 0)
             s = ct.where(visible, s, -float("inf"))
         m_new = ct.maximum(m, ct.max(s, axis=1, keepdims=True))

@@ -26,17 +26,13 @@ def products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS):
     """The [TM, TN] fp32 tile of A @ W^T at (bm, bn)."""
     acc = ct.full((TM, TN), 0.0, dtype=ct.float32)
     for k in range(ct.cdiv(A_HI.shape[1], TK)):
-        a_hi = ct.load(A_HI, index=(bm, k), shape=(TM, TK), padding_mode=ZERO,
-                       allow_tma=False)
-        w_hi = ct.transpose(ct.load(W_HI, index=(bn, k), shape=(TN, TK), padding_mode=ZERO,
-                                    allow_tma=False))
+        a_hi = ct.load(A_HI, index=(bm, k), shape=(TM, TK), padding_mode=ZERO)
+        w_hi = ct.transpose(ct.load(W_HI, index=(bn, k), shape=(TN, TK), padding_mode=ZERO))
         if PRODUCTS >= 2:
-            a_lo = ct.load(A_LO, index=(bm, k), shape=(TM, TK), padding_mode=ZERO,
-                           allow_tma=False)
+            a_lo = ct.load(A_LO, index=(bm, k), shape=(TM, TK), padding_mode=ZERO)
             acc = ct.mma(a_lo, w_hi, acc)
         if PRODUCTS >= 3:
-            w_lo = ct.transpose(ct.load(W_LO, index=(bn, k), shape=(TN, TK), padding_mode=ZERO,
-                                        allow_tma=False))
+            w_lo = ct.transpose(ct.load(W_LO, index=(bn, k), shape=(TN, TK), padding_mode=ZERO))
             acc = ct.mma(a_hi, w_lo, acc)
         acc = ct.mma(a_hi, w_hi, acc)
     return acc
@@ -44,7 +40,7 @@ def products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS):
 
 def biased(acc, BIAS, bn, TN):
     """acc plus the bias of its columns."""
-    bias = ct.load(BIAS, index=(bn,), shape=(TN,), padding_mode=ZERO, allow_tma=False)
+    bias = ct.load(BIAS, index=(bn,), shape=(TN,), padding_mode=ZERO)
     return acc + bias.reshape((1, TN))
 
 
@@ -64,7 +60,7 @@ def linear_half(A_HI, A_LO, W_HI, W_LO, BIAS, OUT,
     """OUT (fp16) = A @ W^T + bias."""
     bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
-    ct.store(OUT, index=(bm, bn), tile=ct.astype(acc, ct.float16), allow_tma=False)
+    ct.store(OUT, index=(bm, bn), tile=ct.astype(acc, ct.float16))
 
 
 @ct.kernel
@@ -79,10 +75,10 @@ def linear_gelu(A_HI, A_LO, W_HI, W_LO, BIAS, OUT_HI, OUT_LO,
 def residual_sum(acc, RES, VALID, bm, bn, has_mask, zero_sum, TM, TN):
     """RES + acc on the tile at (bm, bn); with has_mask, rows whose VALID byte is 0 get RES
     (zero_sum 0: the update is zeroed) or 0 (zero_sum 1: the sum is zeroed)."""
-    res = ct.load(RES, index=(bm, bn), shape=(TM, TN), padding_mode=ZERO, allow_tma=False)
+    res = ct.load(RES, index=(bm, bn), shape=(TM, TN), padding_mode=ZERO)
     if has_mask != 0:
-        valid = ct.load(VALID, index=(bm,), shape=(TM,), padding_mode=ZERO,
-                        allow_tma=False).reshape((TM, 1)) != 0
+        valid = ct.load(VALID, index=(bm,), shape=(TM,), padding_mode=ZERO)
+        valid = valid.reshape((TM, 1)) != 0
         if zero_sum != 0:
             y = ct.where(valid, res + acc, 0.0)
         else:
@@ -100,7 +96,7 @@ def linear_residual(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, has_mask: int
     bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
     y = residual_sum(acc, RES, VALID, bm, bn, has_mask, zero_sum, TM, TN)
-    ct.store(OUT, index=(bm, bn), tile=y, allow_tma=False)
+    ct.store(OUT, index=(bm, bn), tile=y)
 
 
 @ct.kernel
@@ -117,10 +113,10 @@ def linear_residual_norm(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, NORM_W, 
     normed = normalise(y, OUT.shape[1], NORM_W, NORM_B, TN)
     if final != 0:
         if has_mask != 0:
-            valid = ct.load(VALID, index=(bm,), shape=(TM,), padding_mode=ZERO,
-                            allow_tma=False).reshape((TM, 1)) != 0
+            valid = ct.load(VALID, index=(bm,), shape=(TM,), padding_mode=ZERO)
+            valid = valid.reshape((TM, 1)) != 0
             normed = ct.where(valid, normed, 0.0)
-        ct.store(NORM_OUT, index=(bm, 0), tile=normed, allow_tma=False)
+        ct.store(NORM_OUT, index=(bm, 0), tile=normed)
     else:
-        ct.store(OUT, index=(bm, 0), tile=y, allow_tma=False)
+        ct.store(OUT, index=(bm, 0), tile=y)
         store_pair(NORM_HI, NORM_LO, (bm, 0), normed)

@@ -8,7 +8,7 @@ EPS = 1e-5
 
 def normed_rows(X, W, B, BM, BD):
     """The block's BM rows of X, normalised and scaled (fp32, columns past the width are 0)."""
-    x = ct.load(X, index=(ct.bid(0), 0), shape=(BM, BD), padding_mode=ZERO, allow_tma=False)
+    x = ct.load(X, index=(ct.bid(0), 0), shape=(BM, BD), padding_mode=ZERO)
     return normalise(x, X.shape[1], W, B, BD)
 
 
@@ -18,17 +18,16 @@ def normalise(x, width, W, B, BD):
     mean = ct.sum(x, axis=1, keepdims=True) / width
     centred = ct.where(inside, x - mean, 0.0)
     var = ct.sum(centred * centred, axis=1, keepdims=True) / width
-    w = ct.load(W, index=(0,), shape=(BD,), padding_mode=ZERO, allow_tma=False).reshape((1, BD))
-    b = ct.load(B, index=(0,), shape=(BD,), padding_mode=ZERO, allow_tma=False).reshape((1, BD))
+    w = ct.load(W, index=(0,), shape=(BD,), padding_mode=ZERO).reshape((1, BD))
+    b = ct.load(B, index=(0,), shape=(BD,), padding_mode=ZERO).reshape((1, BD))
     return centred * ct.rsqrt(var + EPS) * w + b
 
 
 def store_pair(OUT_HI, OUT_LO, index, y):
     """Store fp32 tile y as an fp16 pair: hi = fp16(y), lo = fp16(y - hi) (~22 bits in all)."""
     hi = ct.astype(y, ct.float16)
-    ct.store(OUT_HI, index=index, tile=hi, allow_tma=False)
-    ct.store(OUT_LO, index=index, tile=ct.astype(y - ct.astype(hi, ct.float32), ct.float16),
-             allow_tma=False)
+    ct.store(OUT_HI, index=index, tile=hi)
+    ct.store(OUT_LO, index=index, tile=ct.astype(y - ct.astype(hi, ct.float32), ct.float16))
 
 
 @ct.kernel
@@ -42,6 +41,6 @@ def layer_norm_out(X, W, B, VALID, OUT, has_mask: int, BM: ConstInt, BD: ConstIn
     """LayerNorm of BM rows into fp32 OUT; with has_mask, rows whose VALID byte is 0 get 0."""
     y = normed_rows(X, W, B, BM, BD)
     if has_mask != 0:
-        valid = ct.load(VALID, index=(ct.bid(0),), shape=(BM,), padding_mode=ZERO, allow_tma=False)
+        valid = ct.load(VALID, index=(ct.bid(0),), shape=(BM,), padding_mode=ZERO)
         y = ct.where(valid.reshape((BM, 1)) != 0, y, 0.0)
-    ct.store(OUT, index=(ct.bid(0), 0), tile=y, allow_tma=False)
+    ct.store(OUT, index=(ct.bid(0), 0), tile=y)
