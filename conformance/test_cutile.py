@@ -103,14 +103,32 @@ def test_packing_follows_the_calling_convention(cutile_selected):
     """Per array: address, shape, strides (int32); per scalar: its value, in order."""
     x = torch.zeros(40, 24)
     w, b = torch.zeros(24), torch.zeros(24)
-    hi = torch.zeros(40, 24, dtype=torch.float16)
-    values = launch.pack("layer_norm_split", (x, w, b, hi, hi))
+    hi, lo = torch.zeros(2, 40, 24, dtype=torch.float16)
+    values = launch.pack("layer_norm_split", (x, w, b, hi, lo))
     assert len(values) == sum(1 + 2 * p.ndim for _, p in specs.KERNELS["layer_norm_split"].params)
     assert values[0] == x.data_ptr() and values[0].dtype == np.uint64
     assert [int(v) for v in values[1:5]] == [40, 24, 24, 1]
     mask = torch.ones(40, dtype=torch.uint8)
-    values = launch.pack("layer_norm_out", (x, w, b, mask, x, 1))
+    values = launch.pack("layer_norm_out", (x, w, b, mask, torch.zeros_like(x), 1))
     assert values[-1].dtype == np.int32 and values[-1] == 1
+
+
+def test_packing_refuses_overlapping_outputs(cutile_selected):
+    """Arrays the kernel writes must not overlap its other arrays (the kernels are compiled
+    to assume so), except a residual written in place."""
+    x, w, b = torch.zeros(40, 32), torch.zeros(32), torch.zeros(32)
+    halves = torch.zeros(80, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="OUT_HI and OUT_LO overlap"):
+        launch.pack("layer_norm_split", (x, w, b, halves[:40], halves[39:79]))
+    launch.pack("layer_norm_split", (x, w, b, halves[:40], halves[40:]))
+    with pytest.raises(ValueError, match="X and OUT overlap"):
+        launch.pack("layer_norm_out", (x, w, b, torch.ones(40, dtype=torch.uint8), x, 0))
+    a = torch.zeros(40, 32, dtype=torch.float16)
+    weight = torch.zeros(32, 32, dtype=torch.float16)
+    mask = torch.ones(40, dtype=torch.uint8)
+    launch.pack("linear_residual", (a, a, weight, weight, b, x, mask, x, 0, 0))
+    with pytest.raises(ValueError, match="A_HI and OUT overlap"):
+        launch.pack("linear_half", (halves[:40], a, weight, weight, b, halves[:40]))
 
 
 @pytest.mark.parametrize("case", ["dtype", "rank", "width", "stride", "address", "count"])
@@ -118,11 +136,11 @@ def test_packing_refuses_what_the_build_assumes_otherwise(cutile_selected, case)
     """A tensor off the compiled assumptions raises, naming the kernel and parameter."""
     x = torch.zeros(40, 32)
     w, b = torch.zeros(32), torch.zeros(32)
-    hi = torch.zeros(40, 32, dtype=torch.float16)
-    args = {"dtype": (x.double(), w, b, hi, hi), "rank": (x, w, b, hi.view(-1), hi),
-            "width": (x, w, b, hi[:, :28], hi),
-            "stride": (x, w, b, torch.zeros(40, 36, dtype=torch.float16)[:, :32], hi),
-            "address": (torch.zeros(40 * 32 + 1)[1:].view(40, 32), w, b, hi, hi),
+    hi, lo = torch.zeros(2, 40, 32, dtype=torch.float16)
+    args = {"dtype": (x.double(), w, b, hi, lo), "rank": (x, w, b, hi.view(-1), lo),
+            "width": (x, w, b, hi[:, :28], lo),
+            "stride": (x, w, b, torch.zeros(40, 36, dtype=torch.float16)[:, :32], lo),
+            "address": (torch.zeros(40 * 32 + 1)[1:].view(40, 32), w, b, hi, lo),
             "count": (x, w, b, hi)}[case]
     with pytest.raises(ValueError, match="layer_norm_split|zip"):
         launch.pack("layer_norm_split", args)

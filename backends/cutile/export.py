@@ -29,7 +29,8 @@ def constraint(param):
     rest = param.ndim - 1
     return ArrayConstraint(
         dtype, param.ndim, index_dtype=ct.int32, stride_lower_bound_incl=0,
-        alias_groups=("workspace",), may_alias_internally=False,
+        alias_groups=(param.alias_group,) if param.alias_group else (),
+        may_alias_internally=False,
         stride_constant=(None,) * rest + (1,),
         stride_divisible_by=((16 // itemsize) if param.aligned else 1,) * rest + (1,),
         shape_divisible_by=(1,) * rest + ((16 // itemsize) if param.aligned else 1,),

@@ -42,6 +42,30 @@ def check_array(name: str, param: specs.Array, t: torch.Tensor, kernel: str) -> 
                              f"strides {t.stride()}")
 
 
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte addresses of the elements of t (empty for an empty tensor)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
+
+
+def check_disjoint(kernel: str, args) -> None:
+    """Raise ValueError where an array the kernel writes overlaps another array argument
+    outside its alias group: the kernels are compiled to assume such arrays are disjoint."""
+    arrays = [(name, param, byte_range(arg))
+              for (name, param), arg in zip(specs.KERNELS[kernel].params, args, strict=True)
+              if isinstance(param, specs.Array)]
+    for i, (name, param, (start, end)) in enumerate(arrays):
+        for other, other_param, (o_start, o_end) in arrays[i + 1:]:
+            if not (param.output or other_param.output) or start >= o_end or o_start >= end:
+                continue
+            if param.alias_group and param.alias_group == other_param.alias_group:
+                continue
+            raise ValueError(f"cutile {kernel}: {name} and {other} overlap in memory; the "
+                             f"kernel writes one of them and assumes they are disjoint")
+
+
 def pack(kernel: str, args) -> list:
     """numpy scalars of a call's parameters by the cutile_python_v1 convention: per array its
     address (64 bits), then its shape and its strides as int32; per scalar its value."""
@@ -54,6 +78,7 @@ def pack(kernel: str, args) -> list:
         values.append(np.uint64(arg.data_ptr()))
         values += [np.int32(n) for n in arg.shape]
         values += [np.int32(s) for s in arg.stride()]
+    check_disjoint(kernel, args)
     return values
 
 
@@ -122,6 +147,7 @@ class JitKernels:
         for (pname, param), arg in zip(specs.KERNELS[name].params, args, strict=True):
             if isinstance(param, specs.Array):
                 check_array(pname, param, arg, name)
+        check_disjoint(name, args)
         consts = [constants[c] for c in specs.KERNELS[name].constants]
         ct.launch(torch.cuda.current_stream(self.device), grid, kernel_function(name),
                   (*args, *consts))

@@ -27,6 +27,7 @@ def placeholders(device: torch.device) -> dict[str, torch.Tensor]:
             "valid": torch.ones(1, 1, dtype=torch.uint8, device=device),
             "key_info": torch.zeros(1, 4, dtype=torch.int32, device=device),
             "half": torch.zeros(1, 8, dtype=torch.float16, device=device),
+            "half_lo": torch.zeros(1, 8, dtype=torch.float16, device=device),
             "float": torch.zeros(1, 4, dtype=torch.float32, device=device)}
 
 
@@ -107,7 +108,7 @@ def linear_residual_norm(kernels, a, weight, bias, res, valid_rows, out, norm, *
         raise ValueError(f"linear_residual_norm: rows of {out.shape[1]} do not fit one tile")
     spare = placeholders(a[0].device)
     mask, has_mask = row_mask(valid_rows, a[0].device)
-    pair = pair or (spare["half"], spare["half"])
+    pair = pair or (spare["half"], spare["half_lo"])
     tm, tk = specs.NORM_GEMM_TILE  # one column tile: the grid covers row tiles only
     _gemm(kernels, "linear_residual_norm", a, weight, out.shape, products,
           (bias, res, mask, out, norm[0], norm[1], pair[0], pair[1],

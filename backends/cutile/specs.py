@@ -25,6 +25,10 @@ class Array:
     dtype: str  # "float32", "float16", "uint8", "int32"
     ndim: int
     aligned: bool = True
+    # Arrays of one kernel that may share memory name the same group; the compiler takes all
+    # others to be disjoint (declaring every array in one group halves the GEMMs' speed).
+    alias_group: str = ""
+    output: bool = False  # written by the kernel
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,9 @@ class Kernel:
 
 
 F32_2, F16_2 = Array("float32", 2), Array("float16", 2)
+RESIDUAL = Array("float32", 2, alias_group="residual")  # a residual GEMM may write in place
+OUT_F32_2, OUT_F16_2 = Array("float32", 2, output=True), Array("float16", 2, output=True)
+OUT_RESIDUAL = Array("float32", 2, alias_group="residual", output=True)
 F32_1 = Array("float32", 1)
 F16_4 = Array("float16", 4)
 WEIGHTS = (("A_HI", F16_2), ("A_LO", F16_2), ("W_HI", F16_2), ("W_LO", F16_2),
@@ -52,24 +59,26 @@ GEMM_CONSTANTS = ("TM", "TN", "TK", "PRODUCTS")
 
 KERNELS: dict[str, Kernel] = {
     "layer_norm_split": Kernel("norm", (("X", F32_2), ("W", F32_1), ("B", F32_1),
-                                        ("OUT_HI", F16_2), ("OUT_LO", F16_2)), ("BM", "BD")),
+                                        ("OUT_HI", OUT_F16_2), ("OUT_LO", OUT_F16_2)),
+                               ("BM", "BD")),
     "layer_norm_out": Kernel("norm", (("X", F32_2), ("W", F32_1), ("B", F32_1),
                                       ("VALID", Array("uint8", 1, aligned=False)),
-                                      ("OUT", F32_2), ("has_mask", Scalar("int32"))),
+                                      ("OUT", OUT_F32_2), ("has_mask", Scalar("int32"))),
                              ("BM", "BD")),
-    "linear_half": Kernel("linear", WEIGHTS + (("OUT", F16_2),), GEMM_CONSTANTS),
-    "linear_gelu": Kernel("linear", WEIGHTS + (("OUT_HI", F16_2), ("OUT_LO", F16_2)),
+    "linear_half": Kernel("linear", WEIGHTS + (("OUT", OUT_F16_2),), GEMM_CONSTANTS),
+    "linear_gelu": Kernel("linear", WEIGHTS + (("OUT_HI", OUT_F16_2), ("OUT_LO", OUT_F16_2)),
                           GEMM_CONSTANTS),
     "linear_residual": Kernel("linear", WEIGHTS + (
-        ("RES", F32_2), ("VALID", Array("uint8", 1, aligned=False)), ("OUT", F32_2),
+        ("RES", RESIDUAL), ("VALID", Array("uint8", 1, aligned=False)), ("OUT", OUT_RESIDUAL),
         ("has_mask", Scalar("int32")), ("zero_sum", Scalar("int32"))), GEMM_CONSTANTS),
     "linear_residual_norm": Kernel("linear", WEIGHTS + (
-        ("RES", F32_2), ("VALID", Array("uint8", 1, aligned=False)), ("OUT", F32_2),
-        ("NORM_W", F32_1), ("NORM_B", F32_1), ("NORM_HI", F16_2), ("NORM_LO", F16_2),
-        ("NORM_OUT", F32_2), ("has_mask", Scalar("int32")), ("zero_sum", Scalar("int32")),
+        ("RES", RESIDUAL), ("VALID", Array("uint8", 1, aligned=False)), ("OUT", OUT_RESIDUAL),
+        ("NORM_W", F32_1), ("NORM_B", F32_1), ("NORM_HI", OUT_F16_2), ("NORM_LO", OUT_F16_2),
+        ("NORM_OUT", OUT_F32_2), ("has_mask", Scalar("int32")), ("zero_sum", Scalar("int32")),
         ("final", Scalar("int32"))), GEMM_CONSTANTS),
     "flash_attention": Kernel("attention", (
-        ("QKV", F16_4), ("CTX_HI", F16_4), ("CTX_LO", F16_4),
+        ("QKV", F16_4), ("CTX_HI", Array("float16", 4, output=True)),
+        ("CTX_LO", Array("float16", 4, output=True)),
         ("VALID", Array("uint8", 2, aligned=False)), ("KEY_INFO", Array("int32", 2)),
         ("scale", Scalar("float32")), ("num_heads", Scalar("int32")),
         ("causal", Scalar("int32")), ("has_mask", Scalar("int32"))), ("TM", "TN", "HP")),
