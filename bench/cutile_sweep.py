@@ -91,7 +91,8 @@ def sweep_gemm(kernels, cases, rounds):
         size, products, kind = case.split(":")
         m, n, k = (int(v) for v in size.split("x"))
         products = int(products)
-        tiles = [t for t in specs.GEMM_TILES + specs.SWEEP_GEMM_TILES]
+        kernel = {"half": "linear_half", "gelu": "linear_gelu"}.get(kind, "linear_residual")
+        tiles = list(dict.fromkeys(specs.GEMM_TILES[kernel] + specs.SWEEP_GEMM_TILES))
         runs, names = [], []
         for tile in tiles:
             run, check = _gemm_call(kernels, kind, m, n, k, products, tile, gen)

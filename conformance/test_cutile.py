@@ -64,8 +64,9 @@ def test_every_specialisation_exports(cutile_selected, cutile_build, arch):
 
 
 def test_sm90_sass(cutile_selected, cutile_build):
-    """The sm_90 SASS of every exported kernel: no local memory, no 2-byte global loads, and
-    HGMMA in the GEMM and attention kernels (cuobjdump -sass)."""
+    """The sm_90 SASS of every exported kernel: no local memory (beyond the spills measured
+    and accepted in specs), no 2-byte global loads, and HGMMA in the GEMM and attention
+    kernels (cuobjdump -sass)."""
     from bench.sass import kernels as sass_kernels
 
     found, why = manifest.load("sm_90", cutile_build)
@@ -73,7 +74,9 @@ def test_sm90_sass(cutile_selected, cutile_build):
     folder = manifest.build_dir("sm_90", cutile_build)
     for cubin in {e["cubin"] for e in found["entries"]}:
         for name, row in sass_kernels(folder / cubin).items():
-            assert row["spill_stores"] == 0 and row["stack_bytes"] == 0, (name, row)
+            accepted = specs.SPILLS_ACCEPTED.get(name, 0)
+            assert row["spill_stores"] <= accepted, (name, row)
+            assert row["stack_bytes"] == 0 or accepted, (name, row)
             assert row["load16"] == 0, (name, row)
             if not name.startswith("layer_norm"):
                 assert row["HGMMA"] > 0, (name, row)

@@ -23,7 +23,8 @@ class CutileBackend(Backend):
     (ct.launch; needs cuda-tile[tileiras]) or "auto" (a build of these sources for the
     device's architecture if there is one, else the JIT). linear_products: fp16 products of
     out_proj and the FFN (2 or 3; default 2 from d_model 512 on). fuse_norms: LayerNorms in
-    the residual GEMMs' epilogues where rows are at most 128 wide (off until timed on a GPU).
+    the residual GEMMs' epilogues where rows are at most 128 wide (5 launches per block
+    instead of 7; measured 2-27% faster on the official shapes it applies to).
     """
 
     name = "cutile"
@@ -34,7 +35,7 @@ class CutileBackend(Backend):
               "cubins (aot) or compiles with ct.launch (jit)")
 
     def __init__(self, mode: str = "auto", linear_products: int | None = None,
-                 fuse_norms: bool = False):
+                 fuse_norms: bool = True):
         built = sorted(set(specs.GEMM_PRODUCTS["linear_gelu"]) &
                        set(specs.GEMM_PRODUCTS["linear_residual"]))
         if linear_products is not None and linear_products not in built:

@@ -55,16 +55,17 @@ def layer_norm_out(kernels, x, weight, bias, valid_rows, out) -> None:
                    (cdiv(x.shape[0], rows), 1, 1), (x, weight, bias, mask, out, has_mask))
 
 
-def gemm_tile(rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
-    """(TM, TN, TK): the large tile when its grid still fills every multiprocessor."""
-    tm, tn, tk = specs.GEMM_TILES[-1]
+def gemm_tile(name: str, rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
+    """(TM, TN, TK) of GEMM kernel name: the large tile when its grid still fills every
+    multiprocessor."""
+    small, (tm, tn, tk) = specs.GEMM_TILES[name]
     if cdiv(rows, tm) * cdiv(cols, tn) >= multiprocessor_count(device):
         return tm, tn, tk
-    return specs.GEMM_TILES[0]
+    return small
 
 
 def _gemm(kernels, name, a, weight, out_shape, products, args, tile=None) -> None:
-    tm, tn, tk = tile or gemm_tile(out_shape[0], out_shape[1], a[0].device)
+    tm, tn, tk = tile or gemm_tile(name, out_shape[0], out_shape[1], a[0].device)
     grid = (cdiv(out_shape[0], tm) * cdiv(out_shape[1], tn), 1, 1)
     kernels.launch(name, {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}, grid,
                    (a[0], a[1], weight[0], weight[1], *args))
