@@ -1,5 +1,7 @@
 """Kernel-level sweeps of the cutile backend on a GPU: GEMM and attention tiles on the same
-inputs, timed in alternating rounds (CUDA events, median), each output checked.
+inputs, timed in alternating rounds (CUDA events, median; each timed call replays a CUDA
+graph of --repeats launches, so the host's time between launches stays out), each output
+checked.
 
     python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile
     python bench/cutile_sweep.py gemm                  # the linears of shapes 8, 6 and 13
@@ -31,7 +33,7 @@ from layerbench.backends.cutile import CutileBackend, ops, specs
 from layerbench.backends.cutile.layer import weight_pair
 from layerbench.common import runner
 from layerbench.common.errors import Unsupported
-from layerbench.common.timing import alternating_medians_ms
+from layerbench.common.timing import alternating_medians_ms, replayed
 from layerbench.reference import packed_attention
 
 GEMM_CASES = (
@@ -41,6 +43,8 @@ GEMM_CASES = (
     "1280000x384x128:1:half",       # shape 6 Q/K/V
     "1280000x128x128:3:residual",   # shape 6 out_proj / ffn_out
     "65536x128x128:3:gelu",         # shape 13 ffn_in
+    "8192x384x128:1:half",          # shape 1 Q/K/V (the small tile)
+    "8192x128x128:3:residual",      # shape 1 out_proj / ffn_out
 )
 # A GEMM tile whose largest relative error passes this computes something else (a correct
 # tile stays near 1e-3: fp16 inputs of the one-product kernel, fp16 pairs otherwise).
@@ -83,8 +87,9 @@ def _gemm_call(kernels, kind, m, n, k, products, tile, gen):
     return run, check
 
 
-def sweep_gemm(kernels, cases, rounds):
-    """Every GEMM tile of the build on each case: median ms, TFLOP/s, max relative error."""
+def sweep_gemm(kernels, cases, rounds, repeats):
+    """Every GEMM tile of the build on each case: median ms per launch (each timed call
+    replays a graph of `repeats` launches), TFLOP/s, max relative error."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for case in cases:
@@ -101,9 +106,10 @@ def sweep_gemm(kernels, cases, rounds):
             except Unsupported as exc:
                 print(f"{case} {tile}: not in this build ({exc})")
                 continue
-            runs.append(run)
+            runs.append(replayed(run, repeats, "cuda"))
             names.append((tile, err))
         for (tile, err), ms in zip(names, alternating_medians_ms(runs, "cuda", rounds=rounds)):
+            ms /= repeats
             tflops = 2 * m * n * k * products / ms / 1e9
             rows.append({"case": case, "tile": list(tile), "ms": ms, "tflops": tflops,
                          "max_rel_error": err})
@@ -113,8 +119,9 @@ def sweep_gemm(kernels, cases, rounds):
     return rows
 
 
-def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds):
-    """Every attention tile of the build for this head dim: median ms, TFLOP/s, error."""
+def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds, repeats):
+    """Every attention tile of the build for this head dim: median ms per launch (a graph
+    of `repeats` launches per timed call where repeats > 1), TFLOP/s, error."""
     d = heads * head_dim
     gen = torch.Generator(device="cuda").manual_seed(1)
     qkv = torch.randn(batch * seq_len, 3 * d, device="cuda", generator=gen).half()
@@ -133,7 +140,7 @@ def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds):
         except Unsupported as exc:
             print(f"attention {tile}: not in this build ({exc})")
             continue
-        runs.append(run)
+        runs.append(replayed(run, repeats, "cuda") if repeats > 1 else run)
         outs.append(ctx)
         kept.append(tile)
     reference = None
@@ -144,6 +151,7 @@ def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds):
     flops = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
     rows = []
     for tile, ctx, ms in zip(kept, outs, alternating_medians_ms(runs, "cuda", rounds=rounds)):
+        ms /= repeats
         got = ctx[0].float() + ctx[1].float()
         base = reference if reference is not None else outs[0][0].float() + outs[0][1].float()
         err = (got - base).abs().max().item()
@@ -192,6 +200,8 @@ def main() -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--full", action="store_true", help="non-causal attention")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="gemm, attention: launches per timed call (one CUDA graph)")
     parser.add_argument("--out", help="write the rows as JSON")
     args = parser.parse_args()
     rows = sweep(args)
@@ -224,9 +234,9 @@ def sweep(args):
                                                                               device=device),
             padding=args.padding, rounds=args.rounds, device=device, label="norms fused")
     if args.what == "gemm":
-        return sweep_gemm(kernels, args.cases.split(","), args.rounds)
+        return sweep_gemm(kernels, args.cases.split(","), args.rounds, args.repeats)
     return sweep_attention(kernels, args.batch, args.seq_len, args.heads, args.head_dim,
-                           not args.full, args.rounds)
+                           not args.full, args.rounds, args.repeats)
 
 if __name__ == "__main__":
     sys.exit(main())

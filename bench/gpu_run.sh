@@ -86,7 +86,8 @@ if [[ $stage == cutile ]]; then
     python3 bench/cutile_sweep.py attention --batch 64 --seq-len 1024 --heads 4 --head-dim 32 \
         --out "$OUT/cutile-attention-13.json" 2>&1 | tee -a "$log"
     python3 bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 \
-        --head-dim 64 --rounds 3 --out "$OUT/cutile-attention-14.json" 2>&1 | tee -a "$log"
+        --head-dim 64 --rounds 3 --repeats 1 --out "$OUT/cutile-attention-14.json" \
+        2>&1 | tee -a "$log"
     python3 bench/cutile_sweep.py plans --out "$OUT/cutile-plans.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == sanitize ]]; then

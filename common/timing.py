@@ -28,6 +28,21 @@ def time_once_ms(fn: Callable[[], object], device: torch.device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def replayed(fn: Callable[[], object], repeats: int, device) -> Callable[[], None]:
+    """A callable that replays one CUDA graph of `repeats` calls of fn (run once first,
+    outside the capture): timing it leaves out the host's time between launches, which
+    rivals a kernel of under a tenth of a millisecond. Divide its time by repeats."""
+    device = torch.device(device)
+    fn()
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(repeats):
+            fn()
+    return graph.replay
+
+
 def alternating_medians_ms(fns: Sequence[Callable[[], object]], device, *, warmup: int = 3,
                            rounds: int = 20, max_seconds: float = 20.0) -> list[float]:
     """Median ms of each fn, timed in alternating rounds (fn0, fn1, fn0, ...) after warm-up.
