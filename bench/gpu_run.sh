@@ -10,6 +10,7 @@
 #   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
 #   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels
 #   bash bench/gpu_run.sh cutile      # cutile kernel tests, GEMM and attention tile sweeps
+#   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
 # The cutile backend needs its cubins: export them where cuda-tile is installed
 # (python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile)
 # and bring build/cutile along.
@@ -89,6 +90,27 @@ if [[ $stage == cutile ]]; then
         --head-dim 64 --rounds 3 --repeats 1 --out "$OUT/cutile-attention-14.json" \
         2>&1 | tee -a "$log"
     python3 bench/cutile_sweep.py plans --out "$OUT/cutile-plans.json" 2>&1 | tee -a "$log"
+fi
+if [[ $stage == cutile-jit ]]; then
+    # The JIT path where no registry is reachable: unpack whichever parts of
+    # bench/pack_tileiras.sh came with this call into .tileiras/ (kept on a warm machine
+    # between calls); once tileiras, ptxas and libnvvm are all there, install the cuda-tile
+    # wheel and run the AOT-against-JIT test and the kernel tests through the JIT.
+    mkdir -p .tileiras
+    for part in .carry/tileiras-*.tar.xz; do
+        [[ -f $part ]] && tar -C .tileiras -xJf "$part"
+    done
+    if [[ -x .tileiras/bin/tileiras && -x .tileiras/bin/ptxas && -f .tileiras/lib/libnvvm.so.4 ]]; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/cutile-site \
+            .carry/wheels/cuda_tile-*.whl || exit 1
+        # tileiras takes its ptxas from its own folder unless CUDA_HOME points elsewhere.
+        env -u CUDA_HOME PYTHONPATH=/tmp/cutile-site PATH="$PWD/.tileiras/bin:$PATH" \
+            python3 -m pytest conformance/test_cutile.py --backend cutile -q -p no:cacheprovider \
+            -k "aot_and_jit" -rs 2>&1 | tee -a "$OUT/cutile-jit.log"
+        status=$((status | ${PIPESTATUS[0]}))
+    else
+        echo "cutile-jit: part of tileiras unpacked in .tileiras/; call again with the rest"
+    fi
 fi
 if [[ $stage == sanitize ]]; then
     # compute-sanitizer memcheck and racecheck over one eager forward per shape.
