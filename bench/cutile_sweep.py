@@ -51,7 +51,7 @@ GEMM_CASES = (
 WRONG_GEMM_ERROR = 1e-2
 
 
-def _gemm_call(kernels, kind, m, n, k, products, tile, gen):
+def _gemm_call(kernels, kind, m, n, k, products, tile, variant, gen):
     """(run, check) closures of one GEMM case on fresh operands."""
     a = torch.randn(m, k, device="cuda", generator=gen)
     w = torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)
@@ -62,20 +62,22 @@ def _gemm_call(kernels, kind, m, n, k, products, tile, gen):
     res = torch.randn(m, n, device="cuda", generator=gen)
     if kind == "half":
         out = torch.empty(m, n, device="cuda", dtype=torch.float16)
-        run = lambda: ops.linear_half(kernels, a_pair, w_pair, bias, out, tile)  # noqa: E731
+        run = lambda: ops.linear_half(kernels, a_pair, w_pair, bias, out, tile,  # noqa: E731
+                                      variant)
         got = lambda r: out[r].float()  # noqa: E731
         want = lambda r: hi[r].float() @ w_pair[0][:n, :k].float().t() + bias  # noqa: E731
     elif kind == "gelu":
         pair = (torch.empty(m, n, device="cuda", dtype=torch.float16),
                 torch.empty(m, n, device="cuda", dtype=torch.float16))
         run = lambda: ops.linear_gelu(kernels, a_pair, w_pair, bias, pair, products,  # noqa
-                                      tile)
+                                      tile, variant)
         got = lambda r: pair[0][r].float() + pair[1][r].float()  # noqa: E731
         want = lambda r: torch.nn.functional.gelu(a[r] @ w.t() + bias)  # noqa: E731
     else:
         out = torch.empty(m, n, device="cuda")
         run = lambda: ops.linear_residual(kernels, a_pair, w_pair, bias, res, None, out,  # noqa
-                                          products, zero_sum=False, tile=tile)
+                                          products, zero_sum=False, tile=tile,
+                                          variant=variant)
         got = lambda r: out[r]  # noqa: E731
         want = lambda r: res[r] + a[r] @ w.t() + bias  # noqa: E731
 
@@ -98,24 +100,27 @@ def sweep_gemm(kernels, cases, rounds, repeats):
         products = int(products)
         kernel = {"half": "linear_half", "gelu": "linear_gelu"}.get(kind, "linear_residual")
         tiles = list(dict.fromkeys(specs.GEMM_TILES[kernel] + specs.SWEEP_GEMM_TILES))
+        candidates = [(t, "") for t in tiles] + [
+            (t, v) for v in specs.GEMM_VARIANTS for t in specs.VARIANT_GEMM_TILES]
         runs, names = [], []
-        for tile in tiles:
-            run, check = _gemm_call(kernels, kind, m, n, k, products, tile, gen)
+        for tile, variant in candidates:
+            run, check = _gemm_call(kernels, kind, m, n, k, products, tile, variant, gen)
             try:
                 err = check()
             except Unsupported as exc:
-                print(f"{case} {tile}: not in this build ({exc})")
+                print(f"{case} {tile} {variant}: not in this build ({exc})")
                 continue
             runs.append(replayed(run, repeats, "cuda"))
-            names.append((tile, err))
-        for (tile, err), ms in zip(names, alternating_medians_ms(runs, "cuda", rounds=rounds)):
+            names.append((tile, variant, err))
+        for (tile, variant, err), ms in zip(
+                names, alternating_medians_ms(runs, "cuda", rounds=rounds)):
             ms /= repeats
             tflops = 2 * m * n * k * products / ms / 1e9
-            rows.append({"case": case, "tile": list(tile), "ms": ms, "tflops": tflops,
-                         "max_rel_error": err})
+            rows.append({"case": case, "tile": list(tile), "variant": variant, "ms": ms,
+                         "tflops": tflops, "max_rel_error": err})
             flag = "  WRONG" if not err < WRONG_GEMM_ERROR else ""
-            print(f"{case:28s} tile {tile}: {ms:8.4f} ms {tflops:7.1f} TFLOP/s "
-                  f"error {err:.2e}{flag}")
+            print(f"{case:28s} tile {tile} {variant or '-':4s}: {ms:8.4f} ms "
+                  f"{tflops:7.1f} TFLOP/s error {err:.2e}{flag}")
     return rows
 
 
@@ -128,21 +133,25 @@ def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds, re
     view = qkv.view(batch, seq_len, 3 * heads, head_dim)
     hp = ops.power_of_two_at_least(head_dim)
     tiles = list(dict.fromkeys(specs.attention_tiles(hp) + list(specs.SWEEP_ATTENTION_TILES)))
+    candidates = [(t, "") for t in tiles]
+    if hp in specs.VARIANT_HEAD_PADS:
+        candidates += [(t, v) for v in specs.ATTENTION_VARIANTS
+                       for t in specs.VARIANT_ATTENTION_TILES]
     outs, runs, kept = [], [], []
-    for tile in tiles:
+    for tile, variant in candidates:
         ctx = tuple(torch.empty(batch * seq_len, d, device="cuda", dtype=torch.float16)
                     for _ in range(2))
         heads_view = [t.view(batch, seq_len, heads, head_dim) for t in ctx]
-        run = (lambda hv=heads_view, t=tile: ops.attention(
-            kernels, view, hv, None, None, num_heads=heads, causal=causal, tile=t))
+        run = (lambda hv=heads_view, t=tile, v=variant: ops.attention(
+            kernels, view, hv, None, None, num_heads=heads, causal=causal, tile=t, variant=v))
         try:
             run()
         except Unsupported as exc:
-            print(f"attention {tile}: not in this build ({exc})")
+            print(f"attention {tile} {variant}: not in this build ({exc})")
             continue
         runs.append(replayed(run, repeats, "cuda") if repeats > 1 else run)
         outs.append(ctx)
-        kept.append(tile)
+        kept.append((tile, variant))
     reference = None
     if seq_len <= 4096:
         everyone = torch.ones(batch, seq_len, dtype=torch.uint8, device="cuda")
@@ -150,16 +159,17 @@ def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds, re
                                      causal=causal)[0].view(batch * seq_len, d)
     flops = 4 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
     rows = []
-    for tile, ctx, ms in zip(kept, outs, alternating_medians_ms(runs, "cuda", rounds=rounds)):
+    medians = alternating_medians_ms(runs, "cuda", rounds=rounds)
+    for (tile, variant), ctx, ms in zip(kept, outs, medians):
         ms /= repeats
         got = ctx[0].float() + ctx[1].float()
         base = reference if reference is not None else outs[0][0].float() + outs[0][1].float()
         err = (got - base).abs().max().item()
-        rows.append({"tile": list(tile), "ms": ms, "tflops": flops / ms / 1e9,
-                     "max_abs_error": err, "against": "fp32" if reference is not None
-                     else f"tile {kept[0]}"})
-        print(f"attention tile {tile}: {ms:9.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s "
-              f"error {err:.2e} ({rows[-1]['against']})")
+        rows.append({"tile": list(tile), "variant": variant, "ms": ms,
+                     "tflops": flops / ms / 1e9, "max_abs_error": err,
+                     "against": "fp32" if reference is not None else f"tile {kept[0][0]}"})
+        print(f"attention tile {tile} {variant or '-':7s}: {ms:9.3f} ms "
+              f"{flops / ms / 1e9:7.1f} TFLOP/s error {err:.2e} ({rows[-1]['against']})")
     return rows
 
 

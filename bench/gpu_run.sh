@@ -78,7 +78,8 @@ if [[ $stage == kernels ]]; then
 fi
 if [[ $stage == cutile ]]; then
     # The cutile kernels on their own: kernel tests, then each GEMM and attention tile of the
-    # build (exported with --sweep) on the official shapes' sizes, then fuse_norms on and off.
+    # build (exported with --sweep) on the official shapes' sizes, fuse_norms on and off, and
+    # the GPU time per kernel of one forward of the shapes still behind a peer.
     log="$OUT/cutile.log"
     python3 -m pytest conformance/test_cutile.py --backend cutile -q -p no:cacheprovider \
         2>&1 | tail -15 | tee -a "$log"
@@ -90,6 +91,8 @@ if [[ $stage == cutile ]]; then
         --head-dim 64 --rounds 3 --repeats 1 --out "$OUT/cutile-attention-14.json" \
         2>&1 | tee -a "$log"
     python3 bench/cutile_sweep.py plans --out "$OUT/cutile-plans.json" 2>&1 | tee -a "$log"
+    python3 bench/tile_sweep.py profile --backend cutile --shapes 5,8,13 \
+        --out "$OUT/cutile-profile.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cutile-jit ]]; then
     # The JIT path where no registry is reachable: unpack whichever parts of

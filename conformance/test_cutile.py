@@ -52,8 +52,9 @@ def expected_sizes(name: str) -> list[int]:
 @pytest.mark.parametrize("arch", manifest.ARCHS)
 def test_every_specialisation_exports(cutile_selected, cutile_build, arch):
     """The build has every (kernel, constants) of specs.py for arch, each symbol in its cubin
-    with exactly the parameters the launcher packs (no hidden tensor-map parameter) and a
-    required block size (cuobjdump -elf of the cubin, recorded in the manifest)."""
+    with exactly the parameters the launcher packs (TMA's tensor maps are hidden parameters
+    the driver fills at launch) and a required block size (cuobjdump -elf of the cubin,
+    recorded in the manifest)."""
     found, why = manifest.load(arch, cutile_build)
     assert found is not None, why
     wanted = {specs.symbol(n, c) for n, c in specs.specialisations()}
@@ -61,6 +62,25 @@ def test_every_specialisation_exports(cutile_selected, cutile_build, arch):
     for entry in found["entries"]:
         assert entry["param_sizes"] == expected_sizes(entry["kernel"]), entry
         assert entry["threads"][0] % 32 == 0 and entry["threads"][1:] == [1, 1], entry
+
+
+def test_variants_compile_their_hints(cutile_selected, tmp_path):
+    """A variant is its kernel's source under its own symbol with its ct.kernel hints: eight
+    worker warps give linear_half at 128x128 a third warp group (sm_90, cuobjdump -elf)."""
+    from cuda.tile.compilation import export_kernel
+
+    from layerbench.backends.cutile.export import kernel_function, kernel_info, signature
+
+    tile = {"TM": 128, "TN": 128, "TK": 64, "PRODUCTS": 1}
+    threads = {}
+    for name in ("linear_half", "linear_half_w8"):
+        export_kernel(kernel_function(name), [signature(name, tile)], tmp_path / f"{name}.cubin",
+                      gpu_code="sm_90", output_format="cubin")
+        info = kernel_info(tmp_path / f"{name}.cubin")
+        assert list(info) == [specs.symbol(name, tile)]
+        threads[name] = info[specs.symbol(name, tile)]["threads"][0]
+    assert threads == {"linear_half": 256, "linear_half_w8": 384}
+    assert kernel_function("linear_half_w8") is kernel_function("linear_half_w8")
 
 
 def test_sm90_sass(cutile_selected, cutile_build):

@@ -4,6 +4,7 @@ on a machine with cuda-tile[tileiras] (no GPU needed); carry DIR to the GPU mach
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import os
@@ -48,10 +49,14 @@ def signature(name: str, constants: dict[str, int]):
                            symbol=specs.symbol(name, constants))
 
 
+@functools.cache
 def kernel_function(name: str):
-    """The ct.kernel object of a kernel name."""
-    module = importlib.import_module(f"{__package__}.kernels.{specs.KERNELS[name].module}")
-    return getattr(module, name)
+    """The ct.kernel object of a kernel name (a variant: its function with its hints; one
+    object per name, so the JIT's cache holds)."""
+    kernel = specs.KERNELS[name]
+    module = importlib.import_module(f"{__package__}.kernels.{kernel.module}")
+    function = getattr(module, kernel.function or name)
+    return function.replace_hints(**dict(kernel.hints)) if kernel.hints else function
 
 
 def kernel_info(cubin) -> dict[str, dict]:

@@ -64,31 +64,39 @@ def gemm_tile(name: str, rows: int, cols: int, device: torch.device) -> tuple[in
     return small
 
 
-def _gemm(kernels, name, a, weight, out_shape, products, args, tile=None) -> None:
+def variant_name(name: str, variant: str) -> str:
+    """The kernel name of a variant of name (specs.VARIANT_HINTS; "" is the kernel itself)."""
+    return f"{name}_{variant}" if variant else name
+
+
+def _gemm(kernels, name, a, weight, out_shape, products, args, tile=None,
+          variant="") -> None:
     tm, tn, tk = tile or gemm_tile(name, out_shape[0], out_shape[1], a[0].device)
     grid = (cdiv(out_shape[0], tm) * cdiv(out_shape[1], tn), 1, 1)
-    kernels.launch(name, {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}, grid,
+    kernels.launch(variant_name(name, variant),
+                   {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}, grid,
                    (a[0], a[1], weight[0], weight[1], *args))
 
 
-def linear_half(kernels, a, weight, bias, out, tile=None) -> None:
+def linear_half(kernels, a, weight, bias, out, tile=None, variant="") -> None:
     """out (fp16) = a @ weight^T + bias, one fp16 product (a and weight are (hi, lo) pairs;
-    tile (TM, TN, TK) overrides gemm_tile)."""
-    _gemm(kernels, "linear_half", a, weight, out.shape, 1, (bias, out), tile)
+    tile (TM, TN, TK) overrides gemm_tile; variant picks a compiled variant)."""
+    _gemm(kernels, "linear_half", a, weight, out.shape, 1, (bias, out), tile, variant)
 
 
-def linear_gelu(kernels, a, weight, bias, out, products: int, tile=None) -> None:
+def linear_gelu(kernels, a, weight, bias, out, products: int, tile=None,
+                variant="") -> None:
     """out (an fp16 pair) = GELU(a @ weight^T + bias)."""
     _gemm(kernels, "linear_gelu", a, weight, out[0].shape, products, (bias, out[0], out[1]),
-          tile)
+          tile, variant)
 
 
 def linear_residual(kernels, a, weight, bias, res, valid_rows, out, products: int,
-                    zero_sum: bool, tile=None) -> None:
+                    zero_sum: bool, tile=None, variant="") -> None:
     """out = res + a @ weight^T + bias; invalid rows get res (zero_sum False) or 0 (True)."""
     mask, has_mask = row_mask(valid_rows, a[0].device)
     _gemm(kernels, "linear_residual", a, weight, out.shape, products,
-          (bias, res, mask, out, has_mask, int(zero_sum)), tile)
+          (bias, res, mask, out, has_mask, int(zero_sum)), tile, variant)
 
 
 def norm_gemm_width(n: int) -> int | None:
@@ -139,14 +147,14 @@ def attention_tile(batch_heads: int, seq_len: int, head_pad: int,
 
 
 def attention(kernels, qkv, ctx, valid, info, *, num_heads: int, causal: bool,
-              tile=None) -> None:
+              tile=None, variant="") -> None:
     """ctx (an fp16 pair, [B, S, H, hd] views) = attention of qkv ([B, S, 3H, hd] view);
-    tile (TM, TN) overrides attention_tile."""
+    tile (TM, TN) overrides attention_tile; variant picks a compiled variant."""
     b, s, _, hd = qkv.shape
     hp = power_of_two_at_least(hd)
     tm, tn = tile or attention_tile(b * num_heads, s, hp, qkv.device)
     spare = placeholders(qkv.device)
-    kernels.launch("flash_attention", {"TM": tm, "TN": tn, "HP": hp},
+    kernels.launch(variant_name("flash_attention", variant), {"TM": tm, "TN": tn, "HP": hp},
                    (cdiv(s, tm), b * num_heads, 1),
                    (qkv, ctx[0], ctx[1], spare["valid"] if valid is None else valid,
                     spare["key_info"] if info is None else info, hd ** -0.5, num_heads,

@@ -40,11 +40,14 @@ class Scalar:
 
 @dataclass(frozen=True)
 class Kernel:
-    """A kernel's module, its run-time parameters in order, and its constant names."""
+    """A kernel's module, its run-time parameters in order, and its constant names; a
+    variant names the kernel function it compiles and the ct.kernel hints it adds."""
 
     module: str
     params: tuple[tuple[str, Array | Scalar], ...]
     constants: tuple[str, ...]
+    function: str = ""  # the function in module (default: the kernel's own name)
+    hints: tuple[tuple[str, int], ...] = ()  # e.g. (("num_worker_warps", 8),)
 
 
 F32_2, F16_2 = Array("float32", 2), Array("float16", 2)
@@ -83,6 +86,27 @@ KERNELS: dict[str, Kernel] = {
         ("scale", Scalar("float32")), ("num_heads", Scalar("int32")),
         ("causal", Scalar("int32")), ("has_mask", Scalar("int32"))), ("TM", "TN", "HP")),
 }
+
+# Variants: the same source compiled with other ct.kernel hints, each under its own name
+# (`<kernel>_<variant>`), exported with --sweep for bench/cutile_sweep.py. On sm_90,
+# eight worker warps (three warp groups with the producer) remove the spills of the residual
+# GEMM at 128x128 and of attention at 128x128 (head dim 64) and 128x64 (head dim 128);
+# occupancy 2 fits attention at 128x128 (head dim 32) and 128x64 (up to 64) in 128
+# registers, and with eight workers 128x64 in 80.
+VARIANT_HINTS = {"w8": (("num_worker_warps", 8),), "occ2": (("occupancy", 2),),
+                 "occ2_w8": (("occupancy", 2), ("num_worker_warps", 8))}
+GEMM_VARIANTS = ("w8",)
+ATTENTION_VARIANTS = ("w8", "occ2", "occ2_w8")
+VARIANT_GEMM_TILES = ((128, 128, 64), (128, 64, 64))
+VARIANT_ATTENTION_TILES = ((128, 128), (128, 64))
+VARIANT_HEAD_PADS = (32, 64, 128)
+for _base, _variants in (("linear_half", GEMM_VARIANTS), ("linear_gelu", GEMM_VARIANTS),
+                         ("linear_residual", GEMM_VARIANTS),
+                         ("flash_attention", ATTENTION_VARIANTS)):
+    for _variant in _variants:
+        KERNELS[f"{_base}_{_variant}"] = Kernel(
+            KERNELS[_base].module, KERNELS[_base].params, KERNELS[_base].constants,
+            function=_base, hints=VARIANT_HINTS[_variant])
 
 
 def norm_rows(width_pad: int) -> int:
@@ -151,6 +175,22 @@ def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
         if sweep and hp <= 128:
             tiles = tiles + [t for t in SWEEP_ATTENTION_TILES if t not in tiles]
         out += [("flash_attention", {"TM": tm, "TN": tn, "HP": hp}) for tm, tn in tiles]
+    if sweep:
+        out += variant_specialisations()
+    return out
+
+
+def variant_specialisations() -> list[tuple[str, dict[str, int]]]:
+    """The variants' specialisations the sweep compares: the large GEMM tiles, and attention
+    at 128 queries for the head dims of the official shapes and 128."""
+    out = []
+    for name, counts in GEMM_PRODUCTS.items():
+        for variant in GEMM_VARIANTS:
+            for (tm, tn, tk), p in itertools.product(VARIANT_GEMM_TILES, counts):
+                out.append((f"{name}_{variant}", {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": p}))
+    for variant in ATTENTION_VARIANTS:
+        for hp, (tm, tn) in itertools.product(VARIANT_HEAD_PADS, VARIANT_ATTENTION_TILES):
+            out.append((f"flash_attention_{variant}", {"TM": tm, "TN": tn, "HP": hp}))
     return out
 
 
