@@ -8,10 +8,12 @@ checked.
     python bench/cutile_sweep.py gemm --cases 8192x1024x1024:2:residual
     python bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
     python bench/cutile_sweep.py plans --shapes 1,2,7,13  # fuse_norms on against off
+    python bench/cutile_sweep.py products --shapes 8,13  # out_proj/FFN: 1 against 2 products
     python bench/cutile_sweep.py sass [--arch sm_90]  # no GPU needed: the build's SASS
 
 "plans" builds the layer with fuse_norms on and off, checks both against one reference and
-times them in alternating rounds. "sass" prints, per kernel of the build
+times them in alternating rounds; "products" does the same for one fp16 product in out_proj
+and the FFN against two (a --sweep build has the one-product kernels). "sass" prints, per kernel of the build
 ($LAYERBENCH_CUTILE_BUILD or the default root), registers, stack bytes, HGMMA, 16- and
 2-byte load counts and spill stores (cuobjdump -sass), without a GPU.
 A GEMM case is MxNxK:products:kind (kind half, gelu or residual); TFLOP/s count every fp16
@@ -198,7 +200,7 @@ def main() -> int:
     """Command line."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["gemm", "attention", "plans", "sass"])
+    parser.add_argument("what", choices=["gemm", "attention", "plans", "products", "sass"])
     parser.add_argument("--shapes", default="1,2,3,4,7,9,10,11,12,13,6",
                         help="plans: official shape numbers")
     parser.add_argument("--padding", type=float, default=0.0, help="plans: padding ratio")
@@ -243,6 +245,13 @@ def sweep(args):
             lambda fuse, cfg, sd: CutileBackend("aot", fuse_norms=fuse).build(cfg, sd,
                                                                               device=device),
             padding=args.padding, rounds=args.rounds, device=device, label="norms fused")
+    if args.what == "products":
+        return runner.compare_plans(
+            args.shapes,
+            lambda n, cfg, sd: CutileBackend("aot", linear_products=n).build(cfg, sd,
+                                                                             device=device),
+            plans=(1, 2), padding=args.padding, rounds=args.rounds, device=device,
+            label="products")
     if args.what == "gemm":
         return sweep_gemm(kernels, args.cases.split(","), args.rounds, args.repeats)
     return sweep_attention(kernels, args.batch, args.seq_len, args.heads, args.head_dim,

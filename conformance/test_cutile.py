@@ -202,7 +202,7 @@ def test_refuses_without_cuda_device(cutile_selected):
     with pytest.raises(Unsupported, match="32 bits"):
         CutileBackend().check(long, "cuda", torch.float32)
     with pytest.raises(ValueError, match="linear_products"):
-        CutileBackend(linear_products=1)
+        CutileBackend(linear_products=4)
 
 
 # GPU: each kernel family against fp64 PyTorch, outputs poisoned with NaN first.

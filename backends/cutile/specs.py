@@ -127,6 +127,10 @@ GEMM_TILES = {"linear_half": ((64, 64, 32), (128, 128, 64)),
 # Products per kernel: Q/K/V one (its output is rounded to fp16 for attention anyway),
 # the others two (activations split) or three (weights split too).
 GEMM_PRODUCTS = {"linear_half": (1,), "linear_gelu": (2, 3), "linear_residual": (2, 3)}
+# One product for out_proj and the FFN too (activations rounded to fp16, as under fp16
+# autocast): exported with --sweep only, for `cutile_sweep.py products` to weigh its time
+# against its error.
+SWEEP_PRODUCTS = (1,)
 
 
 # Further tiles exported only for bench/cutile_sweep.py (`export --sweep`). On sm_90,
@@ -163,11 +167,14 @@ def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
     out = []
     for name in ("layer_norm_split", "layer_norm_out"):
         out += [(name, {"BM": norm_rows(w), "BD": w}) for w in norm_widths()]
+    extra = SWEEP_PRODUCTS if sweep else ()
     for name, counts in GEMM_PRODUCTS.items():
         tiles = GEMM_TILES[name] + (SWEEP_GEMM_TILES if sweep else ())
+        counts = counts + (extra if name != "linear_half" else ())
         for (tm, tn, tk), p in itertools.product(dict.fromkeys(tiles), counts):
             out.append((name, {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": p}))
-    for width, p in itertools.product(NORM_GEMM_WIDTHS, GEMM_PRODUCTS["linear_residual"]):
+    for width, p in itertools.product(NORM_GEMM_WIDTHS,
+                                      GEMM_PRODUCTS["linear_residual"] + extra):
         out.append(("linear_residual_norm", {"TM": NORM_GEMM_TILE[0], "TN": width,
                                              "TK": NORM_GEMM_TILE[1], "PRODUCTS": p}))
     for hp in HEAD_PADS:
