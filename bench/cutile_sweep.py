@@ -1,10 +1,10 @@
 """Kernel-level sweeps of the cutile backend on a GPU: GEMM and attention tiles on the same
-inputs, timed in alternating rounds (CUDA events, median; each timed call replays a CUDA
-graph of --repeats launches, so the host's time between launches stays out), each output
-checked.
+inputs, timed in alternating rounds (CUDA events, median; with --repeats above 1 each timed
+call replays a CUDA graph of that many launches, so the host's time between launches stays
+out), each output checked.
 
     python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile
-    python bench/cutile_sweep.py gemm                  # the linears of shapes 8, 6 and 13
+    python bench/cutile_sweep.py gemm                  # the linears of shapes 8, 6, 13, 1
     python bench/cutile_sweep.py gemm --cases 8192x1024x1024:2:residual
     python bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
     python bench/cutile_sweep.py plans --shapes 1,2,7,13  # fuse_norms on against off
@@ -112,7 +112,7 @@ def sweep_gemm(kernels, cases, rounds, repeats):
             except Unsupported as exc:
                 print(f"{case} {tile} {variant}: not in this build ({exc})")
                 continue
-            runs.append(replayed(run, repeats, "cuda"))
+            runs.append(replayed(run, repeats, "cuda") if repeats > 1 else run)
             names.append((tile, variant, err))
         for (tile, variant, err), ms in zip(
                 names, alternating_medians_ms(runs, "cuda", rounds=rounds)):

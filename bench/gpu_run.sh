@@ -4,7 +4,7 @@
 # run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
-#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|cutile|sanitize]
+#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|cutile|cutile-jit|sanitize]
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
 #   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
@@ -100,14 +100,14 @@ if [[ $stage == cutile-jit ]]; then
     # The JIT path where no registry is reachable: unpack whichever parts of
     # bench/pack_tileiras.sh came with this call into .tileiras/ (kept on a warm machine
     # between calls); once tileiras, ptxas and libnvvm are all there, install the cuda-tile
-    # wheel and run the AOT-against-JIT test and the kernel tests through the JIT.
+    # wheel and run the AOT-against-JIT test.
     mkdir -p .tileiras
     for part in .carry/tileiras-*.tar.xz; do
         [[ -f $part ]] && tar -C .tileiras -xJf "$part"
     done
     if [[ -x .tileiras/bin/tileiras && -x .tileiras/bin/ptxas && -f .tileiras/lib/libnvvm.so.4 ]]; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/cutile-site \
-            .carry/wheels/cuda_tile-*.whl || exit 1
+            .carry/wheels/cuda_tile-*.whl || { echo "cutile-jit: no cuda-tile wheel"; exit 1; }
         # tileiras takes its ptxas from its own folder unless CUDA_HOME points elsewhere.
         env -u CUDA_HOME PYTHONPATH=/tmp/cutile-site PATH="$PWD/.tileiras/bin:$PATH" \
             python3 -m pytest conformance/test_cutile.py --backend cutile -q -p no:cacheprovider \

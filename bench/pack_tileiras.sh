@@ -9,9 +9,11 @@
 #   carry .carry/tileiras-2.tar.xz .carry/wheels build/cutile, within 30 s:
 #                                             bash bench/gpu_run.sh cutile-jit
 set -euo pipefail
+cd "$(dirname "$0")/.."
 out=.carry
+rm -rf "$out/wheels"
 mkdir -p "$out/wheels"
-cu13=$(python3 -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13'))")
+cu13=$(python3 -c "import nvidia.cu13; print(list(nvidia.cu13.__path__)[0])")
 for f in bin/tileiras bin/ptxas lib/libnvvm.so.4; do
     [[ -f $cu13/$f ]] || { echo "no $cu13/$f: pip install 'cuda-tile[tileiras]'" >&2; exit 1; }
 done

@@ -150,8 +150,14 @@ def test_packing_refuses_overlapping_outputs(cutile_selected):
     weight = torch.zeros(32, 32, dtype=torch.float16)
     mask = torch.ones(40, dtype=torch.uint8)
     launch.pack("linear_residual", (a, a, weight, weight, b, x, mask, x, 0, 0))
+    rows = torch.zeros(41, 32)
+    with pytest.raises(ValueError, match="RES and OUT overlap.*same view"):
+        launch.pack("linear_residual", (a, a, weight, weight, b, rows[:40], mask, rows[1:], 0, 0))
     with pytest.raises(ValueError, match="A_HI and OUT overlap"):
         launch.pack("linear_half", (halves[:40], a, weight, weight, b, halves[:40]))
+    empty = halves[:0]
+    assert launch.byte_range(empty)[0] == launch.byte_range(empty)[1]
+    launch.pack("layer_norm_split", (x[:0], w, b, halves[:0], halves[40:40]))
 
 
 @pytest.mark.parametrize("case", ["dtype", "rank", "width", "stride", "address", "count"])

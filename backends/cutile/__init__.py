@@ -84,8 +84,13 @@ class CutileBackend(Backend):
 
     def _build(self, config, state_dict, device, dtype):
         products = self.linear_products or linear_products_for(config.d_model)
-        return CutileLayer(self, config, state_dict, device, dtype, self.kernels(device),
-                           products, self.fuse_norms)
+        kernels = self.kernels(device)
+        tm, tn, tk = specs.GEMM_TILES["linear_gelu"][0]
+        if not kernels.has("linear_gelu", {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}):
+            raise Unsupported(f"{self.name}: this build has no kernels with {products} fp16 "
+                              f"product(s) per weight; export it with --sweep")
+        return CutileLayer(self, config, state_dict, device, dtype, kernels, products,
+                           self.fuse_norms)
 
     def describe(self):
         """Name, summary, capabilities, and how kernels are launched on this machine."""

@@ -50,20 +50,29 @@ def byte_range(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size()
 
 
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are the same elements in the same layout."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
+
+
 def check_disjoint(kernel: str, args) -> None:
-    """Raise ValueError where an array the kernel writes overlaps another array argument
-    outside its alias group: the kernels are compiled to assume such arrays are disjoint."""
-    arrays = [(name, param, byte_range(arg))
+    """Raise ValueError where an array the kernel writes overlaps another array argument:
+    the kernels are compiled to assume such arrays are disjoint, except two of one alias
+    group, which may be the very same view (a residual updated in place)."""
+    arrays = [(name, param, arg, byte_range(arg))
               for (name, param), arg in zip(specs.KERNELS[kernel].params, args, strict=True)
               if isinstance(param, specs.Array)]
-    for i, (name, param, (start, end)) in enumerate(arrays):
-        for other, other_param, (o_start, o_end) in arrays[i + 1:]:
-            if not (param.output or other_param.output) or start >= o_end or o_start >= end:
-                continue
-            if param.alias_group and param.alias_group == other_param.alias_group:
+    for i, (name, param, t, (start, end)) in enumerate(arrays):
+        for other, other_param, o, (o_start, o_end) in arrays[i + 1:]:
+            if (not (param.output or other_param.output) or start == end or o_start == o_end
+                    or start >= o_end or o_start >= end):
+                continue  # read-only pairs, empty arrays, apart ranges
+            grouped = param.alias_group and param.alias_group == other_param.alias_group
+            if grouped and same_view(t, o):
                 continue
             raise ValueError(f"cutile {kernel}: {name} and {other} overlap in memory; the "
-                             f"kernel writes one of them and assumes they are disjoint")
+                             f"kernel writes one of them and assumes they are disjoint"
+                             + (" or the same view" if grouped else ""))
 
 
 def pack(kernel: str, args) -> list:
@@ -121,6 +130,10 @@ class AotKernels:
             self.kernels[symbol] = (kernel, tuple(entry["threads"]))  # its required block
         return self.kernels[symbol]
 
+    def has(self, name: str, constants: dict[str, int]) -> bool:
+        """Whether the build holds this specialisation."""
+        return specs.symbol(name, constants) in self.entries
+
     def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args):
         """Launch one specialisation on PyTorch's current stream."""
         from cuda.core import LaunchConfig, launch
@@ -137,6 +150,10 @@ class JitKernels:
 
     def __init__(self, device: torch.device):
         self.device = device
+
+    def has(self, name: str, constants: dict[str, int]) -> bool:
+        """Every specialisation compiles on first use."""
+        return True
 
     def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args):
         """Launch through ct.launch on PyTorch's current stream."""

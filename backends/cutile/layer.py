@@ -1,5 +1,6 @@
 """The cuTile layer: packs the weights as fp16 pairs, plans the workspace, streams the batch
-in chunks and launches seven kernels per block (replayed from a CUDA graph where it can)."""
+in chunks and launches five kernels per block where the LayerNorms fit the residual GEMMs'
+epilogues, seven otherwise (replayed from a CUDA graph where it can)."""
 from __future__ import annotations
 
 import torch
@@ -79,7 +80,7 @@ class CutileLayer(BuiltLayer):
     norm1 or the final norm: five launches per block instead of seven."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
-                 fuse_norms: bool = False):
+                 fuse_norms: bool):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
