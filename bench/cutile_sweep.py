@@ -8,14 +8,16 @@ out), each output checked.
     python bench/cutile_sweep.py gemm --cases 8192x1024x1024:2:residual
     python bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
     python bench/cutile_sweep.py plans --shapes 1,2,7,13  # fuse_norms on against off
+    python bench/cutile_sweep.py plans --plan ffn         # fuse_ffn on against off
     python bench/cutile_sweep.py products --shapes 8,13  # out_proj/FFN: 1 against 2 products
     python bench/cutile_sweep.py sass [--arch sm_90]  # no GPU needed: the build's SASS
 
-"plans" builds the layer with fuse_norms on and off, checks both against one reference and
-times them in alternating rounds; "products" does the same for one fp16 product in out_proj
-and the FFN against two (a --sweep build has the one-product kernels). "sass" prints, per kernel of the build
-($LAYERBENCH_CUTILE_BUILD or the default root), registers, stack bytes, HGMMA, 16- and
-2-byte load counts and spill stores (cuobjdump -sass), without a GPU.
+"plans" builds the layer with fuse_norms (or with --plan ffn, fuse_ffn) on and off, checks
+both against one reference and times them in alternating rounds; "products" does the same
+for one fp16 product in out_proj and the FFN against two (a --sweep build has the
+one-product kernels). "sass" prints, per kernel of the build ($LAYERBENCH_CUTILE_BUILD or
+the default root), registers, stack bytes, HGMMA, 16- and 2-byte load counts and spill
+stores (cuobjdump -sass), without a GPU.
 A GEMM case is MxNxK:products:kind (kind half, gelu or residual); TFLOP/s count every fp16
 product. The sweep tiles need a build exported with --sweep; tiles missing from the build
 are reported and skipped. Attention is checked against fp32 attention where the sequence is
@@ -204,6 +206,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="1,2,3,4,7,9,10,11,12,13,6",
                         help="plans: official shape numbers")
     parser.add_argument("--padding", type=float, default=0.0, help="plans: padding ratio")
+    parser.add_argument("--plan", choices=["norms", "ffn"], default="norms",
+                        help="plans: the option compared on against off")
     parser.add_argument("--arch", default="sm_90", help="sass: the build's architecture")
     parser.add_argument("--cases", default=",".join(GEMM_CASES))
     parser.add_argument("--batch", type=int, default=1)
@@ -240,11 +244,12 @@ def sweep(args):
         return None
     kernels = backend.kernels(device)
     if args.what == "plans":
+        option = {"norms": "fuse_norms", "ffn": "fuse_ffn"}[args.plan]
         return runner.compare_plans(
             args.shapes,
-            lambda fuse, cfg, sd: CutileBackend("aot", fuse_norms=fuse).build(cfg, sd,
-                                                                              device=device),
-            padding=args.padding, rounds=args.rounds, device=device, label="norms fused")
+            lambda fuse, cfg, sd: CutileBackend("aot", **{option: fuse}).build(cfg, sd,
+                                                                               device=device),
+            padding=args.padding, rounds=args.rounds, device=device, label=option)
     if args.what == "products":
         return runner.compare_plans(
             args.shapes,

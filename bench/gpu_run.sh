@@ -91,6 +91,8 @@ if [[ $stage == cutile ]]; then
         --head-dim 64 --rounds 3 --repeats 1 --out "$OUT/cutile-attention-14.json" \
         2>&1 | tee -a "$log"
     python3 bench/cutile_sweep.py plans --out "$OUT/cutile-plans.json" 2>&1 | tee -a "$log"
+    python3 bench/cutile_sweep.py plans --plan ffn --out "$OUT/cutile-plans-ffn.json" \
+        2>&1 | tee -a "$log"
     python3 bench/cutile_sweep.py products --shapes 8,13,5,6 --padding 0.25 \
         --out "$OUT/cutile-products.json" 2>&1 | tee -a "$log"
     python3 bench/tile_sweep.py profile --backend cutile --shapes 5,8,13 \

@@ -355,6 +355,78 @@ def test_linear_residual_norm_kernel(kernels, n, final, zero_sum):
                                  (nw, nb), products=3, zero_sum=True, final=wide)
 
 
+@pytest.mark.parametrize("n, f", [(8, 36), (40, 100), (128, 128), (128, 520)])
+@pytest.mark.parametrize("final", [False, True], ids=["pair", "final"])
+def test_ffn_residual_norm_kernel(kernels, n, f, final):
+    """The whole FFN in one kernel, every product count, with and without a mask: residual
+    plus ffn_out(GELU(ffn_in(a))) with invalid rows zeroed, and the LayerNorm of the new rows
+    (a pair, or the final fp32 norm), against fp64; hidden widths off the chunk size."""
+    m = 300
+    g = torch.Generator(device="cuda").manual_seed(n + f)
+    a = torch.randn(m, n, device="cuda", generator=g)
+    hi = a.half()
+    a_pair = (hi, (a - hi.float()).half())
+    w1 = torch.randn(f, n, device="cuda", generator=g) / math.sqrt(n)
+    b1 = torch.randn(f, device="cuda", generator=g)
+    w2 = torch.randn(n, f, device="cuda", generator=g) / math.sqrt(f)
+    b2 = torch.randn(n, device="cuda", generator=g)
+    res = torch.randn(m, n, device="cuda", generator=g)
+    nw = torch.rand(n, device="cuda", generator=g) + 0.5
+    nb = torch.randn(n, device="cuda", generator=g)
+    hidden = torch.nn.functional.gelu(a.double() @ w1.double().t() + b1.double())
+    exact = hidden @ w2.double().t() + b2.double()
+    b1_padded = torch.zeros(-(-f // 8) * 8, device="cuda")
+    b1_padded[:f] = b1
+    ffn_in, ffn_out = (weight_pair(w1), b1_padded), (weight_pair(w2), b2)
+    for products in specs.GEMM_PRODUCTS["linear_residual"]:
+        for valid in (None, (torch.rand(m, device="cuda", generator=g) > 0.25).byte()):
+            keep = (torch.ones(m, 1, dtype=torch.bool, device="cuda") if valid is None
+                    else valid.bool()[:, None])
+            rows = torch.where(keep, res.double() + exact, 0)
+            want = _norm64(rows, nw, nb)
+            out = torch.full((m, n), math.nan, device="cuda")
+            tol = 1e-4 if products == 3 else 2e-3
+            if final:
+                normed = torch.full((m, n), math.nan, device="cuda")
+                ops.ffn_residual_norm(kernels, a_pair, ffn_in, ffn_out, res, valid, out,
+                                      (nw, nb), products=products, final=normed)
+                got, want = normed.double(), torch.where(keep, want, 0)
+            else:
+                pair = tuple(torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
+                             for _ in range(2))
+                ops.ffn_residual_norm(kernels, a_pair, ffn_in, ffn_out, res, valid, out,
+                                      (nw, nb), products=products, pair=pair)
+                got = pair[0].double() + pair[1].double()
+                err = ((out.double() - rows).abs() / rows.abs().clamp_min(1.0)).max().item()
+                assert err < tol, f"rows, {products} products: {err:.3g}"
+            err = (got - want).abs().max().item()
+            assert err < 20 * tol, f"norm, {products} products, mask {valid is not None}: {err}"
+
+
+@pytest.mark.parametrize("number", [1, 7, 13, 0], ids=["d128", "d32", "seq", "one-layer"])
+def test_fused_ffn_keeps_the_contract(kernels, number):
+    """fuse_ffn=True (four launches per block) keeps the contract on CI shapes with padding
+    and on a one-block stack, agrees with the two FFN kernels to rounding, and needs no
+    hidden-row workspace."""
+    from layerbench.common.contract import compare
+    from layerbench.common.shapes import CI
+
+    cfg = CI[number].config if number else LayerConfig(2, 40, 32, 4, 36, 1)
+    model, x, mask, expected = _layer_case(cfg, 0.25, 43)
+    outs, plans = [], []
+    for fuse in (True, False):
+        backend = CutileBackend(fuse_ffn=fuse)
+        layer = backend.build(cfg, model.state_dict(), device="cuda")
+        assert layer.fuse_ffn == fuse
+        plans.append(backend.memory_plan(cfg, torch.float32).total)
+        with torch.no_grad():
+            outs.append(layer(x, mask).clone())
+        report = compare(outs[-1], expected)
+        assert report.passed, f"fuse_ffn={fuse}: {report.summary()}"
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-3
+    assert plans[0] < plans[1]
+
+
 @pytest.mark.parametrize("number", [1, 7, 11, 0], ids=["d128", "d32", "h16", "one-layer"])
 def test_fused_norms_keep_the_contract(kernels, number):
     """fuse_norms=True (five launches per block) keeps the contract on CI shapes with padding,

@@ -25,7 +25,8 @@ class CutileBackend(Backend):
     out_proj and the FFN (2 or 3; default 2 from d_model 512 on; 1 needs a build exported
     with --sweep). fuse_norms: LayerNorms in the residual GEMMs' epilogues where rows are at
     most 128 wide (5 launches per block instead of 7; measured 1-17% faster on the official
-    shapes it applies to).
+    shapes it applies to). fuse_ffn: with fused norms, the whole FFN in one kernel, its
+    hidden rows kept on chip (4 launches per block; off until timed on a GPU).
     """
 
     name = "cutile"
@@ -36,7 +37,7 @@ class CutileBackend(Backend):
               "cubins (aot) or compiles with ct.launch (jit)")
 
     def __init__(self, mode: str = "auto", linear_products: int | None = None,
-                 fuse_norms: bool = True):
+                 fuse_norms: bool = True, fuse_ffn: bool = False):
         built = sorted(set(specs.GEMM_PRODUCTS["linear_gelu"]) &
                        set(specs.GEMM_PRODUCTS["linear_residual"]) | set(specs.SWEEP_PRODUCTS))
         if linear_products is not None and linear_products not in built:
@@ -45,6 +46,7 @@ class CutileBackend(Backend):
         self.mode = mode
         self.linear_products = linear_products
         self.fuse_norms = fuse_norms
+        self.fuse_ffn = fuse_ffn
         self._kernels = {}
 
     def kernels(self, device):
@@ -79,8 +81,9 @@ class CutileBackend(Backend):
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
         fused = norms_fused(config, self.fuse_norms)
-        return MemoryPlan({"one sequence": working_bytes_per_sequence(config, fuse_norms=fused),
-                           "parameters": param_bytes(config)})
+        per_sequence = working_bytes_per_sequence(config, fuse_norms=fused,
+                                                  fuse_ffn=fused and self.fuse_ffn)
+        return MemoryPlan({"one sequence": per_sequence, "parameters": param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):
         products = self.linear_products or linear_products_for(config.d_model)
@@ -90,7 +93,7 @@ class CutileBackend(Backend):
             raise Unsupported(f"{self.name}: this build has no kernels with {products} fp16 "
                               f"product(s) per weight; export it with --sweep")
         return CutileLayer(self, config, state_dict, device, dtype, kernels, products,
-                           self.fuse_norms)
+                           self.fuse_norms, self.fuse_ffn)
 
     def describe(self):
         """Name, summary, capabilities, and how kernels are launched on this machine."""

@@ -32,25 +32,29 @@ def norms_fused(config, requested: bool) -> bool:
     return requested and ops.norm_gemm_width(config.d_model) is not None
 
 
-def workspace(config, fuse_norms: bool = False) -> dict[str, tuple[int, torch.dtype]]:
+def workspace(config, fuse_norms: bool = False,
+              fuse_ffn: bool = False) -> dict[str, tuple[int, torch.dtype]]:
     """Per-token workspace buffers: name -> (columns, dtype). "rows" holds the normed rows,
     then the context, as an fp16 (hi, lo) pair; "hidden" the FFN's hidden rows likewise,
-    padded to a multiple of 8 columns (GELU(0) = 0 in the padding); with fuse_norms,
-    "normed" holds norm2's rows (out_proj writes them while it still reads the context)."""
+    padded to a multiple of 8 columns (GELU(0) = 0 in the padding), unless fuse_ffn keeps
+    them on chip; with fuse_norms, "normed" holds norm2's rows (out_proj writes them while
+    it still reads the context)."""
     d, f = config.d_model, padded(config.ffn_dim)
     buffers = {"residual": (d, torch.float32), "staging": (d, torch.float32),
                "qkv": (3 * d, torch.float16),
-               "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16),
-               "hidden_hi": (f, torch.float16), "hidden_lo": (f, torch.float16)}
+               "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16)}
+    if not fuse_ffn:
+        buffers.update(hidden_hi=(f, torch.float16), hidden_lo=(f, torch.float16))
     if fuse_norms:
         buffers.update(normed_hi=(d, torch.float16), normed_lo=(d, torch.float16))
     return buffers
 
 
-def working_bytes_per_sequence(config, seq_len: int | None = None,
-                               fuse_norms: bool = False) -> int:
+def working_bytes_per_sequence(config, seq_len: int | None = None, fuse_norms: bool = False,
+                               fuse_ffn: bool = False) -> int:
     """Workspace bytes of one sequence (of seq_len tokens, default the config's)."""
-    per_token = sum(c * t.itemsize for c, t in workspace(config, fuse_norms).values())
+    buffers = workspace(config, fuse_norms, fuse_ffn).values()
+    per_token = sum(c * t.itemsize for c, t in buffers)
     return (config.seq_len if seq_len is None else seq_len) * per_token
 
 
@@ -77,14 +81,16 @@ class CutileLayer(BuiltLayer):
     """Per block: norm1, Q/K/V (one fp16 product), attention, out_proj + residual, norm2,
     ffn_in + GELU, ffn_out + residual; the final norm into the output. With fuse_norms
     (rows up to 128 wide), out_proj's epilogue writes norm2 and ffn_out's the next block's
-    norm1 or the final norm: five launches per block instead of seven."""
+    norm1 or the final norm: five launches per block instead of seven. With fuse_ffn too,
+    one kernel runs the whole FFN (ffn_residual_norm): four launches per block."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
-                 fuse_norms: bool):
+                 fuse_norms: bool, fuse_ffn: bool = False):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
         self.fuse_norms = norms_fused(config, fuse_norms)
+        self.fuse_ffn = self.fuse_norms and fuse_ffn
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         names = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
         self.weights = [{n: weight_pair(getattr(p, n)) for n in names}
@@ -96,8 +102,9 @@ class CutileLayer(BuiltLayer):
         # Free memory is asked after the weights are packed: nothing fixed to add. (At 112 or
         # more workspace bytes per token, the rows of a chunk stay far below 2^31.)
         self.chunks = ChunkPlan(
-            device, lambda s: working_bytes_per_sequence(config, s, self.fuse_norms), 0,
-            MAX_GRID_Y // config.num_heads)
+            device,
+            lambda s: working_bytes_per_sequence(config, s, self.fuse_norms, self.fuse_ffn),
+            0, MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
     def forward(self, x, valid_token_mask, out=None):
@@ -113,8 +120,8 @@ class CutileLayer(BuiltLayer):
         def run_chunk(b0, b1, x2, out2, work):
             masks = (None, None) if valid is None else (valid[b0:b1], info[b0:b1])
             self._run(x2, masks, out2, b1 - b0, s, work)
-        run_in_chunks(x, out, self.chunks(b, s), workspace(self.config, self.fuse_norms),
-                      run_chunk)
+        run_in_chunks(x, out, self.chunks(b, s),
+                      workspace(self.config, self.fuse_norms, self.fuse_ffn), run_chunk)
         return out
 
     def _run(self, x2, masks, out2, batch, s, work):
@@ -125,7 +132,7 @@ class CutileLayer(BuiltLayer):
         valid_rows = None if valid is None else valid.reshape(-1)
         res, staging, qkv = work["residual"], work["staging"], work["qkv"]
         rows = (work["rows_hi"], work["rows_lo"])
-        hidden = (work["hidden_hi"], work["hidden_lo"])
+        hidden = None if self.fuse_ffn else (work["hidden_hi"], work["hidden_lo"])
         heads = [t.view(batch, s, h, d // h) for t in rows]
         qkv_heads = qkv.view(batch, s, 3 * h, d // h)
         src = x2
@@ -146,15 +153,21 @@ class CutileLayer(BuiltLayer):
                 ops.linear_residual_norm(k, rows, w["out_weight"], p.out_bias, src, valid_rows,
                                          res, (p.norm2_weight, p.norm2_bias), pair=normed,
                                          products=self.products, zero_sum=False)
-                ops.linear_gelu(k, normed, w["ffn_in_weight"], ffn_in_bias, hidden,
-                                self.products)
                 last = i == len(layers) - 1
                 norm = final if last else (layers[i + 1][0].norm1_weight,
                                            layers[i + 1][0].norm1_bias)
-                ops.linear_residual_norm(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, res,
-                                         valid_rows, res, norm, products=self.products,
-                                         zero_sum=True, pair=None if last else rows,
-                                         final=target if last else None)
+                written = {"pair": None if last else rows, "final": target if last else None}
+                if self.fuse_ffn:
+                    ops.ffn_residual_norm(k, normed, (w["ffn_in_weight"], ffn_in_bias),
+                                          (w["ffn_out_weight"], p.ffn_out_bias), res,
+                                          valid_rows, res, norm, products=self.products,
+                                          **written)
+                else:
+                    ops.linear_gelu(k, normed, w["ffn_in_weight"], ffn_in_bias, hidden,
+                                    self.products)
+                    ops.linear_residual_norm(k, hidden, w["ffn_out_weight"], p.ffn_out_bias,
+                                             res, valid_rows, res, norm, products=self.products,
+                                             zero_sum=True, **written)
             else:
                 ops.linear_residual(k, rows, w["out_weight"], p.out_bias, src, valid_rows,
                                     res, self.products, zero_sum=False)

@@ -125,6 +125,30 @@ def linear_residual_norm(kernels, a, weight, bias, res, valid_rows, out, norm, *
            int(final is not None)), tile=(tm, width, tk))
 
 
+def ffn_residual_norm(kernels, a, ffn_in, ffn_out, res, valid_rows, out, norm, *,
+                      products: int, pair=None, final=None) -> None:
+    """The whole FFN on rows a (an fp16 pair): out = res + ffn_out(GELU(ffn_in(a))), invalid
+    rows zeroed, then the LayerNorm of the new rows into pair or final as
+    linear_residual_norm. ffn_in and ffn_out are (weight pair, bias); the rows must fit one
+    tile (norm_gemm_width)."""
+    if (pair is None) == (final is None):
+        raise ValueError("ffn_residual_norm writes either a pair or a final output")
+    width = norm_gemm_width(out.shape[1])
+    if width is None:
+        raise ValueError(f"ffn_residual_norm: rows of {out.shape[1]} do not fit one tile")
+    spare = placeholders(a[0].device)
+    mask, has_mask = row_mask(valid_rows, a[0].device)
+    pair = pair or (spare["half"], spare["half_lo"])
+    (w1, b1), (w2, b2) = ffn_in, ffn_out
+    tm = specs.NORM_GEMM_TILE[0]
+    kernels.launch("ffn_residual_norm",
+                   {"TM": tm, "TN": width, "TF": specs.FFN_CHUNK, "PRODUCTS": products},
+                   (cdiv(out.shape[0], tm), 1, 1),
+                   (a[0], a[1], w1[0], w1[1], b1, w2[0], w2[1], b2, res, mask, out, norm[0],
+                    norm[1], pair[0], pair[1], spare["float"] if final is None else final,
+                    has_mask, int(final is not None)))
+
+
 def key_info(valid: torch.Tensor) -> torch.Tensor:
     """[B, 4] int32 per sequence: the end of its valid keys (last valid + 1, 0 if none),
     1 where some key before that end is invalid (the kernel must then read the mask), and

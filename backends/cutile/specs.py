@@ -79,6 +79,13 @@ KERNELS: dict[str, Kernel] = {
         ("NORM_W", F32_1), ("NORM_B", F32_1), ("NORM_HI", OUT_F16_2), ("NORM_LO", OUT_F16_2),
         ("NORM_OUT", OUT_F32_2), ("has_mask", Scalar("int32")), ("zero_sum", Scalar("int32")),
         ("final", Scalar("int32"))), GEMM_CONSTANTS),
+    "ffn_residual_norm": Kernel("linear", (
+        ("A_HI", F16_2), ("A_LO", F16_2), ("W1_HI", F16_2), ("W1_LO", F16_2), ("B1", F32_1),
+        ("W2_HI", F16_2), ("W2_LO", F16_2), ("B2", F32_1), ("RES", RESIDUAL),
+        ("VALID", Array("uint8", 1, aligned=False)), ("OUT", OUT_RESIDUAL),
+        ("NORM_W", F32_1), ("NORM_B", F32_1), ("NORM_HI", OUT_F16_2), ("NORM_LO", OUT_F16_2),
+        ("NORM_OUT", OUT_F32_2), ("has_mask", Scalar("int32")), ("final", Scalar("int32"))),
+        ("TM", "TN", "TF", "PRODUCTS")),
     "flash_attention": Kernel("attention", (
         ("QKV", F16_4), ("CTX_HI", Array("float16", 4, output=True)),
         ("CTX_LO", Array("float16", 4, output=True)),
@@ -144,6 +151,9 @@ SWEEP_ATTENTION_TILES = ((128, 128), (128, 32), (64, 32))
 # whole rows, padded to NORM_GEMM_WIDTHS columns; 64 rows and K steps of 64.
 NORM_GEMM_WIDTHS = (8, 16, 32, 64, 128)  # 256 spills registers on sm_90
 NORM_GEMM_TILE = (64, 64)
+# The whole FFN in one kernel (CutileBackend(fuse_ffn=True)) at those widths: hidden columns
+# made and consumed FFN_CHUNK at a time.
+FFN_CHUNK = 32  # 64 spills 13-24 stores at width 128 on sm_90
 
 
 # Spill stores accepted in the default build's sm_90 SASS, per symbol: attention 128x128 at
@@ -177,6 +187,8 @@ def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
                                       GEMM_PRODUCTS["linear_residual"] + extra):
         out.append(("linear_residual_norm", {"TM": NORM_GEMM_TILE[0], "TN": width,
                                              "TK": NORM_GEMM_TILE[1], "PRODUCTS": p}))
+        out.append(("ffn_residual_norm", {"TM": NORM_GEMM_TILE[0], "TN": width,
+                                          "TF": FFN_CHUNK, "PRODUCTS": p}))
     for hp in HEAD_PADS:
         tiles = attention_tiles(hp)
         if sweep and hp <= 128:

@@ -110,6 +110,14 @@ def linear_residual_norm(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, NORM_W, 
     bm = ct.bid(0)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, 0, TM, TN, TK, PRODUCTS), BIAS, 0, TN)
     y = residual_sum(acc, RES, VALID, bm, 0, has_mask, zero_sum, TM, TN)
+    store_rows_and_norm(y, bm, OUT, VALID, NORM_W, NORM_B, NORM_HI, NORM_LO, NORM_OUT,
+                        has_mask, final, TM, TN)
+
+
+def store_rows_and_norm(y, bm, OUT, VALID, NORM_W, NORM_B, NORM_HI, NORM_LO, NORM_OUT,
+                        has_mask, final, TM, TN):
+    """Whole rows y of row tile bm: y into OUT and its LayerNorm as the pair (NORM_HI,
+    NORM_LO), or with final, only the LayerNorm into NORM_OUT (invalid rows 0)."""
     normed = normalise(y, OUT.shape[1], NORM_W, NORM_B, TN)
     if final != 0:
         if has_mask != 0:
@@ -120,3 +128,32 @@ def linear_residual_norm(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, NORM_W, 
     else:
         ct.store(OUT, index=(bm, 0), tile=y)
         store_pair(NORM_HI, NORM_LO, (bm, 0), normed)
+
+
+@ct.kernel
+def ffn_residual_norm(A_HI, A_LO, W1_HI, W1_LO, B1, W2_HI, W2_LO, B2, RES, VALID, OUT,
+                      NORM_W, NORM_B, NORM_HI, NORM_LO, NORM_OUT, has_mask: int,
+                      final: int, TM: ConstInt, TN: ConstInt, TF: ConstInt,
+                      PRODUCTS: ConstInt):
+    """The whole FFN where one tile holds whole rows (d_model <= TN): RES + W2 GELU(W1 A +
+    B1) + B2, the hidden rows made and used TF columns at a time without leaving the chip
+    (as an fp16 pair for the second product), invalid rows zeroed after the sum; then
+    stored with the next LayerNorm as linear_residual_norm does."""
+    bm = ct.bid(0)
+    acc = ct.full((TM, TN), 0.0, dtype=ct.float32)
+    for f in range(ct.cdiv(W1_HI.shape[0], TF)):
+        hidden = gelu(biased(products(A_HI, A_LO, W1_HI, W1_LO, bm, f, TM, TF, TN, PRODUCTS),
+                             B1, f, TF))
+        h_hi = ct.astype(hidden, ct.float16)
+        w2_hi = ct.transpose(ct.load(W2_HI, index=(0, f), shape=(TN, TF), padding_mode=ZERO))
+        if PRODUCTS >= 2:
+            h_lo = ct.astype(hidden - ct.astype(h_hi, ct.float32), ct.float16)
+            acc = ct.mma(h_lo, w2_hi, acc)
+        if PRODUCTS >= 3:
+            w2_lo = ct.transpose(ct.load(W2_LO, index=(0, f), shape=(TN, TF),
+                                         padding_mode=ZERO))
+            acc = ct.mma(h_hi, w2_lo, acc)
+        acc = ct.mma(h_hi, w2_hi, acc)
+    y = residual_sum(biased(acc, B2, 0, TN), RES, VALID, bm, 0, has_mask, 1, TM, TN)
+    store_rows_and_norm(y, bm, OUT, VALID, NORM_W, NORM_B, NORM_HI, NORM_LO, NORM_OUT,
+                        has_mask, final, TM, TN)

@@ -1,0 +1,199 @@
+"""The cutile layer's launch sequence without a GPU: every kernel is replaced by a PyTorch
+stand-in that computes what its docstring promises (fp16 pairs, products, epilogues, masks),
+and every launch still goes through the launcher's argument checks. The layer built on these
+must keep the contract on CPU, so the orchestration (workspace, chunks, staging, fused
+norms and FFN, masks, argument order and aliasing) is checked without the kernels."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from layerbench.backends.cutile import CutileBackend, launch
+from layerbench.backends.cutile.layer import CutileLayer
+from layerbench.common.config import LayerConfig
+from layerbench.common.contract import compare
+from layerbench.common.inputs import make_inputs
+from layerbench.common.selection import selected_backends
+from layerbench.reference import make_reference, reference_forward
+
+
+def _pair(y: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """Store fp32 y as the fp16 pair (hi, lo)."""
+    hi.copy_(y.half())
+    lo.copy_((y - hi.float()).half())
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.layer_norm(x, (x.shape[1],), w, b, eps=1e-5)
+
+
+def _products(a_hi, a_lo, w_hi, w_lo, n: int, products: int) -> torch.Tensor:
+    """A @ W^T over the first n rows of W and the columns of A, by PRODUCTS fp16 products."""
+    k = a_hi.shape[1]
+    wh, wl = w_hi[:n, :k].float(), w_lo[:n, :k].float()
+    acc = a_hi.float() @ wh.t()
+    if products >= 2:
+        acc += a_lo.float() @ wh.t()
+    if products >= 3:
+        acc += a_hi.float() @ wl.t()
+    return acc
+
+
+def _residual(acc, res, valid, has_mask: int, zero_sum: int) -> torch.Tensor:
+    if not has_mask:
+        return res + acc
+    keep = valid[: res.shape[0]].bool()[:, None]
+    return torch.where(keep, res + acc, 0.0) if zero_sum else res + torch.where(keep, acc, 0.0)
+
+
+def _rows_and_norm(y, valid, out, norm_w, norm_b, norm_hi, norm_lo, norm_out, has_mask, final):
+    normed = _norm(y, norm_w, norm_b)
+    if final:
+        if has_mask:
+            normed = torch.where(valid[: y.shape[0]].bool()[:, None], normed, 0.0)
+        norm_out.copy_(normed)
+    else:
+        out.copy_(y)
+        _pair(normed, norm_hi, norm_lo)
+
+
+class TorchKernels:
+    """Stand-ins for the exported kernels, called through the launcher's argument packing."""
+
+    mode = "torch"
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def has(self, name, constants) -> bool:
+        """Every specialisation is here."""
+        return True
+
+    def launch(self, name, constants, grid, args):
+        """Check the arguments as the real launch does, then compute the kernel's result."""
+        launch.pack(name, args)
+        self.calls.append(name)
+        getattr(self, name)(constants, *args)
+
+    def layer_norm_split(self, c, x, w, b, hi, lo):
+        _pair(_norm(x, w, b), hi, lo)
+
+    def layer_norm_out(self, c, x, w, b, valid, out, has_mask):
+        y = _norm(x, w, b)
+        out.copy_(torch.where(valid.bool()[:, None], y, 0.0) if has_mask else y)
+
+    def linear_half(self, c, a_hi, a_lo, w_hi, w_lo, bias, out):
+        n = out.shape[1]
+        out.copy_((_products(a_hi, a_lo, w_hi, w_lo, n, c["PRODUCTS"]) + bias[:n]).half())
+
+    def linear_gelu(self, c, a_hi, a_lo, w_hi, w_lo, bias, hi, lo):
+        n = hi.shape[1]
+        acc = _products(a_hi, a_lo, w_hi, w_lo, n, c["PRODUCTS"]) + bias[:n]
+        _pair(torch.nn.functional.gelu(acc), hi, lo)
+
+    def linear_residual(self, c, a_hi, a_lo, w_hi, w_lo, bias, res, valid, out, has_mask,
+                        zero_sum):
+        n = out.shape[1]
+        acc = _products(a_hi, a_lo, w_hi, w_lo, n, c["PRODUCTS"]) + bias[:n]
+        out.copy_(_residual(acc, res, valid, has_mask, zero_sum))
+
+    def linear_residual_norm(self, c, a_hi, a_lo, w_hi, w_lo, bias, res, valid, out, norm_w,
+                             norm_b, norm_hi, norm_lo, norm_out, has_mask, zero_sum, final):
+        n = out.shape[1]
+        assert n <= c["TN"], "one tile holds whole rows"
+        acc = _products(a_hi, a_lo, w_hi, w_lo, n, c["PRODUCTS"]) + bias[:n]
+        y = _residual(acc, res, valid, has_mask, zero_sum)
+        _rows_and_norm(y, valid, out, norm_w, norm_b, norm_hi, norm_lo, norm_out, has_mask,
+                       final)
+
+    def ffn_residual_norm(self, c, a_hi, a_lo, w1_hi, w1_lo, b1, w2_hi, w2_lo, b2, res, valid,
+                          out, norm_w, norm_b, norm_hi, norm_lo, norm_out, has_mask, final):
+        n, f = out.shape[1], w1_hi.shape[0]
+        assert n <= c["TN"], "one tile holds whole rows"
+        hidden = torch.nn.functional.gelu(
+            _products(a_hi, a_lo, w1_hi, w1_lo, f, c["PRODUCTS"]) + b1[:f])
+        h_hi = hidden.half()
+        h_lo = (hidden - h_hi.float()).half()
+        acc = _products(h_hi, h_lo, w2_hi, w2_lo, n, c["PRODUCTS"]) + b2[:n]
+        y = _residual(acc, res, valid, has_mask, 1)
+        _rows_and_norm(y, valid, out, norm_w, norm_b, norm_hi, norm_lo, norm_out, has_mask,
+                       final)
+
+    def flash_attention(self, c, qkv, ctx_hi, ctx_lo, valid, key_info, scale, heads, causal,
+                        has_mask):
+        b, s, _, hd = qkv.shape
+        q, k, v = (qkv[:, :, i * heads:(i + 1) * heads].float().transpose(1, 2)
+                   for i in range(3))
+        scores = (q @ k.transpose(-1, -2)) * scale
+        visible = torch.ones(b, 1, s, s, dtype=torch.bool)
+        if causal:
+            visible = visible & torch.ones(s, s, dtype=torch.bool).tril()
+        if has_mask:
+            visible = visible & valid.bool()[:, None, None, :]
+        p = torch.softmax(scores.masked_fill(~visible, -math.inf), dim=-1).nan_to_num(0.0)
+        _pair((p @ v).transpose(1, 2), ctx_hi, ctx_lo)
+
+
+def _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, products=None):
+    """The cutile layer for cfg on CPU, its kernels replaced by TorchKernels."""
+    backend = CutileBackend(fuse_norms=fuse_norms, fuse_ffn=fuse_ffn,
+                            linear_products=products)
+    kernels = TorchKernels()
+    layer = CutileLayer(backend, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
+                        kernels, products or 3, fuse_norms, fuse_ffn)
+    return layer, kernels
+
+
+@pytest.fixture
+def cutile_selected(pytestconfig):
+    """Skip unless --backend selects cutile."""
+    if "cutile" not in selected_backends(pytestconfig):
+        pytest.skip("cutile is not among the selected backends")
+
+
+PLANS = [(False, False), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize("fuse_norms, fuse_ffn", PLANS, ids=["separate", "norms", "ffn"])
+@pytest.mark.parametrize("cfg", [LayerConfig(3, 24, 32, 4, 36, 2), LayerConfig(2, 17, 64, 2, 64, 1),
+                                 LayerConfig(2, 16, 256, 4, 96, 2)],
+                         ids=["d32-f36", "one-layer", "d256"])
+@pytest.mark.parametrize("padding", [0.0, 0.4])
+def test_launch_sequence_computes_the_layer(cutile_selected, cfg, fuse_norms, fuse_ffn,
+                                            padding):
+    """The stand-in kernels, launched as the layer plans them, give the reference's output
+    within the contract; the fused plans launch fewer kernels where rows fit one tile."""
+    model = make_reference(cfg, seed=5)
+    x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
+    expected = reference_forward(model, x, mask)
+    layer, kernels = _stand_in_layer(cfg, model, fuse_norms, fuse_ffn)
+    with torch.no_grad():
+        got = layer(x, mask)
+    report = compare(got, expected)
+    assert report.passed, report.summary()
+    per_block = 7 if cfg.d_model > 128 or not fuse_norms else (4 if fuse_ffn else 5)
+    assert layer.fuse_ffn == (fuse_ffn and cfg.d_model <= 128)
+    # the first block's norm1 and the final norm: one more launch in every plan
+    assert len(kernels.calls) == per_block * cfg.num_layers + 1, kernels.calls
+
+
+@pytest.mark.parametrize("fuse_norms, fuse_ffn", PLANS, ids=["separate", "norms", "ffn"])
+def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn, monkeypatch):
+    """One sequence per chunk, an fp16 input (staged), a misaligned output view and out=:
+    every call still matches the reference."""
+    cfg = LayerConfig(3, 20, 32, 2, 40, 2)
+    model = make_reference(cfg, seed=7)
+    x, mask = make_inputs(cfg, padding_ratio=0.3, seed=8)
+    expected = reference_forward(model, x, mask)
+    layer, _ = _stand_in_layer(cfg, model, fuse_norms, fuse_ffn)
+    monkeypatch.setattr(layer, "chunks", lambda b, s: 1)
+    with torch.no_grad():
+        assert compare(layer(x, mask), expected).passed
+        # 4 bytes off 16: read and written through the staging rows
+        x_buffer, out_buffer = torch.zeros(x.numel() + 1), torch.full((x.numel() + 1,), math.nan)
+        x_off, out_off = x_buffer[1:].view_as(x), out_buffer[1:].view_as(x)
+        x_off.copy_(x)
+        assert layer(x_off, mask, out=out_off) is out_off
+        assert compare(out_off, expected).passed
