@@ -6,6 +6,7 @@ norms and FFN, masks, argument order and aliasing) is checked without the kernel
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -136,10 +137,19 @@ class TorchKernels:
         _pair((p @ v).transpose(1, 2), ctx_hi, ctx_lo)
 
 
+class CpuCutile(CutileBackend):
+    """The cutile backend's checks and plans, allowed on CPU for the stand-in kernels."""
+
+    capabilities = replace(CutileBackend.capabilities, devices=("cuda", "cpu"))
+
+    def unavailable_reason(self, device):
+        """Nothing is missing: the stand-ins need no build."""
+        return None
+
+
 def _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, products=None):
     """The cutile layer for cfg on CPU, its kernels replaced by TorchKernels."""
-    backend = CutileBackend(fuse_norms=fuse_norms, fuse_ffn=fuse_ffn,
-                            linear_products=products)
+    backend = CpuCutile(fuse_norms=fuse_norms, fuse_ffn=fuse_ffn, linear_products=products)
     kernels = TorchKernels()
     layer = CutileLayer(backend, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
                         kernels, products or 3, fuse_norms, fuse_ffn)
@@ -197,3 +207,7 @@ def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn
         x_off.copy_(x)
         assert layer(x_off, mask, out=out_off) is out_off
         assert compare(out_off, expected).passed
+        # another batch and length than the layer was built for
+        other = LayerConfig(5, 31, cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers)
+        x5, mask5 = make_inputs(other, padding_ratio=0.3, seed=9)
+        assert compare(layer(x5, mask5), reference_forward(model, x5, mask5)).passed
