@@ -105,24 +105,33 @@ def norm_gemm_width(n: int) -> int | None:
     return width if width in specs.NORM_GEMM_WIDTHS else None
 
 
+def _rows_with_norm(name, valid_rows, out, pair, final):
+    """(padded width, the VALID argument, NORM_HI, NORM_LO, NORM_OUT, has_mask, final flag)
+    of a kernel that stores whole rows with their LayerNorm into pair or final; raises
+    unless exactly one of them is given and the rows fit one tile (norm_gemm_width)."""
+    if (pair is None) == (final is None):
+        raise ValueError(f"{name} writes either a pair or a final output")
+    width = norm_gemm_width(out.shape[1])
+    if width is None:
+        raise ValueError(f"{name}: rows of {out.shape[1]} do not fit one tile")
+    spare = placeholders(out.device)
+    mask, has_mask = row_mask(valid_rows, out.device)
+    hi, lo = pair or (spare["half"], spare["half_lo"])
+    norm_out = spare["float"] if final is None else final
+    return width, mask, hi, lo, norm_out, has_mask, int(final is not None)
+
+
 def linear_residual_norm(kernels, a, weight, bias, res, valid_rows, out, norm, *,
                          products: int, zero_sum: bool, pair=None, final=None) -> None:
     """linear_residual, then the LayerNorm (norm = (weight, bias)) of the new rows: into pair
     (an fp16 pair; out gets the rows too) or into final (fp32, invalid rows 0; out is not
     written). The rows must fit one tile (norm_gemm_width)."""
-    if (pair is None) == (final is None):
-        raise ValueError("linear_residual_norm writes either a pair or a final output")
-    width = norm_gemm_width(out.shape[1])
-    if width is None:
-        raise ValueError(f"linear_residual_norm: rows of {out.shape[1]} do not fit one tile")
-    spare = placeholders(a[0].device)
-    mask, has_mask = row_mask(valid_rows, a[0].device)
-    pair = pair or (spare["half"], spare["half_lo"])
+    width, mask, hi, lo, norm_out, has_mask, is_final = _rows_with_norm(
+        "linear_residual_norm", valid_rows, out, pair, final)
     tm, tk = specs.NORM_GEMM_TILE  # one column tile: the grid covers row tiles only
     _gemm(kernels, "linear_residual_norm", a, weight, out.shape, products,
-          (bias, res, mask, out, norm[0], norm[1], pair[0], pair[1],
-           spare["float"] if final is None else final, has_mask, int(zero_sum),
-           int(final is not None)), tile=(tm, width, tk))
+          (bias, res, mask, out, norm[0], norm[1], hi, lo, norm_out, has_mask, int(zero_sum),
+           is_final), tile=(tm, width, tk))
 
 
 def ffn_residual_norm(kernels, a, ffn_in, ffn_out, res, valid_rows, out, norm, *,
@@ -131,22 +140,15 @@ def ffn_residual_norm(kernels, a, ffn_in, ffn_out, res, valid_rows, out, norm, *
     rows zeroed, then the LayerNorm of the new rows into pair or final as
     linear_residual_norm. ffn_in and ffn_out are (weight pair, bias); the rows must fit one
     tile (norm_gemm_width)."""
-    if (pair is None) == (final is None):
-        raise ValueError("ffn_residual_norm writes either a pair or a final output")
-    width = norm_gemm_width(out.shape[1])
-    if width is None:
-        raise ValueError(f"ffn_residual_norm: rows of {out.shape[1]} do not fit one tile")
-    spare = placeholders(a[0].device)
-    mask, has_mask = row_mask(valid_rows, a[0].device)
-    pair = pair or (spare["half"], spare["half_lo"])
+    width, mask, hi, lo, norm_out, has_mask, is_final = _rows_with_norm(
+        "ffn_residual_norm", valid_rows, out, pair, final)
     (w1, b1), (w2, b2) = ffn_in, ffn_out
     tm = specs.NORM_GEMM_TILE[0]
     kernels.launch("ffn_residual_norm",
                    {"TM": tm, "TN": width, "TF": specs.FFN_CHUNK, "PRODUCTS": products},
                    (cdiv(out.shape[0], tm), 1, 1),
                    (a[0], a[1], w1[0], w1[1], b1, w2[0], w2[1], b2, res, mask, out, norm[0],
-                    norm[1], pair[0], pair[1], spare["float"] if final is None else final,
-                    has_mask, int(final is not None)))
+                    norm[1], hi, lo, norm_out, has_mask, is_final))
 
 
 def key_info(valid: torch.Tensor) -> torch.Tensor:
