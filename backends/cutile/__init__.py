@@ -9,8 +9,7 @@ from layerbench.common.params import param_bytes
 
 from . import specs
 from .launch import kernels_for
-from .layer import (CutileLayer, linear_products_for, norms_fused,
-                    working_bytes_per_sequence)
+from .layer import CutileLayer, fusions, linear_products_for, working_bytes_per_sequence
 
 HEAD_DIMS = tuple(range(8, 257, 8))
 
@@ -80,10 +79,9 @@ class CutileBackend(Backend):
 
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
-        fused = norms_fused(config, self.fuse_norms)
-        per_sequence = working_bytes_per_sequence(config, fuse_norms=fused,
-                                                  fuse_ffn=fused and self.fuse_ffn)
-        return MemoryPlan({"one sequence": per_sequence, "parameters": param_bytes(config)})
+        norms, ffn = fusions(config, self.fuse_norms, self.fuse_ffn)
+        return MemoryPlan({"one sequence": working_bytes_per_sequence(config, None, norms, ffn),
+                           "parameters": param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):
         products = self.linear_products or linear_products_for(config.d_model)

@@ -26,10 +26,12 @@ def linear_products_for(d_model: int) -> int:
     return 2 if d_model >= 512 else 3
 
 
-def norms_fused(config, requested: bool) -> bool:
-    """Whether LayerNorms run in the residual GEMMs' epilogues: when asked for and rows fit
-    one linear_residual_norm tile."""
-    return requested and ops.norm_gemm_width(config.d_model) is not None
+def fusions(config, fuse_norms: bool, fuse_ffn: bool) -> tuple[bool, bool]:
+    """(norms fused, FFN fused) for config: the LayerNorms run in the residual GEMMs'
+    epilogues when asked for and rows fit one tile; the FFN in one kernel when asked for
+    and the norms are fused."""
+    norms = fuse_norms and ops.norm_gemm_width(config.d_model) is not None
+    return norms, norms and fuse_ffn
 
 
 def workspace(config, fuse_norms: bool = False,
@@ -85,12 +87,11 @@ class CutileLayer(BuiltLayer):
     one kernel runs the whole FFN (ffn_residual_norm): four launches per block."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
-                 fuse_norms: bool, fuse_ffn: bool = False):
+                 fuse_norms: bool, fuse_ffn: bool):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
-        self.fuse_norms = norms_fused(config, fuse_norms)
-        self.fuse_ffn = self.fuse_norms and fuse_ffn
+        self.fuse_norms, self.fuse_ffn = fusions(config, fuse_norms, fuse_ffn)
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         names = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
         self.weights = [{n: weight_pair(getattr(p, n)) for n in names}
