@@ -75,19 +75,27 @@ def check_disjoint(kernel: str, args) -> None:
                              + (" or the same view" if grouped else ""))
 
 
+def check_args(kernel: str, args) -> None:
+    """Raise unless every array argument meets what the kernel was compiled to assume
+    (check_array) and the arrays it writes overlap nothing else (check_disjoint)."""
+    for (name, param), arg in zip(specs.KERNELS[kernel].params, args, strict=True):
+        if isinstance(param, specs.Array):
+            check_array(name, param, arg, kernel)
+    check_disjoint(kernel, args)
+
+
 def pack(kernel: str, args) -> list:
     """numpy scalars of a call's parameters by the cutile_python_v1 convention: per array its
     address (64 bits), then its shape and its strides as int32; per scalar its value."""
+    check_args(kernel, args)
     values = []
-    for (name, param), arg in zip(specs.KERNELS[kernel].params, args, strict=True):
+    for (_, param), arg in zip(specs.KERNELS[kernel].params, args):
         if isinstance(param, specs.Scalar):
             values.append(np.int32(arg) if param.dtype == "int32" else np.float32(arg))
             continue
-        check_array(name, param, arg, kernel)
         values.append(np.uint64(arg.data_ptr()))
         values += [np.int32(n) for n in arg.shape]
         values += [np.int32(s) for s in arg.stride()]
-    check_disjoint(kernel, args)
     return values
 
 
@@ -161,10 +169,7 @@ class JitKernels:
 
         from .export import kernel_function
 
-        for (pname, param), arg in zip(specs.KERNELS[name].params, args, strict=True):
-            if isinstance(param, specs.Array):
-                check_array(pname, param, arg, name)
-        check_disjoint(name, args)
+        check_args(name, args)
         consts = [constants[c] for c in specs.KERNELS[name].constants]
         ct.launch(torch.cuda.current_stream(self.device), grid, kernel_function(name),
                   (*args, *consts))
