@@ -55,6 +55,19 @@ GEMM_CASES = (
 WRONG_GEMM_ERROR = 1e-2
 
 
+def _timed(run, repeats, label):
+    """run itself (repeats 1) or a replayed graph of `repeats` runs, tried once and synced
+    so that a launch that faults is named here rather than in the timing rounds."""
+    timed = replayed(run, repeats, "cuda") if repeats > 1 else run
+    try:
+        timed()
+        torch.cuda.synchronize()
+    except Exception:
+        print(f"{label}: failed when replayed", file=sys.stderr, flush=True)
+        raise
+    return timed
+
+
 def _gemm_call(kernels, kind, m, n, k, products, tile, variant, gen):
     """(run, check) closures of one GEMM case on fresh operands."""
     a = torch.randn(m, k, device="cuda", generator=gen)
@@ -86,7 +99,8 @@ def _gemm_call(kernels, kind, m, n, k, products, tile, variant, gen):
         want = lambda r: res[r] + a[r] @ w.t() + bias  # noqa: E731
 
     def check() -> float:
-        rows = slice(0, min(m, 4096))
+        rows = torch.unique(torch.cat([torch.arange(min(m, 2048)),
+                                       torch.arange(max(m - 2048, 0), m)])).cuda()
         run()
         g, e = got(rows).double(), want(rows).double()
         return ((g - e).abs() / e.abs().clamp_min(1.0)).max().item()
@@ -114,7 +128,7 @@ def sweep_gemm(kernels, cases, rounds, repeats):
             except Unsupported as exc:
                 print(f"{case} {tile} {variant}: not in this build ({exc})")
                 continue
-            runs.append(replayed(run, repeats, "cuda") if repeats > 1 else run)
+            runs.append(_timed(run, repeats, f"{case} {tile} {variant}"))
             names.append((tile, variant, err))
         for (tile, variant, err), ms in zip(
                 names, alternating_medians_ms(runs, "cuda", rounds=rounds)):
@@ -153,7 +167,7 @@ def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds, re
         except Unsupported as exc:
             print(f"attention {tile} {variant}: not in this build ({exc})")
             continue
-        runs.append(replayed(run, repeats, "cuda") if repeats > 1 else run)
+        runs.append(_timed(run, repeats, f"attention {tile} {variant}"))
         outs.append(ctx)
         kept.append((tile, variant))
     reference = None

@@ -28,12 +28,16 @@ def cutile_selected(pytestconfig):
 
 
 @pytest.fixture(scope="session")
-def cutile_build(tmp_path_factory):
-    """Every specialisation exported for every architecture into one folder per session
-    (skips where cuda.tile cannot compile)."""
+def cutile_compiles():
+    """Skip where cuda.tile cannot compile (no cuda.tile, or no usable tileiras)."""
     why = launch.jit_unavailable_reason()
     if why is not None:
         pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def cutile_build(cutile_compiles, tmp_path_factory):
+    """Every specialisation exported for every architecture into one folder per session."""
     from layerbench.backends.cutile.export import export
 
     root = tmp_path_factory.mktemp("cutile-build")
@@ -64,7 +68,7 @@ def test_every_specialisation_exports(cutile_selected, cutile_build, arch):
         assert entry["threads"][0] % 32 == 0 and entry["threads"][1:] == [1, 1], entry
 
 
-def test_variants_compile_their_hints(cutile_selected, tmp_path):
+def test_variants_compile_their_hints(cutile_selected, cutile_compiles, tmp_path):
     """A variant is its kernel's source under its own symbol with its ct.kernel hints: eight
     worker warps give linear_half at 128x128 a third warp group (sm_90, cuobjdump -elf)."""
     from cuda.tile.compilation import export_kernel
