@@ -117,9 +117,9 @@ def sweep_gemm(kernels, cases, rounds, repeats):
         m, n, k = (int(v) for v in size.split("x"))
         products = int(products)
         kernel = {"half": "linear_half", "gelu": "linear_gelu"}.get(kind, "linear_residual")
-        tiles = list(dict.fromkeys(specs.GEMM_TILES[kernel] + specs.SWEEP_GEMM_TILES))
-        candidates = [(t, "") for t in tiles] + [
-            (t, v) for v in specs.GEMM_VARIANTS for t in specs.VARIANT_GEMM_TILES]
+        candidates = list(dict.fromkeys(
+            specs.GEMM_CHOICES[kernel] + tuple((t, "") for t in specs.SWEEP_GEMM_TILES)
+            + tuple((t, v) for v in specs.GEMM_VARIANTS for t in specs.VARIANT_GEMM_TILES)))
         runs, names = [], []
         for tile, variant in candidates:
             run, check = _gemm_call(kernels, kind, m, n, k, products, tile, variant, gen)
@@ -150,11 +150,11 @@ def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds, re
     qkv = torch.randn(batch * seq_len, 3 * d, device="cuda", generator=gen).half()
     view = qkv.view(batch, seq_len, 3 * heads, head_dim)
     hp = ops.power_of_two_at_least(head_dim)
-    tiles = list(dict.fromkeys(specs.attention_tiles(hp) + list(specs.SWEEP_ATTENTION_TILES)))
-    candidates = [(t, "") for t in tiles]
+    candidates = specs.ATTENTION_CHOICES[hp] + tuple((t, "") for t in specs.SWEEP_ATTENTION_TILES)
     if hp in specs.VARIANT_HEAD_PADS:
-        candidates += [(t, v) for v in specs.ATTENTION_VARIANTS
-                       for t in specs.VARIANT_ATTENTION_TILES]
+        candidates += tuple((t, v) for v in specs.ATTENTION_VARIANTS
+                            for t in specs.VARIANT_ATTENTION_TILES)
+    candidates = list(dict.fromkeys(candidates))
     outs, runs, kept = [], [], []
     for tile, variant in candidates:
         ctx = tuple(torch.empty(batch * seq_len, d, device="cuda", dtype=torch.float16)

@@ -31,7 +31,8 @@ def time_once_ms(fn: Callable[[], object], device: torch.device) -> float:
 def replayed(fn: Callable[[], object], repeats: int, device) -> Callable[[], None]:
     """A callable that replays one CUDA graph of `repeats` calls of fn (run once first,
     outside the capture): timing it leaves out the host's time between launches, which
-    rivals a kernel of under a tenth of a millisecond. Divide its time by repeats."""
+    rivals a kernel of under a tenth of a millisecond. Divide its time by repeats.
+    The callable holds fn, so the arrays fn's launches use live as long as the graph."""
     device = torch.device(device)
     fn()
     stream = torch.cuda.Stream(device)
@@ -40,7 +41,11 @@ def replayed(fn: Callable[[], object], repeats: int, device) -> Callable[[], Non
     with torch.cuda.graph(graph, stream=stream):
         for _ in range(repeats):
             fn()
-    return graph.replay
+
+    def replay() -> None:
+        graph.replay()
+    replay.captured = fn
+    return replay
 
 
 def alternating_medians_ms(fns: Sequence[Callable[[], object]], device, *, warmup: int = 3,

@@ -4,6 +4,7 @@ the backend refuses clearly what it cannot run, and (on a GPU) each kernel famil
 PyTorch in fp64, and the ahead-of-time and JIT paths give identical outputs."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -261,7 +262,8 @@ def test_layer_norm_kernels(kernels, width):
                                    (8192, 1024, 1024)])
 @pytest.mark.parametrize("kind", ["half", "gelu", "residual_update", "residual_sum"])
 def test_linear_kernels(kernels, kind, m, k, n):
-    """Each GEMM epilogue on odd and large sizes, with every product count compiled for it."""
+    """Each GEMM epilogue on odd and large sizes, with every product count and every tile and
+    variant (specs.GEMM_CHOICES) compiled for it."""
     g = torch.Generator(device="cuda").manual_seed(m + n)
     a = torch.randn(m, k, device="cuda", generator=g)
     w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
@@ -276,30 +278,32 @@ def test_linear_kernels(kernels, kind, m, k, n):
     valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
     name = "linear_half" if kind == "half" else ("linear_gelu" if kind == "gelu"
                                                   else "linear_residual")
-    for products in specs.GEMM_PRODUCTS[name]:
+    for products, (tile, variant) in itertools.product(specs.GEMM_PRODUCTS[name],
+                                                       specs.GEMM_CHOICES[name]):
         if kind == "half":
             out = torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
-            ops.linear_half(kernels, a_pair, w_pair, bias, out)
+            ops.linear_half(kernels, a_pair, w_pair, bias, out, tile, variant)
             # one product: activations and weights rounded to fp16
             exact1 = (a_pair[0].double() @ w_pair[0].double().t() + bias.double())
             got, want, tol = out.double(), exact1, 2e-3
         elif kind == "gelu":
             pair = tuple(torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
                          for _ in range(2))
-            ops.linear_gelu(kernels, a_pair, w_pair, bias, pair, products)
+            ops.linear_gelu(kernels, a_pair, w_pair, bias, pair, products, tile, variant)
             got = pair[0].double() + pair[1].double()
             want, tol = torch.nn.functional.gelu(exact), 1e-4 if products == 3 else 2e-3
         else:
             out = torch.full((m, n), math.nan, device="cuda")
             zero_sum = kind == "residual_sum"
             ops.linear_residual(kernels, a_pair, w_pair, bias, res, valid, out, products,
-                                zero_sum=zero_sum)
+                                zero_sum=zero_sum, tile=tile, variant=variant)
             keep = valid.bool()[:, None]
             want = (torch.where(keep, res.double() + exact, 0) if zero_sum
                     else res.double() + torch.where(keep, exact, 0))
             got, tol = out.double(), 1e-4 if products == 3 else 2e-3
         err = ((got - want).abs() / want.abs().clamp_min(1.0)).nan_to_num(nan=math.inf)
-        assert err.max().item() < tol, f"{kind} {products} products: {err.max().item():.3g}"
+        assert err.max().item() < tol, \
+            f"{kind} {products} products, {tile} {variant}: {err.max().item():.3g}"
     if kind.startswith("residual"):  # in place (OUT is RES, as ffn_out runs) and without mask
         out = res.clone()
         ops.linear_residual(kernels, a_pair, w_pair, bias, out, None, out, 3, zero_sum=True)
@@ -579,3 +583,54 @@ def test_graph_replay_follows_the_mask(kernels):
         out = layer(x, mask)
     report = compare(out, holed)
     assert report.passed, report.summary()
+
+
+def _half_case(m, k, n, tile, seed):
+    """(launch, output, expected) of one linear_half on fresh operands."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(m, k, device="cuda", generator=gen).half()
+    w = torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)
+    bias = torch.randn(n, device="cuda", generator=gen)
+    pair = weight_pair(w)
+    out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+    expected = a.double() @ pair[0][:n, :k].double().t() + bias.double()
+
+    def launch_it(kernels, variant=""):
+        ops.linear_half(kernels, (a, torch.zeros_like(a)), pair, bias, out, tile, variant)
+    return launch_it, out, expected
+
+
+@pytest.mark.parametrize("later", ["same-kernel", "other-kernel", "both", "many"])
+def test_graph_replay_is_independent_of_later_launches(kernels, later):
+    """A captured graph keeps its own arguments (TMA's tensor maps included): launches of the
+    same kernel on other arrays, or of other kernels, after the capture leave its replay
+    correct."""
+    tile = (128, 128, 64)
+    first, out, expected = _half_case(1000, 256, 384, tile, 41)
+    first(kernels)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        first(kernels)
+    others = []
+    if later in ("same-kernel", "both"):
+        others.append(_half_case(3000, 512, 136, tile, 42))
+    if later in ("other-kernel", "both"):
+        others.append(_half_case(500, 128, 256, (64, 64, 32), 43))
+    if later == "many":  # more argument sets than a small cache of tensor maps would hold
+        others += [_half_case(200 + 8 * i, 128, 128, tile, 50 + i) for i in range(40)]
+    keep = []
+    for launch_it, *_ in others:
+        launch_it(kernels)
+        g = torch.cuda.CUDAGraph()  # a second graph of it, captured after the first
+        with torch.cuda.graph(g, stream=stream):
+            launch_it(kernels)
+        keep.append(g)
+    for g in keep:
+        g.replay()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    assert (out.double() - expected).abs().max().item() < 2e-2

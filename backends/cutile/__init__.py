@@ -21,8 +21,8 @@ class CutileBackend(Backend):
     mode: "aot" (cubins exported by `python -m layerbench.backends.cutile.export`), "jit"
     (ct.launch; needs cuda-tile[tileiras]) or "auto" (a build of these sources for the
     device's architecture if there is one, else the JIT). linear_products: fp16 products of
-    out_proj and the FFN (2 or 3; default 2 from d_model 512 on; 1 needs a build exported
-    with --sweep). fuse_norms: LayerNorms in the residual GEMMs' epilogues where rows are at
+    out_proj and the FFN (1 or 3; default 1 from d_model 512 on, 3 below; 2 needs a build
+    exported with --sweep). fuse_norms: LayerNorms in the residual GEMMs' epilogues where rows are at
     most 128 wide (5 launches per block instead of 7; measured 1-17% faster on the official
     shapes it applies to). fuse_ffn: with fused norms, the whole FFN in one kernel, its
     hidden rows kept on chip (4 launches per block; off until timed on a GPU).
@@ -86,8 +86,9 @@ class CutileBackend(Backend):
     def _build(self, config, state_dict, device, dtype):
         products = self.linear_products or linear_products_for(config.d_model)
         kernels = self.kernels(device)
-        tm, tn, tk = specs.GEMM_TILES["linear_gelu"][0]
-        if not kernels.has("linear_gelu", {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}):
+        (tm, tn, tk), variant = specs.GEMM_CHOICES["linear_gelu"][-1]
+        if not kernels.has(specs.variant_name("linear_gelu", variant),
+                           {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}):
             raise Unsupported(f"{self.name}: this build has no kernels with {products} fp16 "
                               f"product(s) per weight; export it with --sweep")
         return CutileLayer(self, config, state_dict, device, dtype, kernels, products,

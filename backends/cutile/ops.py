@@ -55,32 +55,31 @@ def layer_norm_out(kernels, x, weight, bias, valid_rows, out) -> None:
                    (cdiv(x.shape[0], rows), 1, 1), (x, weight, bias, mask, out, has_mask))
 
 
-def gemm_tile(name: str, rows: int, cols: int, device: torch.device) -> tuple[int, int, int]:
-    """(TM, TN, TK) of GEMM kernel name: the large tile when its grid still fills every
-    multiprocessor."""
-    small, (tm, tn, tk) = specs.GEMM_TILES[name]
-    if cdiv(rows, tm) * cdiv(cols, tn) >= multiprocessor_count(device):
-        return tm, tn, tk
-    return small
-
-
-def variant_name(name: str, variant: str) -> str:
-    """The kernel name of a variant of name (specs.VARIANT_HINTS; "" is the kernel itself)."""
-    return f"{name}_{variant}" if variant else name
+def gemm_choice(name: str, rows: int, cols: int, device: torch.device):
+    """((TM, TN, TK), variant) of GEMM kernel name: the first of specs.GEMM_CHOICES whose
+    grid has at least half as many blocks as the device has multiprocessors."""
+    choices = specs.GEMM_CHOICES[name]
+    enough = multiprocessor_count(device) // 2
+    for (tm, tn, tk), variant in choices:
+        if cdiv(rows, tm) * cdiv(cols, tn) >= enough:
+            return (tm, tn, tk), variant
+    return choices[-1]
 
 
 def _gemm(kernels, name, a, weight, out_shape, products, args, tile=None,
           variant="") -> None:
-    tm, tn, tk = tile or gemm_tile(name, out_shape[0], out_shape[1], a[0].device)
+    if tile is None:
+        tile, variant = gemm_choice(name, out_shape[0], out_shape[1], a[0].device)
+    tm, tn, tk = tile
     grid = (cdiv(out_shape[0], tm) * cdiv(out_shape[1], tn), 1, 1)
-    kernels.launch(variant_name(name, variant),
+    kernels.launch(specs.variant_name(name, variant),
                    {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}, grid,
                    (a[0], a[1], weight[0], weight[1], *args))
 
 
 def linear_half(kernels, a, weight, bias, out, tile=None, variant="") -> None:
     """out (fp16) = a @ weight^T + bias, one fp16 product (a and weight are (hi, lo) pairs;
-    tile (TM, TN, TK) overrides gemm_tile; variant picks a compiled variant)."""
+    tile (TM, TN, TK) and variant override gemm_choice)."""
     _gemm(kernels, "linear_half", a, weight, out.shape, 1, (bias, out), tile, variant)
 
 
@@ -163,24 +162,27 @@ def key_info(valid: torch.Tensor) -> torch.Tensor:
     return torch.stack([end, holes.to(torch.int32), zero, zero], dim=1).contiguous()
 
 
-def attention_tile(batch_heads: int, seq_len: int, head_pad: int,
-                   device: torch.device) -> tuple[int, int]:
-    """(TM, TN): 128-query tiles where they give every multiprocessor two blocks."""
-    tiles = specs.attention_tiles(head_pad)
-    if len(tiles) > 1 and batch_heads * cdiv(seq_len, 128) < 2 * multiprocessor_count(device):
-        return tiles[0]
-    return tiles[-1]
+def attention_choice(batch_heads: int, seq_len: int, head_pad: int, device: torch.device):
+    """((TM, TN), variant) of attention: specs.ATTENTION_CHOICES' first where the grid has
+    fewer than two 128-query blocks per multiprocessor, its last otherwise."""
+    choices = specs.ATTENTION_CHOICES[head_pad]
+    if batch_heads * cdiv(seq_len, 128) < 2 * multiprocessor_count(device):
+        return choices[0]
+    return choices[-1]
 
 
 def attention(kernels, qkv, ctx, valid, info, *, num_heads: int, causal: bool,
               tile=None, variant="") -> None:
     """ctx (an fp16 pair, [B, S, H, hd] views) = attention of qkv ([B, S, 3H, hd] view);
-    tile (TM, TN) overrides attention_tile; variant picks a compiled variant."""
+    tile (TM, TN) and variant override attention_choice."""
     b, s, _, hd = qkv.shape
     hp = power_of_two_at_least(hd)
-    tm, tn = tile or attention_tile(b * num_heads, s, hp, qkv.device)
+    if tile is None:
+        tile, variant = attention_choice(b * num_heads, s, hp, qkv.device)
+    tm, tn = tile
     spare = placeholders(qkv.device)
-    kernels.launch(variant_name("flash_attention", variant), {"TM": tm, "TN": tn, "HP": hp},
+    kernels.launch(specs.variant_name("flash_attention", variant),
+                   {"TM": tm, "TN": tn, "HP": hp},
                    (cdiv(s, tm), b * num_heads, 1),
                    (qkv, ctx[0], ctx[1], spare["valid"] if valid is None else valid,
                     spare["key_info"] if info is None else info, hd ** -0.5, num_heads,

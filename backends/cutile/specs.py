@@ -126,18 +126,28 @@ def norm_widths() -> list[int]:
     return [1 << i for i in range(3, MAX_ROW_WIDTH.bit_length())]
 
 
-# GEMM tiles (TM, TN, TK) per kernel: small for narrow outputs and few rows, large for the
-# rest. 128x128 is the fastest large tile measured; the residual epilogue spills with it.
-GEMM_TILES = {"linear_half": ((64, 64, 32), (128, 128, 64)),
-              "linear_gelu": ((64, 64, 32), (128, 128, 64)),
-              "linear_residual": ((64, 64, 32), (128, 64, 64))}
+def variant_name(name: str, variant: str) -> str:
+    """The kernel name of a variant of name (VARIANT_HINTS; "" is the kernel itself)."""
+    return f"{name}_{variant}" if variant else name
+
+
+# GEMM choices per kernel, ((TM, TN, TK), variant), largest first: a layer takes the first
+# whose grid has at least half as many blocks as the device has multiprocessors (the last
+# otherwise). Measured on the H200 (bench/PERFORMANCE.md C10): 128x128 is the fastest tile
+# wherever it fills the device; eight worker warps speed up the GELU epilogue by 19-27% and
+# remove the residual epilogue's spills at 128x128; 128x64 beats 64x64 on 64-128 blocks.
+GEMM_CHOICES = {
+    "linear_half": (((128, 128, 64), ""), ((128, 64, 64), "w8"), ((64, 64, 32), "")),
+    "linear_gelu": (((128, 128, 64), "w8"), ((128, 64, 64), "w8"), ((64, 64, 32), "")),
+    "linear_residual": (((128, 128, 64), "w8"), ((128, 64, 64), ""), ((64, 64, 32), "")),
+}
 # Products per kernel: Q/K/V one (its output is rounded to fp16 for attention anyway),
-# the others two (activations split) or three (weights split too).
-GEMM_PRODUCTS = {"linear_half": (1,), "linear_gelu": (2, 3), "linear_residual": (2, 3)}
-# One product for out_proj and the FFN too (activations rounded to fp16, as under fp16
-# autocast): exported with --sweep only, for `cutile_sweep.py products` to weigh its time
-# against its error.
-SWEEP_PRODUCTS = (1,)
+# the others one (activations rounded to fp16, as under fp16 autocast) or three (activations
+# and weights split into fp16 pairs).
+GEMM_PRODUCTS = {"linear_half": (1,), "linear_gelu": (1, 3), "linear_residual": (1, 3)}
+# Two products (activations split, weights rounded once): exported with --sweep only, for
+# `cutile_sweep.py products` to weigh its time against its error.
+SWEEP_PRODUCTS = (2,)
 
 
 # Further tiles exported only for bench/cutile_sweep.py (`export --sweep`). On sm_90,
@@ -156,19 +166,23 @@ NORM_GEMM_TILE = (64, 64)
 FFN_CHUNK = 32  # 64 spills 13-24 stores at width 128 on sm_90
 
 
-# Spill stores accepted in the default build's sm_90 SASS, per symbol: attention 128x128 at
-# head dim 64 spills 5 and still beats 128x64 (61.5 against 71.6 ms on one sequence of
-# shape 14).
-SPILLS_ACCEPTED = {"flash_attention_TM128_TN128_HP64": 8}
+# Spill stores accepted in the default build's sm_90 SASS, per symbol (none at present).
+SPILLS_ACCEPTED: dict[str, int] = {}
 
 
-def attention_tiles(head_pad: int) -> list[tuple[int, int]]:
-    """(TM, TN) query and key tiles compiled for a padded head dim."""
-    if head_pad >= 256:
-        return [(64, 32)]
-    if head_pad <= 64:
-        return [(64, 64), (128, 128)]
-    return [(64, 64), (128, 64)]  # 128x128 spills 341 stores at head dim 128
+# Attention choices per padded head dim, ((TM, TN), variant): the first where the grid has
+# fewer than two 128-query blocks per multiprocessor, the last otherwise. Measured on the
+# H200 (C10): at head dims 32 and 64, 128x64 with occupancy 2 and eight worker warps is the
+# fastest everywhere (0.127 against 0.199 ms at shape 13, 45 against 62 ms on one sequence
+# of shape 14); at 128, 64x64 on few blocks and 128x64 with eight workers on many.
+ATTENTION_CHOICES = {
+    8: (((64, 64), ""), ((128, 128), "")),
+    16: (((64, 64), ""), ((128, 128), "")),
+    32: (((128, 64), "occ2_w8"),),
+    64: (((128, 64), "occ2_w8"),),
+    128: (((64, 64), ""), ((128, 64), "w8")),
+    256: (((64, 32), ""),),
+}
 
 
 def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
@@ -179,10 +193,11 @@ def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
         out += [(name, {"BM": norm_rows(w), "BD": w}) for w in norm_widths()]
     extra = SWEEP_PRODUCTS if sweep else ()
     for name, counts in GEMM_PRODUCTS.items():
-        tiles = GEMM_TILES[name] + (SWEEP_GEMM_TILES if sweep else ())
+        choices = GEMM_CHOICES[name] + (tuple((t, "") for t in SWEEP_GEMM_TILES) if sweep else ())
         counts = counts + (extra if name != "linear_half" else ())
-        for (tm, tn, tk), p in itertools.product(dict.fromkeys(tiles), counts):
-            out.append((name, {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": p}))
+        for ((tm, tn, tk), variant), p in itertools.product(dict.fromkeys(choices), counts):
+            out.append((variant_name(name, variant), {"TM": tm, "TN": tn, "TK": tk,
+                                                      "PRODUCTS": p}))
     for width, p in itertools.product(NORM_GEMM_WIDTHS,
                                       GEMM_PRODUCTS["linear_residual"] + extra):
         out.append(("linear_residual_norm", {"TM": NORM_GEMM_TILE[0], "TN": width,
@@ -190,13 +205,15 @@ def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
         out.append(("ffn_residual_norm", {"TM": NORM_GEMM_TILE[0], "TN": width,
                                           "TF": FFN_CHUNK, "PRODUCTS": p}))
     for hp in HEAD_PADS:
-        tiles = attention_tiles(hp)
+        choices = ATTENTION_CHOICES[hp]
         if sweep and hp <= 128:
-            tiles = tiles + [t for t in SWEEP_ATTENTION_TILES if t not in tiles]
-        out += [("flash_attention", {"TM": tm, "TN": tn, "HP": hp}) for tm, tn in tiles]
+            choices = choices + tuple((t, "") for t in SWEEP_ATTENTION_TILES)
+        out += [(variant_name("flash_attention", variant), {"TM": tm, "TN": tn, "HP": hp})
+                for (tm, tn), variant in dict.fromkeys(choices)]
     if sweep:
         out += variant_specialisations()
-    return out
+    unique = dict.fromkeys((name, tuple(constants.items())) for name, constants in out)
+    return [(name, dict(constants)) for name, constants in unique]
 
 
 def variant_specialisations() -> list[tuple[str, dict[str, int]]]:
