@@ -338,7 +338,8 @@ def test_linear_residual_norm_kernel(kernels, n, final, zero_sum):
                     else res.double() + torch.where(keep, exact, 0))
             want = _norm64(rows, nw, nb)
             out = torch.full((m, n), math.nan, device="cuda")
-            tol = 1e-4 if products == 3 else 2e-3
+            # one product rounds the hidden rows as well as the input: twice two's bound
+            tol = {3: 1e-4, 2: 2e-3, 1: 4e-3}[products]
             if final:
                 normed = torch.full((m, n), math.nan, device="cuda")
                 ops.linear_residual_norm(kernels, a_pair, weight_pair(w), bias, res, valid,
@@ -393,7 +394,8 @@ def test_ffn_residual_norm_kernel(kernels, n, f, final):
             rows = torch.where(keep, res.double() + exact, 0)
             want = _norm64(rows, nw, nb)
             out = torch.full((m, n), math.nan, device="cuda")
-            tol = 1e-4 if products == 3 else 2e-3
+            # one product rounds the hidden rows as well as the input: twice two's bound
+            tol = {3: 1e-4, 2: 2e-3, 1: 4e-3}[products]
             if final:
                 normed = torch.full((m, n), math.nan, device="cuda")
                 ops.ffn_residual_norm(kernels, a_pair, ffn_in, ffn_out, res, valid, out,
