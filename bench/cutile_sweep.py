@@ -9,15 +9,17 @@ out), each output checked.
     python bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
     python bench/cutile_sweep.py plans --shapes 1,2,7,13  # fuse_norms on against off
     python bench/cutile_sweep.py plans --plan ffn         # fuse_ffn on against off
-    python bench/cutile_sweep.py products --shapes 8,13  # out_proj/FFN: 1 against 2 products
+    python bench/cutile_sweep.py products --shapes 8,13 --products 1,3  # out_proj and FFN
+    python bench/cutile_sweep.py norm                  # LayerNorm rows per block, occupancy
+    python bench/cutile_sweep.py residual-norm         # linear_residual_norm rows, variants
     python bench/cutile_sweep.py sass [--arch sm_90]  # no GPU needed: the build's SASS
 
 "plans" builds the layer with fuse_norms (or with --plan ffn, fuse_ffn) on and off, checks
 both against one reference and times them in alternating rounds; "products" does the same
-for one fp16 product in out_proj and the FFN against two (a --sweep build has the
-one-product kernels). "sass" prints, per kernel of the build ($LAYERBENCH_CUTILE_BUILD or
-the default root), registers, stack bytes, HGMMA, 16- and 2-byte load counts and spill
-stores (cuobjdump -sass), without a GPU.
+for two counts of fp16 products in out_proj and the FFN (a --sweep build has 1, 2 and 3).
+"sass" prints, per kernel of the build ($LAYERBENCH_CUTILE_BUILD or the default root),
+registers, stack bytes, HGMMA, 16- and 2-byte load counts and spill stores
+(cuobjdump -sass), without a GPU.
 A GEMM case is MxNxK:products:kind (kind half, gelu or residual); TFLOP/s count every fp16
 product. The sweep tiles need a build exported with --sweep; tiles missing from the build
 are reported and skipped. Attention is checked against fp32 attention where the sequence is
@@ -26,6 +28,7 @@ at most 4096 long, and between tiles (against the first) above that.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -50,6 +53,8 @@ GEMM_CASES = (
     "8192x384x128:1:half",          # shape 1 Q/K/V (the small tile)
     "8192x128x128:3:residual",      # shape 1 out_proj / ffn_out
 )
+NORM_CASES = ("8192x1024", "65536x128")             # shapes 8 and 13
+RESIDUAL_NORM_CASES = ("65536x128x128", "8192x32x32")  # shapes 13 and 7
 # A GEMM tile whose largest relative error passes this computes something else (a correct
 # tile stays near 1e-3: fp16 inputs of the one-product kernel, fp16 pairs otherwise).
 WRONG_GEMM_ERROR = 1e-2
@@ -107,6 +112,100 @@ def _gemm_call(kernels, kind, m, n, k, products, tile, variant, gen):
     return run, check
 
 
+def _checked_medians(calls, case, rounds, repeats):
+    """(key, error, median ms per launch) of each (run, check) in calls that the build has:
+    checked once, then timed in alternating rounds (graphs of `repeats` launches)."""
+    runs, kept = [], []
+    for key, (run, check) in calls.items():
+        try:
+            err = check()
+        except Unsupported as exc:
+            print(f"{case} {key}: not in this build ({exc})")
+            continue
+        runs.append(_timed(run, repeats, f"{case} {key}"))
+        kept.append((key, err))
+    medians = alternating_medians_ms(runs, "cuda", rounds=rounds)
+    return [(key, err, ms / repeats) for (key, err), ms in zip(kept, medians)]
+
+
+def _relative_error(got, want) -> float:
+    """Largest |got - want| / max(|want|, 1) (inf where got is not finite)."""
+    err = (got.double() - want.double()).abs() / want.double().abs().clamp_min(1.0)
+    return err.nan_to_num(nan=math.inf).max().item()
+
+
+def sweep_norm(kernels, cases, rounds, repeats):
+    """layer_norm_split at each rows x width case, for every rows per block and variant of
+    the build: median ms per launch, GB/s (fp32 in, fp16 pair out), error."""
+    rows_out = []
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for case in cases:
+        m, n = (int(v) for v in case.split("x"))
+        x = torch.randn(m, n, device="cuda", generator=gen) * 3 + 1
+        w = torch.rand(n, device="cuda", generator=gen) + 0.5
+        b = torch.randn(n, device="cuda", generator=gen)
+        want = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double())
+        width = ops.power_of_two_at_least(n)
+        base = specs.norm_rows(width)
+        calls = {}
+        for variant in ("",) + specs.NORM_VARIANTS:
+            for bm in [base] + [int(base * f) for f in specs.SWEEP_NORM_ROW_FACTORS]:
+                pair = tuple(torch.empty(m, n, device="cuda", dtype=torch.float16)
+                             for _ in range(2))
+                run = (lambda p=pair, r=bm, v=variant:  # noqa: E731
+                       ops.layer_norm_split(kernels, x, w, b, *p, rows=r, variant=v))
+                check = (lambda p=pair, r=run:  # noqa: E731
+                         (r(), _relative_error(p[0].float() + p[1].float(), want))[1])
+                calls[(bm, variant)] = (run, check)
+        for (bm, variant), err, ms in _checked_medians(calls, case, rounds, repeats):
+            gbs = m * n * (4 + 4) / ms / 1e6
+            rows_out.append({"case": case, "rows": bm, "variant": variant, "ms": ms,
+                             "gb_per_s": gbs, "max_rel_error": err})
+            print(f"norm {case:12s} rows {bm:3d} {variant or '-':5s}: {ms:8.4f} ms "
+                  f"{gbs:7.0f} GB/s error {err:.2e}")
+    return rows_out
+
+
+def sweep_residual_norm(kernels, cases, rounds, repeats):
+    """linear_residual_norm (three products, pair output) at each MxNxK case, for every
+    rows per tile and variant of the build: median ms per launch and error."""
+    rows_out = []
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for case in cases:
+        m, n, k = (int(v) for v in case.split("x"))
+        a = torch.randn(m, k, device="cuda", generator=gen)
+        hi = a.half()
+        a_pair = (hi, (a - hi.float()).half())
+        w = torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)
+        bias = torch.randn(n, device="cuda", generator=gen)
+        res = torch.randn(m, n, device="cuda", generator=gen)
+        norm = (torch.rand(n, device="cuda", generator=gen) + 0.5,
+                torch.randn(n, device="cuda", generator=gen))
+        rows = res.double() + a.double() @ w.double().t() + bias.double()
+        want = torch.nn.functional.layer_norm(rows, (n,), norm[0].double(), norm[1].double())
+        w_pair = weight_pair(w)
+        calls = {}
+        for tm, variant in itertools.product(
+                (specs.NORM_GEMM_TILE[0],) + specs.SWEEP_NORM_GEMM_ROWS,
+                ("",) + specs.NORM_GEMM_VARIANTS):
+            out = torch.empty(m, n, device="cuda")
+            pair = tuple(torch.empty(m, n, device="cuda", dtype=torch.float16)
+                         for _ in range(2))
+            run = (lambda o=out, p=pair, t=(tm, specs.NORM_GEMM_TILE[1]), v=variant:  # noqa
+                   ops.linear_residual_norm(kernels, a_pair, w_pair, bias, res, None, o, norm,
+                                            products=3, zero_sum=False, pair=p, tile=t,
+                                            variant=v))
+            check = (lambda p=pair, r=run:  # noqa: E731
+                     (r(), _relative_error(p[0].float() + p[1].float(), want))[1])
+            calls[(tm, variant)] = (run, check)
+        for (tm, variant), err, ms in _checked_medians(calls, case, rounds, repeats):
+            rows_out.append({"case": case, "rows": tm, "variant": variant, "ms": ms,
+                             "max_rel_error": err})
+            print(f"residual_norm {case:16s} rows {tm:3d} {variant or '-':5s}: {ms:8.4f} ms "
+                  f"error {err:.2e}")
+    return rows_out
+
+
 def sweep_gemm(kernels, cases, rounds, repeats):
     """Every GEMM tile of the build on each case: median ms per launch (each timed call
     replays a graph of `repeats` launches), TFLOP/s, max relative error."""
@@ -120,19 +219,9 @@ def sweep_gemm(kernels, cases, rounds, repeats):
         candidates = list(dict.fromkeys(
             specs.GEMM_CHOICES[kernel] + tuple((t, "") for t in specs.SWEEP_GEMM_TILES)
             + tuple((t, v) for v in specs.GEMM_VARIANTS for t in specs.VARIANT_GEMM_TILES)))
-        runs, names = [], []
-        for tile, variant in candidates:
-            run, check = _gemm_call(kernels, kind, m, n, k, products, tile, variant, gen)
-            try:
-                err = check()
-            except Unsupported as exc:
-                print(f"{case} {tile} {variant}: not in this build ({exc})")
-                continue
-            runs.append(_timed(run, repeats, f"{case} {tile} {variant}"))
-            names.append((tile, variant, err))
-        for (tile, variant, err), ms in zip(
-                names, alternating_medians_ms(runs, "cuda", rounds=rounds)):
-            ms /= repeats
+        calls = {(tile, variant): _gemm_call(kernels, kind, m, n, k, products, tile, variant,
+                                             gen) for tile, variant in candidates}
+        for (tile, variant), err, ms in _checked_medians(calls, case, rounds, repeats):
             tflops = 2 * m * n * k * products / ms / 1e9
             rows.append({"case": case, "tile": list(tile), "variant": variant, "ms": ms,
                          "tflops": tflops, "max_rel_error": err})
@@ -154,6 +243,8 @@ def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds, re
     if hp in specs.VARIANT_HEAD_PADS:
         candidates += tuple((t, v) for v in specs.ATTENTION_VARIANTS
                             for t in specs.VARIANT_ATTENTION_TILES)
+    if hp == 256:
+        candidates += specs.SWEEP_HP256
     candidates = list(dict.fromkeys(candidates))
     outs, runs, kept = [], [], []
     for tile, variant in candidates:
@@ -216,14 +307,17 @@ def main() -> int:
     """Command line."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["gemm", "attention", "plans", "products", "sass"])
+    parser.add_argument("what", choices=["gemm", "attention", "norm", "residual-norm", "plans",
+                                         "products", "sass"])
     parser.add_argument("--shapes", default="1,2,3,4,7,9,10,11,12,13,6",
                         help="plans: official shape numbers")
     parser.add_argument("--padding", type=float, default=0.0, help="plans: padding ratio")
     parser.add_argument("--plan", choices=["norms", "ffn"], default="norms",
                         help="plans: the option compared on against off")
+    parser.add_argument("--products", default="1,3", help="products: the two counts compared")
     parser.add_argument("--arch", default="sm_90", help="sass: the build's architecture")
-    parser.add_argument("--cases", default=",".join(GEMM_CASES))
+    parser.add_argument("--cases", help="gemm: MxNxK:products:kind, norm: MxN, residual-norm:"
+                        " MxNxK (comma-separated; default: the official shapes')")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--heads", type=int, default=16)
@@ -269,10 +363,14 @@ def sweep(args):
             args.shapes,
             lambda n, cfg, sd: CutileBackend("aot", linear_products=n).build(cfg, sd,
                                                                              device=device),
-            plans=(1, 2), padding=args.padding, rounds=args.rounds, device=device,
-            label="products")
-    if args.what == "gemm":
-        return sweep_gemm(kernels, args.cases.split(","), args.rounds, args.repeats)
+            plans=tuple(int(p) for p in args.products.split(",")), padding=args.padding,
+            rounds=args.rounds, device=device, label="products")
+    sweeps = {"gemm": (sweep_gemm, GEMM_CASES), "norm": (sweep_norm, NORM_CASES),
+              "residual-norm": (sweep_residual_norm, RESIDUAL_NORM_CASES)}
+    if args.what in sweeps:
+        run, cases = sweeps[args.what]
+        cases = args.cases.split(",") if args.cases else cases
+        return run(kernels, cases, args.rounds, args.repeats)
     return sweep_attention(kernels, args.batch, args.seq_len, args.heads, args.head_dim,
                            not args.full, args.rounds, args.repeats)
 

@@ -77,9 +77,10 @@ if [[ $stage == kernels ]]; then
         --rounds 5 --out "$OUT/attention-14.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cutile ]]; then
-    # The cutile kernels on their own: kernel tests, then each GEMM and attention tile of the
-    # build (exported with --sweep) on the official shapes' sizes, fuse_norms on and off, and
-    # the GPU time per kernel of one forward of the shapes still behind a peer.
+    # The cutile kernels on their own: kernel tests, then each GEMM, attention, LayerNorm and
+    # fused residual-norm choice of the build (exported with --sweep) on the official shapes'
+    # sizes, two product counts, and the GPU time per kernel of one forward of the shapes
+    # still behind a peer.
     log="$OUT/cutile.log"
     python3 -m pytest conformance/test_cutile.py --backend cutile -q -p no:cacheprovider \
         2>&1 | tail -15 | tee -a "$log"
@@ -90,10 +91,12 @@ if [[ $stage == cutile ]]; then
     python3 bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 \
         --head-dim 64 --rounds 3 --repeats 1 --out "$OUT/cutile-attention-14.json" \
         2>&1 | tee -a "$log"
-    python3 bench/cutile_sweep.py plans --out "$OUT/cutile-plans.json" 2>&1 | tee -a "$log"
-    python3 bench/cutile_sweep.py plans --plan ffn --out "$OUT/cutile-plans-ffn.json" \
+    python3 bench/cutile_sweep.py attention --batch 64 --seq-len 128 --heads 4 --head-dim 256 \
+        --out "$OUT/cutile-attention-8.json" 2>&1 | tee -a "$log"
+    python3 bench/cutile_sweep.py norm --out "$OUT/cutile-norm.json" 2>&1 | tee -a "$log"
+    python3 bench/cutile_sweep.py residual-norm --out "$OUT/cutile-residual-norm.json" \
         2>&1 | tee -a "$log"
-    python3 bench/cutile_sweep.py products --shapes 8,13,5,6 --padding 0.25 \
+    python3 bench/cutile_sweep.py products --shapes 13,6 --products 2,3 --padding 0.25 \
         --out "$OUT/cutile-products.json" 2>&1 | tee -a "$log"
     python3 bench/tile_sweep.py profile --backend cutile --shapes 5,8,13 \
         --out "$OUT/cutile-profile.json" 2>&1 | tee -a "$log"

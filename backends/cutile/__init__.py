@@ -22,9 +22,9 @@ class CutileBackend(Backend):
     (ct.launch; needs cuda-tile[tileiras]) or "auto" (a build of these sources for the
     device's architecture if there is one, else the JIT). linear_products: fp16 products of
     out_proj and the FFN (1 or 3; default 1 from d_model 512 on, 3 below; 2 needs a build
-    exported with --sweep). fuse_norms: LayerNorms in the residual GEMMs' epilogues where rows are at
-    most 128 wide (5 launches per block instead of 7; measured 1-17% faster on the official
-    shapes it applies to). fuse_ffn: with fused norms, the whole FFN in one kernel, its
+    exported with --sweep). fuse_norms: LayerNorms in the residual GEMMs' epilogues where
+    rows are at most 128 wide (5 launches per block instead of 7; measured 1-17% faster on
+    the official shapes it applies to). fuse_ffn: with fused norms, the whole FFN in one kernel, its
     hidden rows kept on chip (4 launches per block; off until timed on a GPU).
     """
 

@@ -38,11 +38,13 @@ def row_mask(valid_rows, device) -> tuple[torch.Tensor, int]:
     return valid_rows, 1
 
 
-def layer_norm_split(kernels, x, weight, bias, out_hi, out_lo) -> None:
-    """out_hi + out_lo = LayerNorm(x) (fp16 pair)."""
+def layer_norm_split(kernels, x, weight, bias, out_hi, out_lo, rows=None,
+                     variant="") -> None:
+    """out_hi + out_lo = LayerNorm(x) (fp16 pair); rows (per block) and variant override
+    specs.norm_rows and the kernel itself."""
     width = power_of_two_at_least(x.shape[1])
-    rows = specs.norm_rows(width)
-    kernels.launch("layer_norm_split", {"BM": rows, "BD": width},
+    rows = rows or specs.norm_rows(width)
+    kernels.launch(specs.variant_name("layer_norm_split", variant), {"BM": rows, "BD": width},
                    (cdiv(x.shape[0], rows), 1, 1), (x, weight, bias, out_hi, out_lo))
 
 
@@ -121,16 +123,18 @@ def _rows_with_norm(name, valid_rows, out, pair, final):
 
 
 def linear_residual_norm(kernels, a, weight, bias, res, valid_rows, out, norm, *,
-                         products: int, zero_sum: bool, pair=None, final=None) -> None:
+                         products: int, zero_sum: bool, pair=None, final=None, tile=None,
+                         variant="") -> None:
     """linear_residual, then the LayerNorm (norm = (weight, bias)) of the new rows: into pair
     (an fp16 pair; out gets the rows too) or into final (fp32, invalid rows 0; out is not
-    written). The rows must fit one tile (norm_gemm_width)."""
+    written). The rows must fit one tile (norm_gemm_width); tile (TM, TK) and variant
+    override specs.NORM_GEMM_TILE and the kernel itself."""
     width, mask, hi, lo, norm_out, has_mask, is_final = _rows_with_norm(
         "linear_residual_norm", valid_rows, out, pair, final)
-    tm, tk = specs.NORM_GEMM_TILE  # one column tile: the grid covers row tiles only
+    tm, tk = tile or specs.NORM_GEMM_TILE  # one column tile: the grid covers row tiles only
     _gemm(kernels, "linear_residual_norm", a, weight, out.shape, products,
           (bias, res, mask, out, norm[0], norm[1], hi, lo, norm_out, has_mask, int(zero_sum),
-           is_final), tile=(tm, width, tk))
+           is_final), tile=(tm, width, tk), variant=variant)
 
 
 def ffn_residual_norm(kernels, a, ffn_in, ffn_out, res, valid_rows, out, norm, *,

@@ -101,15 +101,28 @@ KERNELS: dict[str, Kernel] = {
 # attention at 128x128 (head dim 32) and 128x64 (up to 64) in 128 registers, and with eight
 # workers 128x64 (up to 64) in 80.
 VARIANT_HINTS = {"w8": (("num_worker_warps", 8),), "occ2": (("occupancy", 2),),
+                 "occ4": (("occupancy", 4),), "occ8": (("occupancy", 8),),
                  "occ2_w8": (("occupancy", 2), ("num_worker_warps", 8))}
 GEMM_VARIANTS = ("w8",)
 ATTENTION_VARIANTS = ("w8", "occ2", "occ2_w8")
+NORM_VARIANTS = ("occ2", "occ4", "occ8")
+NORM_GEMM_VARIANTS = ("w8", "occ2")
 VARIANT_GEMM_TILES = ((128, 128, 64), (128, 64, 64))
 VARIANT_ATTENTION_TILES = ((128, 128), (128, 64))
 VARIANT_HEAD_PADS = (32, 64, 128)
+# Head dim 256 in the sweep: wider key tiles and more query rows, with eight workers.
+SWEEP_HP256 = (((64, 64), ""), ((64, 64), "w8"), ((64, 32), "w8"), ((128, 32), "w8"),
+               ((128, 64), "w8"))
+# LayerNorm in the sweep: rows per block (times norm_rows) at the official shapes' widths.
+SWEEP_NORM_WIDTHS = (128, 1024)
+SWEEP_NORM_ROW_FACTORS = (0.5, 2, 4)
+# linear_residual_norm in the sweep: rows per tile (K steps of NORM_GEMM_TILE[1]).
+SWEEP_NORM_GEMM_ROWS = (128,)
 for _base, _variants in (("linear_half", GEMM_VARIANTS), ("linear_gelu", GEMM_VARIANTS),
                          ("linear_residual", GEMM_VARIANTS),
-                         ("flash_attention", ATTENTION_VARIANTS)):
+                         ("flash_attention", ATTENTION_VARIANTS),
+                         ("layer_norm_split", NORM_VARIANTS), ("layer_norm_out", NORM_VARIANTS),
+                         ("linear_residual_norm", NORM_GEMM_VARIANTS)):
     for _variant in _variants:
         KERNELS[f"{_base}_{_variant}"] = Kernel(
             KERNELS[_base].module, KERNELS[_base].params, KERNELS[_base].constants,
@@ -217,8 +230,9 @@ def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
 
 
 def variant_specialisations() -> list[tuple[str, dict[str, int]]]:
-    """The variants' specialisations the sweep compares: the large GEMM tiles, and attention
-    at 128 queries for the head dims of the official shapes and 128."""
+    """The variants' specialisations the sweep compares: the large GEMM tiles, attention at
+    128 queries for the head dims of the official shapes and 128 (and wider tiles at 256),
+    LayerNorm's rows per block and occupancy, linear_residual_norm's rows and variants."""
     out = []
     for name, counts in GEMM_PRODUCTS.items():
         for variant in GEMM_VARIANTS:
@@ -227,6 +241,18 @@ def variant_specialisations() -> list[tuple[str, dict[str, int]]]:
     for variant in ATTENTION_VARIANTS:
         for hp, (tm, tn) in itertools.product(VARIANT_HEAD_PADS, VARIANT_ATTENTION_TILES):
             out.append((f"flash_attention_{variant}", {"TM": tm, "TN": tn, "HP": hp}))
+    out += [(variant_name("flash_attention", v), {"TM": tm, "TN": tn, "HP": 256})
+            for (tm, tn), v in SWEEP_HP256]
+    for width, variant in itertools.product(SWEEP_NORM_WIDTHS, ("",) + NORM_VARIANTS):
+        rows = [norm_rows(width)] + [int(norm_rows(width) * f) for f in SWEEP_NORM_ROW_FACTORS]
+        out += [(variant_name("layer_norm_split", variant), {"BM": bm, "BD": width})
+                for bm in rows]
+    tk = NORM_GEMM_TILE[1]
+    for width, tm, variant in itertools.product(
+            NORM_GEMM_WIDTHS[-2:], (NORM_GEMM_TILE[0],) + SWEEP_NORM_GEMM_ROWS,
+            ("",) + NORM_GEMM_VARIANTS):
+        out.append((variant_name("linear_residual_norm", variant),
+                    {"TM": tm, "TN": width, "TK": tk, "PRODUCTS": 3}))
     return out
 
 
