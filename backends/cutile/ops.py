@@ -38,23 +38,27 @@ def row_mask(valid_rows, device) -> tuple[torch.Tensor, int]:
     return valid_rows, 1
 
 
+def _norm_launch(kernels, name, x, rows, variant, args) -> None:
+    width = power_of_two_at_least(x.shape[1])
+    if rows is None:
+        rows, variant = specs.norm_rows(width), specs.NORM_VARIANT
+    kernels.launch(specs.variant_name(name, variant), {"BM": rows, "BD": width},
+                   (cdiv(x.shape[0], rows), 1, 1), args)
+
+
 def layer_norm_split(kernels, x, weight, bias, out_hi, out_lo, rows=None,
                      variant="") -> None:
     """out_hi + out_lo = LayerNorm(x) (fp16 pair); rows (per block) and variant override
-    specs.norm_rows and the kernel itself."""
-    width = power_of_two_at_least(x.shape[1])
-    rows = rows or specs.norm_rows(width)
-    kernels.launch(specs.variant_name("layer_norm_split", variant), {"BM": rows, "BD": width},
-                   (cdiv(x.shape[0], rows), 1, 1), (x, weight, bias, out_hi, out_lo))
+    specs.norm_rows and specs.NORM_VARIANT."""
+    _norm_launch(kernels, "layer_norm_split", x, rows, variant,
+                 (x, weight, bias, out_hi, out_lo))
 
 
 def layer_norm_out(kernels, x, weight, bias, valid_rows, out) -> None:
     """out = LayerNorm(x) (fp32), rows whose valid byte is 0 set to 0."""
-    width = power_of_two_at_least(x.shape[1])
-    rows = specs.norm_rows(width)
     mask, has_mask = row_mask(valid_rows, x.device)
-    kernels.launch("layer_norm_out", {"BM": rows, "BD": width},
-                   (cdiv(x.shape[0], rows), 1, 1), (x, weight, bias, mask, out, has_mask))
+    _norm_launch(kernels, "layer_norm_out", x, None, "",
+                 (x, weight, bias, mask, out, has_mask))
 
 
 def gemm_choice(name: str, rows: int, cols: int, device: torch.device):
@@ -128,10 +132,12 @@ def linear_residual_norm(kernels, a, weight, bias, res, valid_rows, out, norm, *
     """linear_residual, then the LayerNorm (norm = (weight, bias)) of the new rows: into pair
     (an fp16 pair; out gets the rows too) or into final (fp32, invalid rows 0; out is not
     written). The rows must fit one tile (norm_gemm_width); tile (TM, TK) and variant
-    override specs.NORM_GEMM_TILE and the kernel itself."""
+    override specs.NORM_GEMM_TILE and specs.NORM_GEMM_VARIANT."""
     width, mask, hi, lo, norm_out, has_mask, is_final = _rows_with_norm(
         "linear_residual_norm", valid_rows, out, pair, final)
-    tm, tk = tile or specs.NORM_GEMM_TILE  # one column tile: the grid covers row tiles only
+    if tile is None:
+        tile, variant = specs.NORM_GEMM_TILE, specs.NORM_GEMM_VARIANT.get(width, "")
+    tm, tk = tile  # one column tile: the grid covers row tiles only
     _gemm(kernels, "linear_residual_norm", a, weight, out.shape, products,
           (bias, res, mask, out, norm[0], norm[1], hi, lo, norm_out, has_mask, int(zero_sum),
            is_final), tile=(tm, width, tk), variant=variant)
