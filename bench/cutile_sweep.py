@@ -1,20 +1,21 @@
-"""Kernel-level sweeps of the cutile backend on a GPU: GEMM and attention tiles on the same
-inputs, timed in alternating rounds (CUDA events, median; with --repeats above 1 each timed
-call replays a CUDA graph of that many launches, so the host's time between launches stays
-out), each output checked.
+"""Kernel-level sweeps of the cutile backend on a GPU: GEMM, attention, LayerNorm and
+residual-norm tiles and compiler-hint variants on the same inputs, timed in alternating
+rounds (CUDA events, median; with --repeats above 1 each timed call replays a CUDA graph of
+that many launches, so the host's time between launches stays out), each output checked.
 
     python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile
-    python bench/cutile_sweep.py gemm                  # the linears of shapes 8, 6, 13, 1
-    python bench/cutile_sweep.py gemm --cases 8192x1024x1024:2:residual
+    python bench/cutile_sweep.py gemm                  # the linears of shapes 8, 6, 13, 5, 1
+    python bench/cutile_sweep.py gemm --cases 8192x1024x1024:1:residual
     python bench/cutile_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
     python bench/cutile_sweep.py plans --shapes 1,2,7,13  # fuse_norms on against off
     python bench/cutile_sweep.py plans --plan ffn         # fuse_ffn on against off
+    python bench/cutile_sweep.py plans --plan lean --shapes 8,5  # lean_pairs on against off
     python bench/cutile_sweep.py products --shapes 8,13 --products 1,3  # out_proj and FFN
     python bench/cutile_sweep.py norm                  # LayerNorm rows per block, occupancy
     python bench/cutile_sweep.py residual-norm         # linear_residual_norm rows, variants
     python bench/cutile_sweep.py sass [--arch sm_90]  # no GPU needed: the build's SASS
 
-"plans" builds the layer with fuse_norms (or with --plan ffn, fuse_ffn) on and off, checks
+"plans" builds the layer with fuse_norms (--plan ffn: fuse_ffn, lean: lean_pairs) on and off, checks
 both against one reference and times them in alternating rounds; "products" does the same
 for two counts of fp16 products in out_proj and the FFN (a --sweep build has 1, 2 and 3).
 "sass" prints, per kernel of the build ($LAYERBENCH_CUTILE_BUILD or the default root),
@@ -28,7 +29,6 @@ at most 4096 long, and between tiles (against the first) above that.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -45,8 +45,11 @@ from layerbench.reference import packed_attention
 
 GEMM_CASES = (
     "8192x3072x1024:1:half",        # shape 8 Q/K/V
-    "8192x1024x1024:2:residual",    # shape 8 out_proj / ffn_out
-    "8192x1024x1024:2:gelu",        # shape 8 ffn_in
+    "8192x1024x1024:1:residual",    # shape 8 out_proj / ffn_out
+    "8192x1024x1024:1:gelu",        # shape 8 ffn_in
+    "65536x384x128:1:half",         # shape 13 Q/K/V
+    "16384x384x128:1:half",         # shape 5 Q/K/V
+    "16384x128x128:3:gelu",         # shape 5 ffn_in
     "1280000x384x128:1:half",       # shape 6 Q/K/V
     "1280000x128x128:3:residual",   # shape 6 out_proj / ffn_out
     "65536x128x128:3:gelu",         # shape 13 ffn_in
@@ -68,7 +71,7 @@ def _timed(run, repeats, label):
         timed()
         torch.cuda.synchronize()
     except Exception:
-        print(f"{label}: failed when replayed", file=sys.stderr, flush=True)
+        print(f"{label}: failed on its first timed call", file=sys.stderr, flush=True)
         raise
     return timed
 
@@ -146,10 +149,9 @@ def sweep_norm(kernels, cases, rounds, repeats):
         b = torch.randn(n, device="cuda", generator=gen)
         want = torch.nn.functional.layer_norm(x.double(), (n,), w.double(), b.double())
         width = ops.power_of_two_at_least(n)
-        base = specs.norm_rows(width)
         calls = {}
         for variant in ("",) + specs.NORM_VARIANTS:
-            for bm in [base] + [int(base * f) for f in specs.SWEEP_NORM_ROW_FACTORS]:
+            for bm in specs.sweep_norm_rows(width):
                 pair = tuple(torch.empty(m, n, device="cuda", dtype=torch.float16)
                              for _ in range(2))
                 run = (lambda p=pair, r=bm, v=variant:  # noqa: E731
@@ -185,9 +187,7 @@ def sweep_residual_norm(kernels, cases, rounds, repeats):
         want = torch.nn.functional.layer_norm(rows, (n,), norm[0].double(), norm[1].double())
         w_pair = weight_pair(w)
         calls = {}
-        for tm, variant in itertools.product(
-                (specs.NORM_GEMM_TILE[0],) + specs.SWEEP_NORM_GEMM_ROWS,
-                ("",) + specs.NORM_GEMM_VARIANTS):
+        for tm, variant in specs.sweep_norm_gemm_choices():
             out = torch.empty(m, n, device="cuda")
             pair = tuple(torch.empty(m, n, device="cuda", dtype=torch.float16)
                          for _ in range(2))
@@ -216,9 +216,7 @@ def sweep_gemm(kernels, cases, rounds, repeats):
         m, n, k = (int(v) for v in size.split("x"))
         products = int(products)
         kernel = {"half": "linear_half", "gelu": "linear_gelu"}.get(kind, "linear_residual")
-        candidates = list(dict.fromkeys(
-            specs.GEMM_CHOICES[kernel] + tuple((t, "") for t in specs.SWEEP_GEMM_TILES)
-            + tuple((t, v) for v in specs.GEMM_VARIANTS for t in specs.VARIANT_GEMM_TILES)))
+        candidates = specs.sweep_gemm_choices(kernel)
         calls = {(tile, variant): _gemm_call(kernels, kind, m, n, k, products, tile, variant,
                                              gen) for tile, variant in candidates}
         for (tile, variant), err, ms in _checked_medians(calls, case, rounds, repeats):
@@ -239,13 +237,7 @@ def sweep_attention(kernels, batch, seq_len, heads, head_dim, causal, rounds, re
     qkv = torch.randn(batch * seq_len, 3 * d, device="cuda", generator=gen).half()
     view = qkv.view(batch, seq_len, 3 * heads, head_dim)
     hp = ops.power_of_two_at_least(head_dim)
-    candidates = specs.ATTENTION_CHOICES[hp] + tuple((t, "") for t in specs.SWEEP_ATTENTION_TILES)
-    if hp in specs.VARIANT_HEAD_PADS:
-        candidates += tuple((t, v) for v in specs.ATTENTION_VARIANTS
-                            for t in specs.VARIANT_ATTENTION_TILES)
-    if hp == 256:
-        candidates += specs.SWEEP_HP256
-    candidates = list(dict.fromkeys(candidates))
+    candidates = specs.sweep_attention_choices(hp)
     outs, runs, kept = [], [], []
     for tile, variant in candidates:
         ctx = tuple(torch.empty(batch * seq_len, d, device="cuda", dtype=torch.float16)
@@ -312,7 +304,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="1,2,3,4,7,9,10,11,12,13,6",
                         help="plans: official shape numbers")
     parser.add_argument("--padding", type=float, default=0.0, help="plans: padding ratio")
-    parser.add_argument("--plan", choices=["norms", "ffn"], default="norms",
+    parser.add_argument("--plan", choices=["norms", "ffn", "lean"], default="norms",
                         help="plans: the option compared on against off")
     parser.add_argument("--products", default="1,3", help="products: the two counts compared")
     parser.add_argument("--arch", default="sm_90", help="sass: the build's architecture")
@@ -325,7 +317,7 @@ def main() -> int:
     parser.add_argument("--full", action="store_true", help="non-causal attention")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=10,
-                        help="gemm, attention: launches per timed call (one CUDA graph)")
+                        help="kernel sweeps: launches per timed call (one CUDA graph)")
     parser.add_argument("--out", help="write the rows as JSON")
     args = parser.parse_args()
     rows = sweep(args)
@@ -352,7 +344,7 @@ def sweep(args):
         return None
     kernels = backend.kernels(device)
     if args.what == "plans":
-        option = {"norms": "fuse_norms", "ffn": "fuse_ffn"}[args.plan]
+        option = {"norms": "fuse_norms", "ffn": "fuse_ffn", "lean": "lean_pairs"}[args.plan]
         return runner.compare_plans(
             args.shapes,
             lambda fuse, cfg, sd: CutileBackend("aot", **{option: fuse}).build(cfg, sd,

@@ -9,7 +9,7 @@
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
 #   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
 #   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels
-#   bash bench/gpu_run.sh cutile      # cutile kernel tests, GEMM and attention tile sweeps
+#   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
 # The cutile backend needs its cubins: export them where cuda-tile is installed
 # (python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile)
@@ -98,6 +98,8 @@ if [[ $stage == cutile ]]; then
         2>&1 | tee -a "$log"
     python3 bench/cutile_sweep.py products --shapes 13,6 --products 2,3 --padding 0.25 \
         --out "$OUT/cutile-products.json" 2>&1 | tee -a "$log"
+    python3 bench/cutile_sweep.py plans --plan lean --shapes 8,5,13 \
+        --out "$OUT/cutile-plans-lean.json" 2>&1 | tee -a "$log"
     python3 bench/tile_sweep.py profile --backend cutile --shapes 5,8,13 \
         --out "$OUT/cutile-profile.json" 2>&1 | tee -a "$log"
 fi

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from layerbench.backends.cutile import CutileBackend, launch, specs
-from layerbench.backends.cutile.layer import CutileLayer
+from layerbench.backends.cutile.layer import CutileLayer, linear_products_for
 from layerbench.common.config import LayerConfig
 from layerbench.common.contract import compare
 from layerbench.common.inputs import make_inputs
@@ -60,6 +60,9 @@ def _rows_and_norm(y, valid, out, norm_w, norm_b, norm_hi, norm_lo, norm_out, ha
         _pair(normed, norm_hi, norm_lo)
 
 
+DEFAULT_BUILD = {specs.symbol(n, c) for n, c in specs.specialisations()}
+
+
 class TorchKernels:
     """Stand-ins for the exported kernels, called through the launcher's argument packing."""
 
@@ -73,14 +76,18 @@ class TorchKernels:
         return True
 
     def launch(self, name, constants, grid, args):
-        """Check the arguments as the real launch does, then compute the kernel's result (a
-        variant's is its function's)."""
+        """Check that the default build has this specialisation and the arguments as the
+        real launch does, then compute the kernel's result (a variant's is its function's)."""
+        assert specs.symbol(name, constants) in DEFAULT_BUILD, (name, constants)
         launch.pack(name, args)
         self.calls.append(name)
         getattr(self, specs.KERNELS[name].function or name)(constants, *args)
 
     def layer_norm_split(self, c, x, w, b, hi, lo):
         _pair(_norm(x, w, b), hi, lo)
+
+    def layer_norm_half(self, c, x, w, b, out):
+        out.copy_(_norm(x, w, b).half())
 
     def layer_norm_out(self, c, x, w, b, valid, out, has_mask):
         y = _norm(x, w, b)
@@ -94,6 +101,11 @@ class TorchKernels:
         n = hi.shape[1]
         acc = _products(a_hi, a_lo, w_hi, w_lo, n, c["PRODUCTS"]) + bias[:n]
         _pair(torch.nn.functional.gelu(acc), hi, lo)
+
+    def linear_gelu_half(self, c, a_hi, a_lo, w_hi, w_lo, bias, out):
+        n = out.shape[1]
+        acc = _products(a_hi, a_lo, w_hi, w_lo, n, c["PRODUCTS"]) + bias[:n]
+        out.copy_(torch.nn.functional.gelu(acc).half())
 
     def linear_residual(self, c, a_hi, a_lo, w_hi, w_lo, bias, res, valid, out, has_mask,
                         zero_sum):
@@ -148,12 +160,14 @@ class CpuCutile(CutileBackend):
         return None
 
 
-def _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, products=None):
+def _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, products=None, lean_pairs=False):
     """The cutile layer for cfg on CPU, its kernels replaced by TorchKernels."""
-    backend = CpuCutile(fuse_norms=fuse_norms, fuse_ffn=fuse_ffn, linear_products=products)
+    backend = CpuCutile(fuse_norms=fuse_norms, fuse_ffn=fuse_ffn, linear_products=products,
+                        lean_pairs=lean_pairs)
     kernels = TorchKernels()
     layer = CutileLayer(backend, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
-                        kernels, products or 3, fuse_norms, fuse_ffn)
+                        kernels, products or linear_products_for(cfg.d_model), fuse_norms,
+                        fuse_ffn, lean_pairs=lean_pairs)
     return layer, kernels
 
 
@@ -169,17 +183,26 @@ PLANS = [(False, False), (True, False), (True, True)]
 
 @pytest.mark.parametrize("fuse_norms, fuse_ffn", PLANS, ids=["separate", "norms", "ffn"])
 @pytest.mark.parametrize("cfg", [LayerConfig(3, 24, 32, 4, 36, 2), LayerConfig(2, 17, 64, 2, 64, 1),
-                                 LayerConfig(2, 16, 256, 4, 96, 2)],
-                         ids=["d32-f36", "one-layer", "d256"])
+                                 LayerConfig(2, 16, 256, 4, 96, 2),
+                                 LayerConfig(2, 12, 512, 4, 64, 1)],
+                         ids=["d32-f36", "one-layer", "d256", "d512-one-product"])
 @pytest.mark.parametrize("padding", [0.0, 0.4])
+@pytest.mark.parametrize("lean_pairs", [False, True], ids=["pairs", "lean"])
 def test_launch_sequence_computes_the_layer(cutile_selected, cfg, fuse_norms, fuse_ffn,
-                                            padding):
+                                            padding, lean_pairs, monkeypatch):
     """The stand-in kernels, launched as the layer plans them, give the reference's output
-    within the contract; the fused plans launch fewer kernels where rows fit one tile."""
+    within the contract; the fused plans launch fewer kernels where rows fit one tile; with
+    lean_pairs, no GEMM that reads a low half is given one left unwritten."""
     model = make_reference(cfg, seed=5)
     x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
     expected = reference_forward(model, x, mask)
-    layer, kernels = _stand_in_layer(cfg, model, fuse_norms, fuse_ffn)
+    layer, kernels = _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, lean_pairs=lean_pairs)
+    empty = torch.empty  # the workspace starts as NaN: reading an unwritten element shows
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
     with torch.no_grad():
         got = layer(x, mask)
     report = compare(got, expected)

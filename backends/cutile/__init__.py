@@ -24,8 +24,11 @@ class CutileBackend(Backend):
     out_proj and the FFN (1 or 3; default 1 from d_model 512 on, 3 below; 2 needs a build
     exported with --sweep). fuse_norms: LayerNorms in the residual GEMMs' epilogues where
     rows are at most 128 wide (5 launches per block instead of 7; measured 1-17% faster on
-    the official shapes it applies to). fuse_ffn: with fused norms, the whole FFN in one kernel, its
-    hidden rows kept on chip (4 launches per block; off until timed on a GPU).
+    the official shapes it applies to). fuse_ffn: with fused norms, the whole FFN in one
+    kernel, its hidden rows kept on chip (4 launches per block; off: slower on 10 of the 11
+    official shapes it applies to). lean_pairs: LayerNorm and GELU rows that only a
+    one-product GEMM reads are written as one fp16 array, without the low half (off until
+    timed on a GPU).
     """
 
     name = "cutile"
@@ -36,7 +39,7 @@ class CutileBackend(Backend):
               "cubins (aot) or compiles with ct.launch (jit)")
 
     def __init__(self, mode: str = "auto", linear_products: int | None = None,
-                 fuse_norms: bool = True, fuse_ffn: bool = False):
+                 fuse_norms: bool = True, fuse_ffn: bool = False, lean_pairs: bool = False):
         built = sorted(set(specs.GEMM_PRODUCTS["linear_gelu"]) &
                        set(specs.GEMM_PRODUCTS["linear_residual"]) | set(specs.SWEEP_PRODUCTS))
         if linear_products is not None and linear_products not in built:
@@ -46,6 +49,7 @@ class CutileBackend(Backend):
         self.linear_products = linear_products
         self.fuse_norms = fuse_norms
         self.fuse_ffn = fuse_ffn
+        self.lean_pairs = lean_pairs
         self._kernels = {}
 
     def kernels(self, device):
@@ -92,7 +96,7 @@ class CutileBackend(Backend):
             raise Unsupported(f"{self.name}: this build has no kernels with {products} fp16 "
                               f"product(s) per weight; export it with --sweep")
         return CutileLayer(self, config, state_dict, device, dtype, kernels, products,
-                           self.fuse_norms, self.fuse_ffn)
+                           self.fuse_norms, self.fuse_ffn, lean_pairs=self.lean_pairs)
 
     def describe(self):
         """Name, summary, capabilities, and how kernels are launched on this machine."""

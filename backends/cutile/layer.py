@@ -85,13 +85,16 @@ class CutileLayer(BuiltLayer):
     ffn_in + GELU, ffn_out + residual; the final norm into the output. With fuse_norms
     (rows up to 128 wide), out_proj's epilogue writes norm2 and ffn_out's the next block's
     norm1 or the final norm: five launches per block instead of seven. With fuse_ffn too,
-    one kernel runs the whole FFN (ffn_residual_norm): four launches per block."""
+    one kernel runs the whole FFN (ffn_residual_norm): four launches per block. With
+    lean_pairs, rows only a one-product GEMM reads (norm1's always, norm2's and the hidden
+    rows' at one product) are written as their fp16 hi half alone."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
-                 fuse_norms: bool, fuse_ffn: bool):
+                 fuse_norms: bool, fuse_ffn: bool, lean_pairs: bool = False):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
+        self.lean_pairs = lean_pairs
         self.fuse_norms, self.fuse_ffn = fusions(config, fuse_norms, fuse_ffn)
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         names = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
@@ -147,7 +150,7 @@ class CutileLayer(BuiltLayer):
         final = (self.params.final_weight, self.params.final_bias)
         for i, (p, w, ffn_in_bias) in enumerate(layers):
             if i == 0 or not self.fuse_norms:
-                ops.layer_norm_split(k, src, p.norm1_weight, p.norm1_bias, *rows)
+                self._norm(src, p.norm1_weight, p.norm1_bias, rows, hi_only=self.lean_pairs)
             ops.linear_half(k, rows, w["qkv_weight"], p.qkv_bias, qkv)
             ops.attention(k, qkv_heads, heads, valid, info, num_heads=h, causal=cfg.causal)
             if self.fuse_norms:
@@ -173,9 +176,14 @@ class CutileLayer(BuiltLayer):
             else:
                 ops.linear_residual(k, rows, w["out_weight"], p.out_bias, src, valid_rows,
                                     res, self.products, zero_sum=False)
-                ops.layer_norm_split(k, res, p.norm2_weight, p.norm2_bias, *rows)
-                ops.linear_gelu(k, rows, w["ffn_in_weight"], ffn_in_bias, hidden,
-                                self.products)
+                lean = self.lean_pairs and self.products == 1
+                self._norm(res, p.norm2_weight, p.norm2_bias, rows, hi_only=lean)
+                if lean:
+                    ops.linear_gelu_half(k, rows, w["ffn_in_weight"], ffn_in_bias, hidden[0],
+                                         self.products)
+                else:
+                    ops.linear_gelu(k, rows, w["ffn_in_weight"], ffn_in_bias, hidden,
+                                    self.products)
                 ops.linear_residual(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, res,
                                     valid_rows, res, self.products, zero_sum=True)
             src = res
@@ -183,3 +191,10 @@ class CutileLayer(BuiltLayer):
             ops.layer_norm_out(k, src, *final, valid_rows, target)
         if not direct:
             out2.copy_(staging)
+
+    def _norm(self, x, weight, bias, rows, hi_only: bool) -> None:
+        """LayerNorm of x into rows: the fp16 pair, or its hi half alone (hi_only)."""
+        if hi_only:
+            ops.layer_norm_half(self.kernels, x, weight, bias, rows[0])
+        else:
+            ops.layer_norm_split(self.kernels, x, weight, bias, *rows)

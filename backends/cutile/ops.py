@@ -38,10 +38,21 @@ def row_mask(valid_rows, device) -> tuple[torch.Tensor, int]:
     return valid_rows, 1
 
 
+def _chosen(override, variant: str, choice):
+    """(override, variant) where an override is given, else the backend's choice; a variant
+    alone is refused (a variant is measured with its tile, not apart from it)."""
+    if override is not None:
+        return override, variant
+    if variant:
+        raise ValueError(f"variant {variant!r} needs its tile")
+    return choice()
+
+
 def _norm_launch(kernels, name, x, rows, variant, args) -> None:
+    """Launch LayerNorm kernel name over x's rows: rows per block and variant as given, else
+    specs.norm_rows and specs.NORM_VARIANT."""
     width = power_of_two_at_least(x.shape[1])
-    if rows is None:
-        rows, variant = specs.norm_rows(width), specs.NORM_VARIANT
+    rows, variant = _chosen(rows, variant, lambda: (specs.norm_rows(width), specs.NORM_VARIANT))
     kernels.launch(specs.variant_name(name, variant), {"BM": rows, "BD": width},
                    (cdiv(x.shape[0], rows), 1, 1), args)
 
@@ -54,6 +65,11 @@ def layer_norm_split(kernels, x, weight, bias, out_hi, out_lo, rows=None,
                  (x, weight, bias, out_hi, out_lo))
 
 
+def layer_norm_half(kernels, x, weight, bias, out) -> None:
+    """out (fp16) = LayerNorm(x) rounded once: the hi half alone, for a one-product GEMM."""
+    _norm_launch(kernels, "layer_norm_half", x, None, "", (x, weight, bias, out))
+
+
 def layer_norm_out(kernels, x, weight, bias, valid_rows, out) -> None:
     """out = LayerNorm(x) (fp32), rows whose valid byte is 0 set to 0."""
     mask, has_mask = row_mask(valid_rows, x.device)
@@ -63,7 +79,8 @@ def layer_norm_out(kernels, x, weight, bias, valid_rows, out) -> None:
 
 def gemm_choice(name: str, rows: int, cols: int, device: torch.device):
     """((TM, TN, TK), variant) of GEMM kernel name: the first of specs.GEMM_CHOICES whose
-    grid has at least half as many blocks as the device has multiprocessors."""
+    grid has at least half as many blocks as the device has multiprocessors, else the
+    last."""
     choices = specs.GEMM_CHOICES[name]
     enough = multiprocessor_count(device) // 2
     for (tm, tn, tk), variant in choices:
@@ -74,9 +91,8 @@ def gemm_choice(name: str, rows: int, cols: int, device: torch.device):
 
 def _gemm(kernels, name, a, weight, out_shape, products, args, tile=None,
           variant="") -> None:
-    if tile is None:
-        tile, variant = gemm_choice(name, out_shape[0], out_shape[1], a[0].device)
-    tm, tn, tk = tile
+    (tm, tn, tk), variant = _chosen(
+        tile, variant, lambda: gemm_choice(name, out_shape[0], out_shape[1], a[0].device))
     grid = (cdiv(out_shape[0], tm) * cdiv(out_shape[1], tn), 1, 1)
     kernels.launch(specs.variant_name(name, variant),
                    {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}, grid,
@@ -94,6 +110,11 @@ def linear_gelu(kernels, a, weight, bias, out, products: int, tile=None,
     """out (an fp16 pair) = GELU(a @ weight^T + bias)."""
     _gemm(kernels, "linear_gelu", a, weight, out[0].shape, products, (bias, out[0], out[1]),
           tile, variant)
+
+
+def linear_gelu_half(kernels, a, weight, bias, out, products: int) -> None:
+    """out (fp16) = GELU(a @ weight^T + bias) rounded once, for a one-product ffn_out."""
+    _gemm(kernels, "linear_gelu_half", a, weight, out.shape, products, (bias, out))
 
 
 def linear_residual(kernels, a, weight, bias, res, valid_rows, out, products: int,
@@ -135,9 +156,8 @@ def linear_residual_norm(kernels, a, weight, bias, res, valid_rows, out, norm, *
     override specs.NORM_GEMM_TILE and specs.NORM_GEMM_VARIANT."""
     width, mask, hi, lo, norm_out, has_mask, is_final = _rows_with_norm(
         "linear_residual_norm", valid_rows, out, pair, final)
-    if tile is None:
-        tile, variant = specs.NORM_GEMM_TILE, specs.NORM_GEMM_VARIANT.get(width, "")
-    tm, tk = tile  # one column tile: the grid covers row tiles only
+    (tm, tk), variant = _chosen(  # one column tile: the grid covers row tiles only
+        tile, variant, lambda: (specs.NORM_GEMM_TILE, specs.NORM_GEMM_VARIANT.get(width, "")))
     _gemm(kernels, "linear_residual_norm", a, weight, out.shape, products,
           (bias, res, mask, out, norm[0], norm[1], hi, lo, norm_out, has_mask, int(zero_sum),
            is_final), tile=(tm, width, tk), variant=variant)
@@ -187,9 +207,8 @@ def attention(kernels, qkv, ctx, valid, info, *, num_heads: int, causal: bool,
     tile (TM, TN) and variant override attention_choice."""
     b, s, _, hd = qkv.shape
     hp = power_of_two_at_least(hd)
-    if tile is None:
-        tile, variant = attention_choice(b * num_heads, s, hp, qkv.device)
-    tm, tn = tile
+    (tm, tn), variant = _chosen(
+        tile, variant, lambda: attention_choice(b * num_heads, s, hp, qkv.device))
     spare = placeholders(qkv.device)
     kernels.launch(specs.variant_name("flash_attention", variant),
                    {"TM": tm, "TN": tn, "HP": hp},

@@ -64,6 +64,8 @@ KERNELS: dict[str, Kernel] = {
     "layer_norm_split": Kernel("norm", (("X", F32_2), ("W", F32_1), ("B", F32_1),
                                         ("OUT_HI", OUT_F16_2), ("OUT_LO", OUT_F16_2)),
                                ("BM", "BD")),
+    "layer_norm_half": Kernel("norm", (("X", F32_2), ("W", F32_1), ("B", F32_1),
+                                       ("OUT", OUT_F16_2)), ("BM", "BD")),
     "layer_norm_out": Kernel("norm", (("X", F32_2), ("W", F32_1), ("B", F32_1),
                                       ("VALID", Array("uint8", 1, aligned=False)),
                                       ("OUT", OUT_F32_2), ("has_mask", Scalar("int32"))),
@@ -71,6 +73,7 @@ KERNELS: dict[str, Kernel] = {
     "linear_half": Kernel("linear", WEIGHTS + (("OUT", OUT_F16_2),), GEMM_CONSTANTS),
     "linear_gelu": Kernel("linear", WEIGHTS + (("OUT_HI", OUT_F16_2), ("OUT_LO", OUT_F16_2)),
                           GEMM_CONSTANTS),
+    "linear_gelu_half": Kernel("linear", WEIGHTS + (("OUT", OUT_F16_2),), GEMM_CONSTANTS),
     "linear_residual": Kernel("linear", WEIGHTS + (
         ("RES", RESIDUAL), ("VALID", Array("uint8", 1, aligned=False)), ("OUT", OUT_RESIDUAL),
         ("has_mask", Scalar("int32")), ("zero_sum", Scalar("int32"))), GEMM_CONSTANTS),
@@ -95,7 +98,8 @@ KERNELS: dict[str, Kernel] = {
 }
 
 # Variants: the same source compiled with other ct.kernel hints, each under its own name
-# (`<kernel>_<variant>`), exported with --sweep for bench/cutile_sweep.py. On sm_90,
+# (`<kernel>_<variant>`); the default build has those the choices below name, a --sweep
+# build every one for bench/cutile_sweep.py to compare. On sm_90,
 # eight worker warps (three warp groups with the producer) remove the spills of the residual
 # GEMM at 128x128 and of attention at 128x128 (head dims 64 and 128); occupancy 2 fits
 # attention at 128x128 (head dim 32) and 128x64 (up to 64) in 128 registers, and with eight
@@ -103,9 +107,14 @@ KERNELS: dict[str, Kernel] = {
 VARIANT_HINTS = {"w8": (("num_worker_warps", 8),), "occ2": (("occupancy", 2),),
                  "occ4": (("occupancy", 4),), "occ8": (("occupancy", 8),),
                  "occ2_w8": (("occupancy", 2), ("num_worker_warps", 8))}
-GEMM_VARIANTS = ("w8",)
+GEMM_VARIANTS = ("w8", "occ2")  # occ2: unmeasured (K = 128 GEMMs have two K steps)
 ATTENTION_VARIANTS = ("w8", "occ2", "occ2_w8")
-NORM_VARIANTS = ("occ2", "occ4", "occ8")  # occ4 is NORM_VARIANT
+NORM_VARIANTS = ("occ2", "occ4", "occ8")
+# LayerNorm blocks run with occupancy 4 (at most 64 registers a thread): 2.1x faster than
+# the plain kernel on the H200 (C11: 0.024 against 0.049 ms for 8192 rows of 1024, 0.022
+# against 0.047 for 65536 of 128), which held 255 registers. Occupancy 8 with half the rows
+# is 10% faster still but spills.
+NORM_VARIANT = "occ4"
 NORM_GEMM_VARIANTS = ("w8", "occ2")
 VARIANT_GEMM_TILES = ((128, 128, 64), (128, 64, 64))
 VARIANT_ATTENTION_TILES = ((128, 128), (128, 64))
@@ -119,9 +128,11 @@ SWEEP_NORM_ROW_FACTORS = (0.5, 2, 4)
 # linear_residual_norm in the sweep: rows per tile (K steps of NORM_GEMM_TILE[1]).
 SWEEP_NORM_GEMM_ROWS = (128,)
 for _base, _variants in (("linear_half", GEMM_VARIANTS), ("linear_gelu", GEMM_VARIANTS),
-                         ("linear_residual", GEMM_VARIANTS),
+                         ("linear_gelu_half", GEMM_VARIANTS), ("linear_residual", GEMM_VARIANTS),
                          ("flash_attention", ATTENTION_VARIANTS),
-                         ("layer_norm_split", NORM_VARIANTS), ("layer_norm_out", NORM_VARIANTS),
+                         ("layer_norm_split", NORM_VARIANTS),
+                         ("layer_norm_out", (NORM_VARIANT,)),
+                         ("layer_norm_half", (NORM_VARIANT,)),
                          ("linear_residual_norm", NORM_GEMM_VARIANTS)):
     for _variant in _variants:
         KERNELS[f"{_base}_{_variant}"] = Kernel(
@@ -132,13 +143,6 @@ for _base, _variants in (("linear_half", GEMM_VARIANTS), ("linear_gelu", GEMM_VA
 def norm_rows(width_pad: int) -> int:
     """Rows per LayerNorm block for rows padded to width_pad columns (about 4096 elements)."""
     return max(1, min(32, 4096 // width_pad))
-
-
-# LayerNorm blocks run with occupancy 4 (at most 64 registers a thread): 2.1x faster than
-# the plain kernel on the H200 (C11: 0.024 against 0.049 ms for 8192 rows of 1024, 0.022
-# against 0.047 for 65536 of 128), which held 255 registers. Occupancy 8 with half the rows
-# is 10% faster still but spills.
-NORM_VARIANT = "occ4"
 
 
 def norm_widths() -> list[int]:
@@ -155,16 +159,20 @@ def variant_name(name: str, variant: str) -> str:
 # whose grid has at least half as many blocks as the device has multiprocessors (the last
 # otherwise). Measured on the H200 (bench/PERFORMANCE.md C10): 128x128 is the fastest tile
 # wherever it fills the device; eight worker warps speed up the GELU epilogue by 19-27% and
-# remove the residual epilogue's spills at 128x128; 128x64 beats 64x64 on 64-128 blocks.
+# remove the residual epilogue's spills at 128x128; 128x64 beats 64x64 on 64-128 blocks
+# (for Q/K/V and GELU with eight workers: 35-47% faster than 128x64x32, the plain 128x64x64
+# was not built for them).
 GEMM_CHOICES = {
     "linear_half": (((128, 128, 64), ""), ((128, 64, 64), "w8"), ((64, 64, 32), "")),
     "linear_gelu": (((128, 128, 64), "w8"), ((128, 64, 64), "w8"), ((64, 64, 32), "")),
+    "linear_gelu_half": (((128, 128, 64), "w8"), ((128, 64, 64), "w8"), ((64, 64, 32), "")),
     "linear_residual": (((128, 128, 64), "w8"), ((128, 64, 64), ""), ((64, 64, 32), "")),
 }
 # Products per kernel: Q/K/V one (its output is rounded to fp16 for attention anyway),
 # the others one (activations rounded to fp16, as under fp16 autocast) or three (activations
-# and weights split into fp16 pairs).
-GEMM_PRODUCTS = {"linear_half": (1,), "linear_gelu": (1, 3), "linear_residual": (1, 3)}
+# and weights split into fp16 pairs); linear_gelu_half one (it feeds a one-product ffn_out).
+GEMM_PRODUCTS = {"linear_half": (1,), "linear_gelu": (1, 3), "linear_gelu_half": (1,),
+                 "linear_residual": (1, 3)}
 # Two products (activations split, weights rounded once): exported with --sweep only, for
 # `cutile_sweep.py products` to weigh its time against its error.
 SWEEP_PRODUCTS = (2,)
@@ -208,64 +216,74 @@ ATTENTION_CHOICES = {
 }
 
 
+def sweep_gemm_choices(name: str) -> tuple:
+    """Every ((TM, TN, TK), variant) a --sweep build has for GEMM kernel name."""
+    return tuple(dict.fromkeys(
+        GEMM_CHOICES[name] + tuple((t, "") for t in SWEEP_GEMM_TILES)
+        + tuple((t, v) for v in GEMM_VARIANTS for t in VARIANT_GEMM_TILES)))
+
+
+def sweep_attention_choices(head_pad: int) -> tuple:
+    """Every ((TM, TN), variant) a --sweep build has for attention at a padded head dim."""
+    choices = ATTENTION_CHOICES[head_pad]
+    if head_pad <= 128:
+        choices += tuple((t, "") for t in SWEEP_ATTENTION_TILES)
+    if head_pad in VARIANT_HEAD_PADS:
+        choices += tuple((t, v) for v in ATTENTION_VARIANTS for t in VARIANT_ATTENTION_TILES)
+    if head_pad == 256:
+        choices += SWEEP_HP256
+    return tuple(dict.fromkeys(choices))
+
+
+def sweep_norm_rows(width_pad: int) -> tuple[int, ...]:
+    """LayerNorm rows per block a --sweep build has at a padded width (SWEEP_NORM_WIDTHS)."""
+    base = norm_rows(width_pad)
+    return tuple(dict.fromkeys([base] + [max(1, int(base * f))
+                                         for f in SWEEP_NORM_ROW_FACTORS]))
+
+
+def sweep_norm_gemm_choices() -> tuple:
+    """(rows per tile, variant) of linear_residual_norm a --sweep build has (three
+    products, every width)."""
+    return tuple(itertools.product((NORM_GEMM_TILE[0],) + SWEEP_NORM_GEMM_ROWS,
+                                   ("",) + NORM_GEMM_VARIANTS))
+
+
 def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
-    """Every (kernel name, constants) the backend may launch (with sweep, also the tiles
-    bench/cutile_sweep.py compares)."""
+    """Every (kernel name, constants) the backend may launch (with sweep, also the
+    candidates bench/cutile_sweep.py compares)."""
     out = []
-    for name in ("layer_norm_split", "layer_norm_out"):
+    for name in ("layer_norm_split", "layer_norm_half", "layer_norm_out"):
         out += [(variant_name(name, NORM_VARIANT), {"BM": norm_rows(w), "BD": w})
                 for w in norm_widths()]
+    if sweep:
+        out += [(variant_name("layer_norm_split", v), {"BM": bm, "BD": w})
+                for w in SWEEP_NORM_WIDTHS for v in ("",) + NORM_VARIANTS
+                for bm in sweep_norm_rows(w)]
     extra = SWEEP_PRODUCTS if sweep else ()
     for name, counts in GEMM_PRODUCTS.items():
-        choices = GEMM_CHOICES[name] + (tuple((t, "") for t in SWEEP_GEMM_TILES) if sweep else ())
-        counts = counts + (extra if name != "linear_half" else ())
-        for ((tm, tn, tk), variant), p in itertools.product(dict.fromkeys(choices), counts):
+        choices = sweep_gemm_choices(name) if sweep else GEMM_CHOICES[name]
+        counts = counts + (extra if len(counts) > 1 else ())
+        for ((tm, tn, tk), variant), p in itertools.product(choices, counts):
             out.append((variant_name(name, variant), {"TM": tm, "TN": tn, "TK": tk,
                                                       "PRODUCTS": p}))
+    tm, tk = NORM_GEMM_TILE
     for width, p in itertools.product(NORM_GEMM_WIDTHS,
                                       GEMM_PRODUCTS["linear_residual"] + extra):
         out.append((variant_name("linear_residual_norm", NORM_GEMM_VARIANT.get(width, "")),
-                    {"TM": NORM_GEMM_TILE[0], "TN": width, "TK": NORM_GEMM_TILE[1],
-                     "PRODUCTS": p}))
-        out.append(("ffn_residual_norm", {"TM": NORM_GEMM_TILE[0], "TN": width,
-                                          "TF": FFN_CHUNK, "PRODUCTS": p}))
-    for hp in HEAD_PADS:
-        choices = ATTENTION_CHOICES[hp]
-        if sweep and hp <= 128:
-            choices = choices + tuple((t, "") for t in SWEEP_ATTENTION_TILES)
-        out += [(variant_name("flash_attention", variant), {"TM": tm, "TN": tn, "HP": hp})
-                for (tm, tn), variant in dict.fromkeys(choices)]
+                    {"TM": tm, "TN": width, "TK": tk, "PRODUCTS": p}))
+        out.append(("ffn_residual_norm", {"TM": tm, "TN": width, "TF": FFN_CHUNK,
+                                          "PRODUCTS": p}))
     if sweep:
-        out += variant_specialisations()
+        out += [(variant_name("linear_residual_norm", v),
+                 {"TM": rows, "TN": width, "TK": tk, "PRODUCTS": 3})
+                for width in NORM_GEMM_WIDTHS for rows, v in sweep_norm_gemm_choices()]
+    for hp in HEAD_PADS:
+        choices = sweep_attention_choices(hp) if sweep else ATTENTION_CHOICES[hp]
+        out += [(variant_name("flash_attention", variant), {"TM": tm, "TN": tn, "HP": hp})
+                for (tm, tn), variant in choices]
     unique = dict.fromkeys((name, tuple(constants.items())) for name, constants in out)
     return [(name, dict(constants)) for name, constants in unique]
-
-
-def variant_specialisations() -> list[tuple[str, dict[str, int]]]:
-    """The variants' specialisations the sweep compares: the large GEMM tiles, attention at
-    128 queries for the head dims of the official shapes and 128 (and wider tiles at 256),
-    LayerNorm's rows per block and occupancy, linear_residual_norm's rows and variants."""
-    out = []
-    for name, counts in GEMM_PRODUCTS.items():
-        for variant in GEMM_VARIANTS:
-            for (tm, tn, tk), p in itertools.product(VARIANT_GEMM_TILES, counts):
-                out.append((f"{name}_{variant}", {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": p}))
-    for variant in ATTENTION_VARIANTS:
-        for hp, (tm, tn) in itertools.product(VARIANT_HEAD_PADS, VARIANT_ATTENTION_TILES):
-            out.append((f"flash_attention_{variant}", {"TM": tm, "TN": tn, "HP": hp}))
-    out += [(variant_name("flash_attention", v), {"TM": tm, "TN": tn, "HP": 256})
-            for (tm, tn), v in SWEEP_HP256]
-    for width, variant in itertools.product(SWEEP_NORM_WIDTHS, ("",) + NORM_VARIANTS):
-        rows = [norm_rows(width)] + [int(norm_rows(width) * f) for f in SWEEP_NORM_ROW_FACTORS]
-        out += [(variant_name("layer_norm_split", variant), {"BM": bm, "BD": width})
-                for bm in rows]
-    tk = NORM_GEMM_TILE[1]
-    for width, tm, variant in itertools.product(
-            NORM_GEMM_WIDTHS[-2:], (NORM_GEMM_TILE[0],) + SWEEP_NORM_GEMM_ROWS,
-            ("",) + NORM_GEMM_VARIANTS):
-        out.append((variant_name("linear_residual_norm", variant),
-                    {"TM": tm, "TN": width, "TK": tk, "PRODUCTS": 3}))
-    return out
 
 
 def symbol(name: str, constants: dict[str, int]) -> str:

@@ -72,6 +72,15 @@ def linear_gelu(A_HI, A_LO, W_HI, W_LO, BIAS, OUT_HI, OUT_LO,
     store_pair(OUT_HI, OUT_LO, (bm, bn), gelu(acc))
 
 
+@ct.kernel
+def linear_gelu_half(A_HI, A_LO, W_HI, W_LO, BIAS, OUT,
+                     TM: ConstInt, TN: ConstInt, TK: ConstInt, PRODUCTS: ConstInt):
+    """OUT (fp16) = GELU(A @ W^T + bias), for an ffn_out that reads one fp16 product."""
+    bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
+    acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
+    ct.store(OUT, index=(bm, bn), tile=ct.astype(gelu(acc), ct.float16))
+
+
 def residual_sum(acc, RES, VALID, bm, bn, has_mask, zero_sum, TM, TN):
     """RES + acc on the tile at (bm, bn); with has_mask, rows whose VALID byte is 0 get RES
     (zero_sum 0: the update is zeroed) or 0 (zero_sum 1: the sum is zeroed)."""

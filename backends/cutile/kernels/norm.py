@@ -37,6 +37,13 @@ def layer_norm_split(X, W, B, OUT_HI, OUT_LO, BM: ConstInt, BD: ConstInt):
 
 
 @ct.kernel
+def layer_norm_half(X, W, B, OUT, BM: ConstInt, BD: ConstInt):
+    """LayerNorm of BM rows rounded to fp16 (for a GEMM that reads one fp16 product)."""
+    ct.store(OUT, index=(ct.bid(0), 0),
+             tile=ct.astype(normed_rows(X, W, B, BM, BD), ct.float16))
+
+
+@ct.kernel
 def layer_norm_out(X, W, B, VALID, OUT, has_mask: int, BM: ConstInt, BD: ConstInt):
     """LayerNorm of BM rows into fp32 OUT; with has_mask, rows whose VALID byte is 0 get 0."""
     y = normed_rows(X, W, B, BM, BD)
