@@ -10,14 +10,16 @@ that many launches, so the host's time between launches stays out), each output 
     python bench/cutile_sweep.py plans --shapes 1,2,7,13  # fuse_norms on against off
     python bench/cutile_sweep.py plans --plan ffn         # fuse_ffn on against off
     python bench/cutile_sweep.py plans --plan lean --shapes 8,5  # lean_pairs on against off
+    python bench/cutile_sweep.py plans --plan pdl --shapes 2,1,13  # programmatic launches
     python bench/cutile_sweep.py products --shapes 8,13 --products 1,3  # out_proj and FFN
     python bench/cutile_sweep.py norm                  # LayerNorm rows per block, occupancy
     python bench/cutile_sweep.py residual-norm         # linear_residual_norm rows, variants
     python bench/cutile_sweep.py sass [--arch sm_90]  # no GPU needed: the build's SASS
 
-"plans" builds the layer with fuse_norms (--plan ffn: fuse_ffn, lean: lean_pairs) on and off, checks
-both against one reference and times them in alternating rounds; "products" does the same
-for two counts of fp16 products in out_proj and the FFN (a --sweep build has 1, 2 and 3).
+"plans" builds the layer with fuse_norms (--plan ffn: fuse_ffn, lean: lean_pairs, pdl: pdl)
+on and off, checks both against one reference and times them in alternating rounds;
+"products" does the same for two counts of fp16 products in out_proj and the FFN (a --sweep
+build has 1, 2 and 3).
 "sass" prints, per kernel of the build ($LAYERBENCH_CUTILE_BUILD or the default root),
 registers, stack bytes, HGMMA, 16- and 2-byte load counts and spill stores
 (cuobjdump -sass), without a GPU.
@@ -304,7 +306,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="1,2,3,4,7,9,10,11,12,13,6",
                         help="plans: official shape numbers")
     parser.add_argument("--padding", type=float, default=0.0, help="plans: padding ratio")
-    parser.add_argument("--plan", choices=["norms", "ffn", "lean"], default="norms",
+    parser.add_argument("--plan", choices=["norms", "ffn", "lean", "pdl"], default="norms",
                         help="plans: the option compared on against off")
     parser.add_argument("--products", default="1,3", help="products: the two counts compared")
     parser.add_argument("--arch", default="sm_90", help="sass: the build's architecture")
@@ -344,7 +346,8 @@ def sweep(args):
         return None
     kernels = backend.kernels(device)
     if args.what == "plans":
-        option = {"norms": "fuse_norms", "ffn": "fuse_ffn", "lean": "lean_pairs"}[args.plan]
+        option = {"norms": "fuse_norms", "ffn": "fuse_ffn", "lean": "lean_pairs",
+                  "pdl": "pdl"}[args.plan]
         return runner.compare_plans(
             args.shapes,
             lambda fuse, cfg, sd: CutileBackend("aot", **{option: fuse}).build(cfg, sd,

@@ -100,6 +100,8 @@ if [[ $stage == cutile ]]; then
         --out "$OUT/cutile-products.json" 2>&1 | tee -a "$log"
     python3 bench/cutile_sweep.py plans --plan lean --shapes 8,5,13 \
         --out "$OUT/cutile-plans-lean.json" 2>&1 | tee -a "$log"
+    python3 bench/cutile_sweep.py plans --plan pdl --shapes 2,1,7,12,5,13 \
+        --out "$OUT/cutile-plans-pdl.json" 2>&1 | tee -a "$log"
     python3 bench/tile_sweep.py profile --backend cutile --shapes 5,8,13 \
         --out "$OUT/cutile-profile.json" 2>&1 | tee -a "$log"
 fi

@@ -16,6 +16,8 @@ PATTERNS = {
     "load16": r"\bLDG\.E\.(U16|S16)\b",
     "spill_stores": r"\bSTL\b",
     "local_loads": r"\bLDL\b",
+    "dependency_wait": r"\bACQBULK\b",      # griddepcontrol.wait
+    "dependents_launch": r"\bPREEXIT\b",    # griddepcontrol.launch_dependents
 }
 
 

@@ -90,8 +90,9 @@ def test_variants_compile_their_hints(cutile_selected, cutile_compiles, tmp_path
 
 def test_sm90_sass(cutile_selected, cutile_build):
     """The sm_90 SASS of every exported kernel: no local memory (beyond the spills measured
-    and accepted in specs), no 2-byte global loads, and HGMMA in the GEMM and attention
-    kernels (cuobjdump -sass)."""
+    and accepted in specs), no 2-byte global loads, HGMMA in the GEMM and attention kernels,
+    and the wait for the kernel before it that programmatic launches rely on (ACQBULK)
+    (cuobjdump -sass)."""
     from bench.sass import kernels as sass_kernels
 
     found, why = manifest.load("sm_90", cutile_build)
@@ -103,6 +104,7 @@ def test_sm90_sass(cutile_selected, cutile_build):
             assert row["spill_stores"] <= accepted, (name, row)
             assert row["stack_bytes"] == 0 or accepted, (name, row)
             assert row["load16"] == 0, (name, row)
+            assert row["dependency_wait"] >= 1 and row["dependents_launch"] >= 1, (name, row)
             if not name.startswith("layer_norm"):
                 assert row["HGMMA"] > 0, (name, row)
 
@@ -485,6 +487,13 @@ def test_lean_pairs_keep_the_contract(kernels, number):
     _options_keep_the_contract(number, "lean_pairs")
 
 
+@pytest.mark.parametrize("number", [1, 7, 0], ids=["d128", "d32", "one-layer"])
+def test_pdl_keeps_the_contract(kernels, number):
+    """pdl=True (each kernel launched to overlap the one before it) keeps the contract, in
+    eager launches and in the replayed graph."""
+    _options_keep_the_contract(number, "pdl")
+
+
 def _options_keep_the_contract(number, option):
     """A CutileBackend option on keeps the contract on CI shape number (0: a one-block stack)
     with padding, and agrees with it off to rounding."""
@@ -498,10 +507,11 @@ def _options_keep_the_contract(number, option):
         layer = CutileBackend(**{option: on}).build(cfg, model.state_dict(), device="cuda")
         assert getattr(layer, option) == on
         with torch.no_grad():
-            outs.append(layer(x, mask).clone())
-        report = compare(outs[-1], expected)
-        assert report.passed, f"{option}={on}: {report.summary()}"
-    assert (outs[0] - outs[1]).abs().max().item() < 1e-3
+            for _ in range(3):  # eager, captured, replayed
+                outs.append(layer(x, mask).clone())
+                report = compare(outs[-1], expected)
+                assert report.passed, f"{option}={on}: {report.summary()}"
+    assert (outs[0] - outs[-1]).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("tile", ["small", "large"])

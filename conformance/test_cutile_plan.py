@@ -70,14 +70,16 @@ class TorchKernels:
 
     def __init__(self):
         self.calls: list[str] = []
+        self.programmatic: list[bool] = []
 
     def has(self, name, constants) -> bool:
         """Every specialisation is here."""
         return True
 
-    def launch(self, name, constants, grid, args):
+    def launch(self, name, constants, grid, args, programmatic=False):
         """Check that the default build has this specialisation and the arguments as the
         real launch does, then compute the kernel's result (a variant's is its function's)."""
+        self.programmatic.append(programmatic)
         assert specs.symbol(name, constants) in DEFAULT_BUILD, (name, constants)
         launch.pack(name, args)
         self.calls.append(name)
@@ -160,14 +162,15 @@ class CpuCutile(CutileBackend):
         return None
 
 
-def _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, products=None, lean_pairs=False):
+def _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, products=None, lean_pairs=False,
+                    pdl=False):
     """The cutile layer for cfg on CPU, its kernels replaced by TorchKernels."""
     backend = CpuCutile(fuse_norms=fuse_norms, fuse_ffn=fuse_ffn, linear_products=products,
-                        lean_pairs=lean_pairs)
+                        lean_pairs=lean_pairs, pdl=pdl)
     kernels = TorchKernels()
     layer = CutileLayer(backend, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
                         kernels, products or linear_products_for(cfg.d_model), fuse_norms,
-                        fuse_ffn, lean_pairs=lean_pairs)
+                        fuse_ffn, lean_pairs=lean_pairs, pdl=pdl)
     return layer, kernels
 
 
@@ -214,14 +217,17 @@ def test_launch_sequence_computes_the_layer(cutile_selected, cfg, fuse_norms, fu
 
 
 @pytest.mark.parametrize("fuse_norms, fuse_ffn", PLANS, ids=["separate", "norms", "ffn"])
-def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn, monkeypatch):
+@pytest.mark.parametrize("pdl", [False, True], ids=["stream", "pdl"])
+def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn, pdl,
+                                           monkeypatch):
     """One sequence per chunk, an fp16 input (staged), a misaligned output view and out=:
-    every call still matches the reference."""
+    every call still matches the reference; with pdl every kernel is launched
+    programmatically, without it none."""
     cfg = LayerConfig(3, 20, 32, 2, 40, 2)
     model = make_reference(cfg, seed=7)
     x, mask = make_inputs(cfg, padding_ratio=0.3, seed=8)
     expected = reference_forward(model, x, mask)
-    layer, _ = _stand_in_layer(cfg, model, fuse_norms, fuse_ffn)
+    layer, kernels = _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, pdl=pdl)
     monkeypatch.setattr(layer, "chunks", lambda b, s: 1)
     with torch.no_grad():
         assert compare(layer(x, mask), expected).passed
@@ -235,3 +241,4 @@ def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn
         other = LayerConfig(5, 31, cfg.d_model, cfg.num_heads, cfg.ffn_dim, cfg.num_layers)
         x5, mask5 = make_inputs(other, padding_ratio=0.3, seed=9)
         assert compare(layer(x5, mask5), reference_forward(model, x5, mask5)).passed
+    assert set(kernels.programmatic) == {pdl}

@@ -28,7 +28,8 @@ class CutileBackend(Backend):
     kernel, its hidden rows kept on chip (4 launches per block; off: slower on 10 of the 11
     official shapes it applies to). lean_pairs: LayerNorm and GELU rows that only a
     one-product GEMM reads are written as one fp16 array, without the low half (off until
-    timed on a GPU).
+    timed on a GPU). pdl: each kernel is launched to start while the one before it finishes
+    (programmatic dependent launch; off until timed on a GPU).
     """
 
     name = "cutile"
@@ -39,7 +40,8 @@ class CutileBackend(Backend):
               "cubins (aot) or compiles with ct.launch (jit)")
 
     def __init__(self, mode: str = "auto", linear_products: int | None = None,
-                 fuse_norms: bool = True, fuse_ffn: bool = False, lean_pairs: bool = False):
+                 fuse_norms: bool = True, fuse_ffn: bool = False, lean_pairs: bool = False,
+                 pdl: bool = False):
         built = sorted(set(specs.GEMM_PRODUCTS["linear_gelu"]) &
                        set(specs.GEMM_PRODUCTS["linear_residual"]) | set(specs.SWEEP_PRODUCTS))
         if linear_products is not None and linear_products not in built:
@@ -50,6 +52,7 @@ class CutileBackend(Backend):
         self.fuse_norms = fuse_norms
         self.fuse_ffn = fuse_ffn
         self.lean_pairs = lean_pairs
+        self.pdl = pdl
         self._kernels = {}
 
     def kernels(self, device):
@@ -96,7 +99,8 @@ class CutileBackend(Backend):
             raise Unsupported(f"{self.name}: this build has no kernels with {products} fp16 "
                               f"product(s) per weight; export it with --sweep")
         return CutileLayer(self, config, state_dict, device, dtype, kernels, products,
-                           self.fuse_norms, self.fuse_ffn, lean_pairs=self.lean_pairs)
+                           self.fuse_norms, self.fuse_ffn, lean_pairs=self.lean_pairs,
+                           pdl=self.pdl)
 
     def describe(self):
         """Name, summary, capabilities, and how kernels are launched on this machine."""

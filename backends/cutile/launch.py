@@ -142,13 +142,17 @@ class AotKernels:
         """Whether the build holds this specialisation."""
         return specs.symbol(name, constants) in self.entries
 
-    def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args):
-        """Launch one specialisation on PyTorch's current stream."""
+    def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args,
+               programmatic: bool = False):
+        """Launch one specialisation on PyTorch's current stream (programmatic: it may start
+        while the kernel before it finishes, see ProgrammaticLaunches)."""
         from cuda.core import LaunchConfig, launch
 
         kernel, threads = self._kernel(specs.symbol(name, constants))
         stream = core_stream(torch.cuda.current_stream(self.device).cuda_stream)
-        launch(stream, LaunchConfig(grid=grid, block=threads), kernel, *pack(name, args))
+        config = LaunchConfig(grid=grid, block=threads,
+                              programmatic_stream_serialization=programmatic)
+        launch(stream, config, kernel, *pack(name, args))
 
 
 class JitKernels:
@@ -163,7 +167,8 @@ class JitKernels:
         """Every specialisation compiles on first use."""
         return True
 
-    def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args):
+    def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args,
+               programmatic: bool = False):
         """Launch through ct.launch on PyTorch's current stream."""
         import cuda.tile as ct
 
@@ -172,7 +177,25 @@ class JitKernels:
         check_args(name, args)
         consts = [constants[c] for c in specs.KERNELS[name].constants]
         ct.launch(torch.cuda.current_stream(self.device), grid, kernel_function(name),
-                  (*args, *consts))
+                  (*args, *consts), programmatic_dependent_launch=programmatic)
+
+
+class ProgrammaticLaunches:
+    """A launcher whose launches may each start while the kernel before it on the stream is
+    still running (programmatic dependent launch): every kernel first waits for its
+    predecessor's writes (kernels/order.py), so only the launch latency overlaps."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+        self.mode = kernels.mode
+
+    def has(self, name: str, constants: dict[str, int]) -> bool:
+        """Whether the launcher underneath has this specialisation."""
+        return self.kernels.has(name, constants)
+
+    def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args):
+        """Launch one specialisation with programmatic stream serialization."""
+        self.kernels.launch(name, constants, grid, args, programmatic=True)
 
 
 @functools.cache

@@ -11,6 +11,7 @@ from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
 
 from . import ops
+from .launch import ProgrammaticLaunches
 
 MAX_GRID_Y = 65535  # attention blocks: sequences x heads in grid dimension y
 
@@ -87,12 +88,14 @@ class CutileLayer(BuiltLayer):
     norm1 or the final norm: five launches per block instead of seven. With fuse_ffn too,
     one kernel runs the whole FFN (ffn_residual_norm): four launches per block. With
     lean_pairs, rows only a one-product GEMM reads (norm1's always, norm2's and the hidden
-    rows' at one product) are written as their fp16 hi half alone."""
+    rows' at one product) are written as their fp16 hi half alone. With pdl, each kernel is
+    launched to start while the one before it finishes (launch.ProgrammaticLaunches)."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
-                 fuse_norms: bool, fuse_ffn: bool, lean_pairs: bool = False):
+                 fuse_norms: bool, fuse_ffn: bool, lean_pairs: bool = False, pdl: bool = False):
         super().__init__(backend, config, device, dtype)
-        self.kernels = kernels
+        self.pdl = pdl
+        self.kernels = ProgrammaticLaunches(kernels) if pdl else kernels
         self.products = products
         self.lean_pairs = lean_pairs
         self.fuse_norms, self.fuse_ffn = fusions(config, fuse_norms, fuse_ffn)

@@ -4,6 +4,7 @@ head dim is padded to HP (a power of two) with zeros."""
 import cuda.tile as ct
 
 from .norm import store_pair
+from .order import after_previous_kernel
 
 ConstInt = ct.Constant[int]
 ZERO = ct.PaddingMode.ZERO
@@ -25,6 +26,7 @@ def flash_attention(QKV, CTX_HI, CTX_LO, VALID, KEY_INFO, scale: float, num_head
     KEY_INFO[b] = (key end, mask needed): keys at or past the end are all invalid; where the
     keys before it are all valid the mask is not read.
     """
+    after_previous_kernel()
     seq_len = QKV.shape[1]
     q_tiles = ct.cdiv(seq_len, TM)
     qt = q_tiles - 1 - ct.bid(0)  # longest causal rows first

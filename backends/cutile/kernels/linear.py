@@ -5,6 +5,7 @@ without a transposing copy) as (hi, lo) fp16; PRODUCTS fp16 products per K step 
 import cuda.tile as ct
 
 from .norm import normalise, store_pair
+from .order import after_previous_kernel
 
 ConstInt = ct.Constant[int]
 ZERO = ct.PaddingMode.ZERO
@@ -58,6 +59,7 @@ def gelu(x):
 def linear_half(A_HI, A_LO, W_HI, W_LO, BIAS, OUT,
                 TM: ConstInt, TN: ConstInt, TK: ConstInt, PRODUCTS: ConstInt):
     """OUT (fp16) = A @ W^T + bias."""
+    after_previous_kernel()
     bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
     ct.store(OUT, index=(bm, bn), tile=ct.astype(acc, ct.float16))
@@ -67,6 +69,7 @@ def linear_half(A_HI, A_LO, W_HI, W_LO, BIAS, OUT,
 def linear_gelu(A_HI, A_LO, W_HI, W_LO, BIAS, OUT_HI, OUT_LO,
                 TM: ConstInt, TN: ConstInt, TK: ConstInt, PRODUCTS: ConstInt):
     """(OUT_HI, OUT_LO) = GELU(A @ W^T + bias) as an fp16 pair."""
+    after_previous_kernel()
     bm, bn = tile_position(OUT_HI.shape[0], OUT_HI.shape[1], TM, TN)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
     store_pair(OUT_HI, OUT_LO, (bm, bn), gelu(acc))
@@ -76,6 +79,7 @@ def linear_gelu(A_HI, A_LO, W_HI, W_LO, BIAS, OUT_HI, OUT_LO,
 def linear_gelu_half(A_HI, A_LO, W_HI, W_LO, BIAS, OUT,
                      TM: ConstInt, TN: ConstInt, TK: ConstInt, PRODUCTS: ConstInt):
     """OUT (fp16) = GELU(A @ W^T + bias), for an ffn_out that reads one fp16 product."""
+    after_previous_kernel()
     bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
     ct.store(OUT, index=(bm, bn), tile=ct.astype(gelu(acc), ct.float16))
@@ -102,6 +106,7 @@ def linear_residual(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, has_mask: int
                     zero_sum: int, TM: ConstInt, TN: ConstInt, TK: ConstInt,
                     PRODUCTS: ConstInt):
     """OUT (fp32) = RES + A @ W^T + bias, invalid rows as residual_sum. OUT may be RES."""
+    after_previous_kernel()
     bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
     y = residual_sum(acc, RES, VALID, bm, bn, has_mask, zero_sum, TM, TN)
@@ -116,6 +121,7 @@ def linear_residual_norm(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, NORM_W, 
     """linear_residual where one tile holds whole rows (N <= TN), followed by the LayerNorm
     of the new rows: as an fp16 pair (NORM_HI, NORM_LO), or with final, in fp32 into
     NORM_OUT with invalid rows set to 0 (OUT is then not written)."""
+    after_previous_kernel()
     bm = ct.bid(0)
     acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, 0, TM, TN, TK, PRODUCTS), BIAS, 0, TN)
     y = residual_sum(acc, RES, VALID, bm, 0, has_mask, zero_sum, TM, TN)
@@ -148,6 +154,7 @@ def ffn_residual_norm(A_HI, A_LO, W1_HI, W1_LO, B1, W2_HI, W2_LO, B2, RES, VALID
     B1) + B2, the hidden rows made and used TF columns at a time without leaving the chip
     (as an fp16 pair for the second product), invalid rows zeroed after the sum; then
     stored with the next LayerNorm as linear_residual_norm does."""
+    after_previous_kernel()
     bm = ct.bid(0)
     acc = ct.full((TM, TN), 0.0, dtype=ct.float32)
     for f in range(ct.cdiv(W1_HI.shape[0], TF)):

@@ -1,6 +1,8 @@
 """LayerNorm kernels: BM whole rows per block, each row padded to BD (a power of two) columns."""
 import cuda.tile as ct
 
+from .order import after_previous_kernel
+
 ConstInt = ct.Constant[int]
 ZERO = ct.PaddingMode.ZERO
 EPS = 1e-5
@@ -33,12 +35,14 @@ def store_pair(OUT_HI, OUT_LO, index, y):
 @ct.kernel
 def layer_norm_split(X, W, B, OUT_HI, OUT_LO, BM: ConstInt, BD: ConstInt):
     """LayerNorm of BM rows, written as an fp16 pair (hi + lo is the fp32 result to ~22 bits)."""
+    after_previous_kernel()
     store_pair(OUT_HI, OUT_LO, (ct.bid(0), 0), normed_rows(X, W, B, BM, BD))
 
 
 @ct.kernel
 def layer_norm_half(X, W, B, OUT, BM: ConstInt, BD: ConstInt):
     """LayerNorm of BM rows rounded to fp16 (for a GEMM that reads one fp16 product)."""
+    after_previous_kernel()
     ct.store(OUT, index=(ct.bid(0), 0),
              tile=ct.astype(normed_rows(X, W, B, BM, BD), ct.float16))
 
@@ -46,6 +50,7 @@ def layer_norm_half(X, W, B, OUT, BM: ConstInt, BD: ConstInt):
 @ct.kernel
 def layer_norm_out(X, W, B, VALID, OUT, has_mask: int, BM: ConstInt, BD: ConstInt):
     """LayerNorm of BM rows into fp32 OUT; with has_mask, rows whose VALID byte is 0 get 0."""
+    after_previous_kernel()
     y = normed_rows(X, W, B, BM, BD)
     if has_mask != 0:
         valid = ct.load(VALID, index=(ct.bid(0),), shape=(BM,), padding_mode=ZERO)
