@@ -11,13 +11,14 @@ that many launches, so the host's time between launches stays out), each output 
     python bench/cutile_sweep.py plans --plan ffn         # fuse_ffn on against off
     python bench/cutile_sweep.py plans --plan lean --shapes 8,5  # lean_pairs on against off
     python bench/cutile_sweep.py plans --plan pdl --shapes 2,1,13  # programmatic launches
+    python bench/cutile_sweep.py plans --plan block --shapes 2,1,7,12  # whole-block kernel
     python bench/cutile_sweep.py products --shapes 8,13 --products 1,3  # out_proj and FFN
     python bench/cutile_sweep.py norm                  # LayerNorm rows per block, occupancy
     python bench/cutile_sweep.py residual-norm         # linear_residual_norm rows, variants
     python bench/cutile_sweep.py sass [--arch sm_90]  # no GPU needed: the build's SASS
 
-"plans" builds the layer with fuse_norms (--plan ffn: fuse_ffn, lean: lean_pairs, pdl: pdl)
-on and off, checks both against one reference and times them in alternating rounds;
+"plans" builds the layer with fuse_norms (--plan ffn: fuse_ffn, lean: lean_pairs, pdl: pdl,
+block: fuse_block) on and off, checks both against one reference and times them in alternating rounds;
 "products" does the same for two counts of fp16 products in out_proj and the FFN (a --sweep
 build has 1, 2 and 3).
 "sass" prints, per kernel of the build ($LAYERBENCH_CUTILE_BUILD or the default root),
@@ -306,7 +307,8 @@ def main() -> int:
     parser.add_argument("--shapes", default="1,2,3,4,7,9,10,11,12,13,6",
                         help="plans: official shape numbers")
     parser.add_argument("--padding", type=float, default=0.0, help="plans: padding ratio")
-    parser.add_argument("--plan", choices=["norms", "ffn", "lean", "pdl"], default="norms",
+    parser.add_argument("--plan", choices=["norms", "ffn", "lean", "pdl", "block"],
+                        default="norms",
                         help="plans: the option compared on against off")
     parser.add_argument("--products", default="1,3", help="products: the two counts compared")
     parser.add_argument("--arch", default="sm_90", help="sass: the build's architecture")
@@ -347,7 +349,7 @@ def sweep(args):
     kernels = backend.kernels(device)
     if args.what == "plans":
         option = {"norms": "fuse_norms", "ffn": "fuse_ffn", "lean": "lean_pairs",
-                  "pdl": "pdl"}[args.plan]
+                  "pdl": "pdl", "block": "fuse_block"}[args.plan]
         return runner.compare_plans(
             args.shapes,
             lambda fuse, cfg, sd: CutileBackend("aot", **{option: fuse}).build(cfg, sd,

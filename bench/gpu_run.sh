@@ -102,6 +102,8 @@ if [[ $stage == cutile ]]; then
         --out "$OUT/cutile-plans-lean.json" 2>&1 | tee -a "$log"
     python3 bench/cutile_sweep.py plans --plan pdl --shapes 2,1,7,12,5,13 \
         --out "$OUT/cutile-plans-pdl.json" 2>&1 | tee -a "$log"
+    python3 bench/cutile_sweep.py plans --plan block --shapes 2,3,4,1,7,9,10,11,12,5 \
+        --out "$OUT/cutile-plans-block.json" 2>&1 | tee -a "$log"
     python3 bench/tile_sweep.py profile --backend cutile --shapes 5,8,13 \
         --out "$OUT/cutile-profile.json" 2>&1 | tee -a "$log"
 fi

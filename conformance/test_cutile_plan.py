@@ -61,6 +61,7 @@ def _rows_and_norm(y, valid, out, norm_w, norm_b, norm_hi, norm_lo, norm_out, ha
 
 
 DEFAULT_BUILD = {specs.symbol(n, c) for n, c in specs.specialisations()}
+SWEEP_BUILD = {specs.symbol(n, c) for n, c in specs.specialisations(sweep=True)}
 
 
 class TorchKernels:
@@ -68,19 +69,21 @@ class TorchKernels:
 
     mode = "torch"
 
-    def __init__(self):
+    def __init__(self, build=DEFAULT_BUILD):
+        self.build = build
         self.calls: list[str] = []
         self.programmatic: list[bool] = []
 
     def has(self, name, constants) -> bool:
-        """Every specialisation is here."""
-        return True
+        """Whether the build this stands in for has the specialisation (None: every one,
+        as under the JIT)."""
+        return self.build is None or specs.symbol(name, constants) in self.build
 
     def launch(self, name, constants, grid, args, programmatic=False):
-        """Check that the default build has this specialisation and the arguments as the
+        """Check that the build has this specialisation and the arguments as the
         real launch does, then compute the kernel's result (a variant's is its function's)."""
         self.programmatic.append(programmatic)
-        assert specs.symbol(name, constants) in DEFAULT_BUILD, (name, constants)
+        assert self.has(name, constants), (name, constants)
         launch.pack(name, args)
         self.calls.append(name)
         getattr(self, specs.KERNELS[name].function or name)(constants, *args)
@@ -152,6 +155,32 @@ class TorchKernels:
         _pair((p @ v).transpose(1, 2), ctx_hi, ctx_lo)
 
 
+    def block_narrow(self, c, x, out, valid, wqkv_hi, wqkv_lo, bqkv, wo_hi, wo_lo, bo, n1_w,
+                     n1_b, n2_w, n2_b, w1_hi, w1_lo, b1, w2_hi, w2_lo, b2, nf_w, nf_b, scale,
+                     heads, causal, has_mask, final):
+        b, s, d = x.shape
+        p = c["PRODUCTS"]
+        rows = x.reshape(-1, d)
+        h = _norm(rows, n1_w, n1_b).half()
+        qkv = (_products(h, h, wqkv_hi, wqkv_lo, 3 * d, 1) + bqkv).half()
+        ctx = [torch.empty(b * s, d, dtype=torch.float16) for _ in range(2)]
+        self.flash_attention(c, qkv.view(b, s, 3 * heads, d // heads),
+                             *[t.view(b, s, heads, d // heads) for t in ctx], valid, None,
+                             scale, heads, causal, has_mask)
+        keep = (valid.reshape(-1).bool()[:, None] if has_mask
+                else torch.ones(b * s, 1, dtype=torch.bool))
+        y = rows + torch.where(keep, _products(*ctx, wo_hi, wo_lo, d, p) + bo, 0.0)
+        h2 = [torch.empty(b * s, d, dtype=torch.float16) for _ in range(2)]
+        _pair(_norm(y, n2_w, n2_b), *h2)
+        f = b1.shape[0]
+        hidden = [torch.empty(b * s, f, dtype=torch.float16) for _ in range(2)]
+        _pair(torch.nn.functional.gelu(_products(*h2, w1_hi, w1_lo, f, p) + b1), *hidden)
+        z = torch.where(keep, y + _products(*hidden, w2_hi, w2_lo, d, p) + b2, 0.0)
+        if final:
+            z = torch.where(keep, _norm(z, nf_w, nf_b), 0.0)
+        out.copy_(z.view(b, s, d))
+
+
 class CpuCutile(CutileBackend):
     """The cutile backend's checks and plans, allowed on CPU for the stand-in kernels."""
 
@@ -163,14 +192,15 @@ class CpuCutile(CutileBackend):
 
 
 def _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, products=None, lean_pairs=False,
-                    pdl=False):
-    """The cutile layer for cfg on CPU, its kernels replaced by TorchKernels."""
+                    pdl=False, fuse_block=False):
+    """The cutile layer for cfg on CPU, its kernels replaced by TorchKernels (standing in
+    for the default build, or with fuse_block for every specialisation, as the JIT)."""
     backend = CpuCutile(fuse_norms=fuse_norms, fuse_ffn=fuse_ffn, linear_products=products,
-                        lean_pairs=lean_pairs, pdl=pdl)
-    kernels = TorchKernels()
+                        lean_pairs=lean_pairs, pdl=pdl, fuse_block=fuse_block)
+    kernels = TorchKernels(None if fuse_block else DEFAULT_BUILD)
     layer = CutileLayer(backend, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
                         kernels, products or linear_products_for(cfg.d_model), fuse_norms,
-                        fuse_ffn, lean_pairs=lean_pairs, pdl=pdl)
+                        fuse_ffn, lean_pairs=lean_pairs, pdl=pdl, fuse_block=fuse_block)
     return layer, kernels
 
 
@@ -218,16 +248,19 @@ def test_launch_sequence_computes_the_layer(cutile_selected, cfg, fuse_norms, fu
 
 @pytest.mark.parametrize("fuse_norms, fuse_ffn", PLANS, ids=["separate", "norms", "ffn"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["stream", "pdl"])
+@pytest.mark.parametrize("fuse_block", [False, True], ids=["kernels", "block"])
+@pytest.mark.parametrize("num_layers", [2, 1])
 def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn, pdl,
-                                           monkeypatch):
+                                           fuse_block, num_layers, monkeypatch):
     """One sequence per chunk, an fp16 input (staged), a misaligned output view and out=:
     every call still matches the reference; with pdl every kernel is launched
-    programmatically, without it none."""
-    cfg = LayerConfig(3, 20, 32, 2, 40, 2)
+    programmatically, without it none; with fuse_block, one whole-block kernel per block."""
+    cfg = LayerConfig(3, 20, 32, 2, 40, num_layers)
     model = make_reference(cfg, seed=7)
     x, mask = make_inputs(cfg, padding_ratio=0.3, seed=8)
     expected = reference_forward(model, x, mask)
-    layer, kernels = _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, pdl=pdl)
+    layer, kernels = _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, pdl=pdl,
+                                     fuse_block=fuse_block)
     monkeypatch.setattr(layer, "chunks", lambda b, s: 1)
     with torch.no_grad():
         assert compare(layer(x, mask), expected).passed
@@ -242,3 +275,4 @@ def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn
         x5, mask5 = make_inputs(other, padding_ratio=0.3, seed=9)
         assert compare(layer(x5, mask5), reference_forward(model, x5, mask5)).passed
     assert set(kernels.programmatic) == {pdl}
+    assert (set(kernels.calls) == {"block_narrow_w8"}) == fuse_block

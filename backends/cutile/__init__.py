@@ -29,7 +29,10 @@ class CutileBackend(Backend):
     official shapes it applies to). lean_pairs: LayerNorm and GELU rows that only a
     one-product GEMM reads are written as one fp16 array, without the low half (off until
     timed on a GPU). pdl: each kernel is launched to start while the one before it finishes
-    (programmatic dependent launch; off until timed on a GPU).
+    (programmatic dependent launch; off until timed on a GPU). fuse_block: where sequences
+    fit (specs.block_constants: up to 128 rows, d_model and ffn_dim up to 128, power-of-two
+    heads) and the build has it, one kernel runs each whole block (off until timed; exported
+    with --sweep).
     """
 
     name = "cutile"
@@ -41,7 +44,7 @@ class CutileBackend(Backend):
 
     def __init__(self, mode: str = "auto", linear_products: int | None = None,
                  fuse_norms: bool = True, fuse_ffn: bool = False, lean_pairs: bool = False,
-                 pdl: bool = False):
+                 pdl: bool = False, fuse_block: bool = False):
         built = sorted(set(specs.GEMM_PRODUCTS["linear_gelu"]) &
                        set(specs.GEMM_PRODUCTS["linear_residual"]) | set(specs.SWEEP_PRODUCTS))
         if linear_products is not None and linear_products not in built:
@@ -53,6 +56,7 @@ class CutileBackend(Backend):
         self.fuse_ffn = fuse_ffn
         self.lean_pairs = lean_pairs
         self.pdl = pdl
+        self.fuse_block = fuse_block
         self._kernels = {}
 
     def kernels(self, device):
@@ -87,8 +91,8 @@ class CutileBackend(Backend):
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
         norms, ffn = fusions(config, self.fuse_norms, self.fuse_ffn)
-        return MemoryPlan({"one sequence": working_bytes_per_sequence(config, None, norms, ffn),
-                           "parameters": param_bytes(config)})
+        one = working_bytes_per_sequence(config, None, norms, ffn, self.fuse_block)
+        return MemoryPlan({"one sequence": one, "parameters": param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):
         products = self.linear_products or linear_products_for(config.d_model)
@@ -98,9 +102,15 @@ class CutileBackend(Backend):
                            {"TM": tm, "TN": tn, "TK": tk, "PRODUCTS": products}):
             raise Unsupported(f"{self.name}: this build has no kernels with {products} fp16 "
                               f"product(s) per weight; export it with --sweep")
+        block = specs.block_constants(config.seq_len, config.d_model, config.num_heads,
+                                      config.ffn_dim, products)
+        if self.fuse_block and block is not None and not kernels.has(
+                specs.variant_name("block_narrow", specs.BLOCK_VARIANT), block):
+            raise Unsupported(f"{self.name}: this build has no whole-block kernel for {block}; "
+                              f"export it with --sweep (official shapes) or use the JIT")
         return CutileLayer(self, config, state_dict, device, dtype, kernels, products,
                            self.fuse_norms, self.fuse_ffn, lean_pairs=self.lean_pairs,
-                           pdl=self.pdl)
+                           pdl=self.pdl, fuse_block=self.fuse_block)
 
     def describe(self):
         """Name, summary, capabilities, and how kernels are launched on this machine."""

@@ -10,7 +10,7 @@ from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
 
-from . import ops
+from . import ops, specs
 from .launch import ProgrammaticLaunches
 
 MAX_GRID_Y = 65535  # attention blocks: sequences x heads in grid dimension y
@@ -36,13 +36,14 @@ def fusions(config, fuse_norms: bool, fuse_ffn: bool) -> tuple[bool, bool]:
     return norms, norms and fuse_ffn
 
 
-def workspace(config, fuse_norms: bool = False,
-              fuse_ffn: bool = False) -> dict[str, tuple[int, torch.dtype]]:
+def workspace(config, fuse_norms: bool = False, fuse_ffn: bool = False,
+              fuse_block: bool = False) -> dict[str, tuple[int, torch.dtype]]:
     """Per-token workspace buffers: name -> (columns, dtype). "rows" holds the normed rows,
     then the context, as an fp16 (hi, lo) pair; "hidden" the FFN's hidden rows likewise,
     padded to a multiple of 8 columns (GELU(0) = 0 in the padding), unless fuse_ffn keeps
     them on chip; with fuse_norms, "normed" holds norm2's rows (out_proj writes them while
-    it still reads the context)."""
+    it still reads the context); with fuse_block, "shadow" is the residual's other half for
+    the whole-block kernel, which reads one and writes the other."""
     d, f = config.d_model, padded(config.ffn_dim)
     buffers = {"residual": (d, torch.float32), "staging": (d, torch.float32),
                "qkv": (3 * d, torch.float16),
@@ -51,13 +52,15 @@ def workspace(config, fuse_norms: bool = False,
         buffers.update(hidden_hi=(f, torch.float16), hidden_lo=(f, torch.float16))
     if fuse_norms:
         buffers.update(normed_hi=(d, torch.float16), normed_lo=(d, torch.float16))
+    if fuse_block:
+        buffers["shadow"] = (d, torch.float32)
     return buffers
 
 
 def working_bytes_per_sequence(config, seq_len: int | None = None, fuse_norms: bool = False,
-                               fuse_ffn: bool = False) -> int:
+                               fuse_ffn: bool = False, fuse_block: bool = False) -> int:
     """Workspace bytes of one sequence (of seq_len tokens, default the config's)."""
-    buffers = workspace(config, fuse_norms, fuse_ffn).values()
+    buffers = workspace(config, fuse_norms, fuse_ffn, fuse_block).values()
     per_token = sum(c * t.itemsize for c, t in buffers)
     return (config.seq_len if seq_len is None else seq_len) * per_token
 
@@ -89,12 +92,16 @@ class CutileLayer(BuiltLayer):
     one kernel runs the whole FFN (ffn_residual_norm): four launches per block. With
     lean_pairs, rows only a one-product GEMM reads (norm1's always, norm2's and the hidden
     rows' at one product) are written as their fp16 hi half alone. With pdl, each kernel is
-    launched to start while the one before it finishes (launch.ProgrammaticLaunches)."""
+    launched to start while the one before it finishes (launch.ProgrammaticLaunches). With
+    fuse_block, where the sequence fits the whole-block kernel (specs.block_constants) and
+    the launcher has it, one launch per block runs it all (block_narrow)."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
-                 fuse_norms: bool, fuse_ffn: bool, lean_pairs: bool = False, pdl: bool = False):
+                 fuse_norms: bool, fuse_ffn: bool, lean_pairs: bool = False, pdl: bool = False,
+                 fuse_block: bool = False):
         super().__init__(backend, config, device, dtype)
         self.pdl = pdl
+        self.fuse_block = fuse_block
         self.kernels = ProgrammaticLaunches(kernels) if pdl else kernels
         self.products = products
         self.lean_pairs = lean_pairs
@@ -111,7 +118,8 @@ class CutileLayer(BuiltLayer):
         # more workspace bytes per token, the rows of a chunk stay far below 2^31.)
         self.chunks = ChunkPlan(
             device,
-            lambda s: working_bytes_per_sequence(config, s, self.fuse_norms, self.fuse_ffn),
+            lambda s: working_bytes_per_sequence(config, s, self.fuse_norms, self.fuse_ffn,
+                                                 self.fuse_block),
             0, MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
@@ -129,7 +137,8 @@ class CutileLayer(BuiltLayer):
             masks = (None, None) if valid is None else (valid[b0:b1], info[b0:b1])
             self._run(x2, masks, out2, b1 - b0, s, work)
         run_in_chunks(x, out, self.chunks(b, s),
-                      workspace(self.config, self.fuse_norms, self.fuse_ffn), run_chunk)
+                      workspace(self.config, self.fuse_norms, self.fuse_ffn, self.fuse_block),
+                      run_chunk)
         return out
 
     def _run(self, x2, masks, out2, batch, s, work):
@@ -151,6 +160,11 @@ class CutileLayer(BuiltLayer):
         direct = out2.dtype == torch.float32 and out2.data_ptr() % 16 == 0
         target = out2 if direct else staging
         final = (self.params.final_weight, self.params.final_bias)
+        if self._whole_blocks(s):
+            self._run_blocks(src, valid, target, layers, final, batch, s, work)
+            if not direct:
+                out2.copy_(staging)
+            return
         for i, (p, w, ffn_in_bias) in enumerate(layers):
             if i == 0 or not self.fuse_norms:
                 self._norm(src, p.norm1_weight, p.norm1_bias, rows, hi_only=self.lean_pairs)
@@ -194,6 +208,33 @@ class CutileLayer(BuiltLayer):
             ops.layer_norm_out(k, src, *final, valid_rows, target)
         if not direct:
             out2.copy_(staging)
+
+    def _whole_blocks(self, seq_len: int) -> bool:
+        """Whether fuse_block applies to sequences of seq_len: they fit the whole-block kernel
+        and the launcher has it."""
+        cfg = self.config
+        constants = specs.block_constants(seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim,
+                                          self.products)
+        name = specs.variant_name("block_narrow", specs.BLOCK_VARIANT)
+        return (self.fuse_block and constants is not None
+                and self.kernels.has(name, constants))
+
+    def _run_blocks(self, src, valid, target, layers, final, batch, s, work) -> None:
+        """One block_narrow launch per block, from src through the residual and its shadow
+        (a kernel reads one, writes the other) into target with the final norm."""
+        cfg = self.config
+        halves = (work["residual"], work["shadow"])
+        x = src
+        for i, (p, w, ffn_in_bias) in enumerate(layers):
+            last = i == len(layers) - 1
+            dst = target if last and target.data_ptr() != x.data_ptr() else halves[i % 2]
+            ops.block_narrow(self.kernels, x.view(batch, s, -1), dst.view(batch, s, -1), valid,
+                             p, w, ffn_in_bias, final if last else None,
+                             num_heads=cfg.num_heads, causal=cfg.causal,
+                             products=self.products)
+            x = dst
+        if x.data_ptr() != target.data_ptr():
+            target.copy_(x)
 
     def _norm(self, x, weight, bias, rows, hi_only: bool) -> None:
         """LayerNorm of x into rows: the fp16 pair, or its hi half alone (hi_only)."""

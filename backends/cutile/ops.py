@@ -6,6 +6,7 @@ import functools
 import torch
 
 from layerbench.common.cuda_host import multiprocessor_count
+from layerbench.common.errors import Unsupported
 
 from . import specs
 
@@ -178,6 +179,31 @@ def ffn_residual_norm(kernels, a, ffn_in, ffn_out, res, valid_rows, out, norm, *
                    (cdiv(out.shape[0], tm), 1, 1),
                    (a[0], a[1], w1[0], w1[1], b1, w2[0], w2[1], b2, res, mask, out, norm[0],
                     norm[1], hi, lo, norm_out, has_mask, is_final))
+
+
+def block_narrow(kernels, x, out, valid, params, weights, ffn_in_bias, final, *,
+                 num_heads: int, causal: bool, products: int) -> None:
+    """out = one whole block (params: the block's LayerParams, weights: its weight pairs,
+    ffn_in_bias padded to a multiple of 8) applied to x ([B, S, d_model] fp32; out another
+    such array); final = (weight, bias) of the final LayerNorm to apply too, or None.
+    Raises Unsupported where the sizes do not fit specs.block_constants."""
+    b, s, d = x.shape
+    constants = specs.block_constants(s, d, num_heads, params.ffn_in_bias.shape[0], products)
+    if constants is None:
+        raise Unsupported(f"the whole-block kernel does not fit sequences of {s}, d_model {d},"
+                          f" {num_heads} heads, ffn_dim {params.ffn_in_bias.shape[0]}")
+    spare = placeholders(x.device)
+    norm = final or (params.norm1_weight, params.norm1_bias)  # unused without final
+    pairs = [weights[n] for n in ("qkv_weight", "out_weight", "ffn_in_weight",
+                                  "ffn_out_weight")]
+    kernels.launch(
+        specs.variant_name("block_narrow", specs.BLOCK_VARIANT), constants,
+        (b, constants["SP"] // constants["QM"], 1),
+        (x, out, spare["valid"] if valid is None else valid, *pairs[0], params.qkv_bias,
+         *pairs[1], params.out_bias, params.norm1_weight, params.norm1_bias,
+         params.norm2_weight, params.norm2_bias, *pairs[2], ffn_in_bias, *pairs[3],
+         params.ffn_out_bias, *norm, (d // num_heads) ** -0.5, num_heads, int(causal),
+         int(valid is not None), int(final is not None)))
 
 
 def key_info(valid: torch.Tensor) -> torch.Tensor:

@@ -89,6 +89,15 @@ KERNELS: dict[str, Kernel] = {
         ("NORM_W", F32_1), ("NORM_B", F32_1), ("NORM_HI", OUT_F16_2), ("NORM_LO", OUT_F16_2),
         ("NORM_OUT", OUT_F32_2), ("has_mask", Scalar("int32")), ("final", Scalar("int32"))),
         ("TM", "TN", "TF", "PRODUCTS")),
+    "block_narrow": Kernel("block", (
+        ("X", Array("float32", 3)), ("OUT", Array("float32", 3, output=True)),
+        ("VALID", Array("uint8", 2, aligned=False)), ("WQKV_HI", F16_2), ("WQKV_LO", F16_2),
+        ("BQKV", F32_1), ("WO_HI", F16_2), ("WO_LO", F16_2), ("BO", F32_1), ("N1_W", F32_1),
+        ("N1_B", F32_1), ("N2_W", F32_1), ("N2_B", F32_1), ("W1_HI", F16_2), ("W1_LO", F16_2),
+        ("B1", F32_1), ("W2_HI", F16_2), ("W2_LO", F16_2), ("B2", F32_1), ("NF_W", F32_1),
+        ("NF_B", F32_1), ("scale", Scalar("float32")), ("num_heads", Scalar("int32")),
+        ("causal", Scalar("int32")), ("has_mask", Scalar("int32")), ("final", Scalar("int32"))),
+        ("SP", "QM", "DP", "HP", "FP", "PRODUCTS")),
     "flash_attention": Kernel("attention", (
         ("QKV", F16_4), ("CTX_HI", Array("float16", 4, output=True)),
         ("CTX_LO", Array("float16", 4, output=True)),
@@ -119,6 +128,10 @@ NORM_GEMM_VARIANTS = ("w8", "occ2")
 VARIANT_GEMM_TILES = ((128, 128, 64), (128, 64, 64))
 VARIANT_ATTENTION_TILES = ((128, 128), (128, 64))
 VARIANT_HEAD_PADS = (32, 64, 128)
+# The whole-block kernel (CutileBackend(fuse_block=True)) runs with eight worker warps: on
+# sm_90 the plain kernel spills 87 stores at 128 rows x 128 wide, head dim 32; with eight,
+# none (58 at head dim 128).
+BLOCK_VARIANT = "w8"
 # Head dim 256 in the sweep: wider key tiles and more query rows, with eight workers.
 SWEEP_HP256 = (((64, 32), ""), ((64, 64), ""), ((64, 64), "w8"), ((64, 32), "w8"),
                ((128, 32), "w8"), ((128, 64), "w8"))
@@ -133,7 +146,8 @@ for _base, _variants in (("linear_half", GEMM_VARIANTS), ("linear_gelu", GEMM_VA
                          ("layer_norm_split", NORM_VARIANTS),
                          ("layer_norm_out", (NORM_VARIANT,)),
                          ("layer_norm_half", (NORM_VARIANT,)),
-                         ("linear_residual_norm", NORM_GEMM_VARIANTS)):
+                         ("linear_residual_norm", NORM_GEMM_VARIANTS),
+                         ("block_narrow", (BLOCK_VARIANT,))):
     for _variant in _variants:
         KERNELS[f"{_base}_{_variant}"] = Kernel(
             KERNELS[_base].module, KERNELS[_base].params, KERNELS[_base].constants,
@@ -216,6 +230,31 @@ ATTENTION_CHOICES = {
 }
 
 
+# The whole-block kernel: query rows per block (fewer where the sequence is shorter), and
+# its limits: rows padded to at most 128, d_model and ffn_dim at most 128, power-of-two heads
+# of at least 8. Exported with --sweep for the official shapes it fits (sequences of 32 and
+# 128; d_model, head dim, ffn width); other fits compile with the JIT.
+BLOCK_ROWS = 64
+BLOCK_MAX = 128
+SWEEP_BLOCKS = ((128, 32, 128), (128, 64, 128), (128, 128, 128), (128, 8, 128), (32, 8, 32))
+SWEEP_BLOCK_SEQS = (32, 128)
+
+
+def block_constants(seq_len: int, d_model: int, num_heads: int, ffn_dim: int,
+                    products: int) -> dict[str, int] | None:
+    """The whole-block kernel's constants for these sizes, or None where it does not fit."""
+    head_dim = d_model // num_heads if num_heads else 0
+    fits = (seq_len <= BLOCK_MAX and d_model <= BLOCK_MAX and ffn_dim <= BLOCK_MAX
+            and head_dim * num_heads == d_model and head_dim >= 8
+            and head_dim & (head_dim - 1) == 0)
+    if not fits:
+        return None
+    sp = max(32, 1 << (seq_len - 1).bit_length())
+    pad = max(8, 1 << (d_model - 1).bit_length())
+    return {"SP": sp, "QM": min(BLOCK_ROWS, sp), "DP": pad, "HP": head_dim,
+            "FP": max(8, 1 << (ffn_dim - 1).bit_length()), "PRODUCTS": products}
+
+
 def sweep_gemm_choices(name: str) -> tuple:
     """Every ((TM, TN, TK), variant) a --sweep build has for GEMM kernel name."""
     return tuple(dict.fromkeys(
@@ -278,6 +317,10 @@ def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
         out += [(variant_name("linear_residual_norm", v),
                  {"TM": rows, "TN": width, "TK": tk, "PRODUCTS": 3})
                 for width in NORM_GEMM_WIDTHS for rows, v in sweep_norm_gemm_choices()]
+    if sweep:
+        block = variant_name("block_narrow", BLOCK_VARIANT)
+        for (dp, hp, fp), seq_len in itertools.product(SWEEP_BLOCKS, SWEEP_BLOCK_SEQS):
+            out.append((block, block_constants(seq_len, dp, dp // hp, fp, 3)))
     for hp in HEAD_PADS:
         choices = sweep_attention_choices(hp) if sweep else ATTENTION_CHOICES[hp]
         out += [(variant_name("flash_attention", variant), {"TM": tm, "TN": tn, "HP": hp})
