@@ -18,9 +18,9 @@ that many launches, so the host's time between launches stays out), each output 
     python bench/cutile_sweep.py sass [--arch sm_90]  # no GPU needed: the build's SASS
 
 "plans" builds the layer with fuse_norms (--plan ffn: fuse_ffn, lean: lean_pairs, pdl: pdl,
-block: fuse_block) on and off, checks both against one reference and times them in alternating rounds;
-"products" does the same for two counts of fp16 products in out_proj and the FFN (a --sweep
-build has 1, 2 and 3).
+block: fuse_block) on and off, checks both against one reference and times them in
+alternating rounds; "products" does the same for two counts of fp16 products in out_proj
+and the FFN (a --sweep build has 1, 2 and 3).
 "sass" prints, per kernel of the build ($LAYERBENCH_CUTILE_BUILD or the default root),
 registers, stack bytes, HGMMA, 16- and 2-byte load counts and spill stores
 (cuobjdump -sass), without a GPU.

@@ -2,10 +2,10 @@
 query rows of one sequence (its rows padded to SP, a power of two), d_model padded to DP and
 the FFN's hidden width padded to FP, and runs norm1, Q/K/V (keys and values from all SP
 rows), attention, out_proj, the residual, norm2, the FFN and its residual (and with final,
-the final LayerNorm) without its rows leaving the chip. The products and roundings are those of the separate kernels: Q/K/V with
-one fp16 product, attention on fp16 Q, K, V and probabilities, out_proj and the FFN with
-PRODUCTS products of fp16 pairs. Heads must have a power-of-two width HP, d_model = heads x
-HP."""
+the final LayerNorm) without its rows leaving the chip. The products and roundings are
+those of the separate kernels: Q/K/V with one fp16 product, attention on fp16 Q, K, V and
+probabilities, out_proj and the FFN with PRODUCTS products of fp16 pairs. Heads must have a
+power-of-two width HP, d_model = heads x HP."""
 import cuda.tile as ct
 
 from .linear import gelu
