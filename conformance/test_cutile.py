@@ -90,7 +90,7 @@ def test_variants_compile_their_hints(cutile_selected, cutile_compiles, tmp_path
 
 def test_whole_block_kernel_compiles_without_spills(cutile_selected, cutile_compiles,
                                                    tmp_path):
-    """The whole-block kernel at 128 rows, d_model 128, head dim 32 (shapes 1-5) on sm_90:
+    """The whole-block kernel at 128 rows, d_model 128, head dim 32 (shapes 1-6) on sm_90:
     HGMMA, no local memory, and the wait programmatic launches rely on."""
     from cuda.tile.compilation import export_kernel
 
@@ -512,20 +512,40 @@ def test_pdl_keeps_the_contract(kernels, number):
     _options_keep_the_contract(number, "pdl")
 
 
-@pytest.mark.parametrize("number", [1, 7, 12, 0], ids=["d128", "d32", "seq32", "one-layer"])
-def test_whole_block_keeps_the_contract(kernels, number):
-    """fuse_block=True (one kernel per block) keeps the contract where the build has it."""
-    _options_keep_the_contract(number, "fuse_block")
+WHOLE_BLOCK_CASES = {  # sizes a --sweep build exports (specs.SWEEP_BLOCKS)
+    "h4-two-chunks": (LayerConfig(2, 128, 128, 4, 128, 2), 0.25),
+    "h4-full": (LayerConfig(2, 128, 128, 4, 128, 1, causal=False), 0.25),
+    "h4-no-padding": (LayerConfig(2, 128, 128, 4, 128, 1), 0.0),
+    "d32": (LayerConfig(2, 128, 32, 4, 32, 2), 0.25),
+    "h16": (LayerConfig(2, 128, 128, 16, 128, 1), 0.25),
+    "h2": (LayerConfig(2, 128, 128, 2, 128, 1), 0.25),
+    "h1": (LayerConfig(2, 128, 128, 1, 128, 1), 0.25),
+    "seq32": (LayerConfig(3, 32, 128, 4, 128, 2), 0.25),
+}
 
 
-def _options_keep_the_contract(number, option):
-    """A CutileBackend option on keeps the contract on CI shape number (0: a one-block stack)
-    with padding, and agrees with it off to rounding."""
+@pytest.mark.parametrize("case", list(WHOLE_BLOCK_CASES))
+def test_whole_block_keeps_the_contract(kernels, case):
+    """fuse_block=True runs one kernel per block (both 64-row halves of 128-row sequences,
+    head dims 8-128, causal or full, with and without padding) and keeps the contract,
+    eager and replayed, agreeing with the separate kernels to rounding; skips where the
+    build lacks the kernel."""
+    cfg, padding = WHOLE_BLOCK_CASES[case]
+    _options_keep_the_contract(cfg, "fuse_block", padding)
+
+
+def _options_keep_the_contract(number, option, padding=0.25):
+    """A CutileBackend option on keeps the contract on CI shape number (0: a one-block stack;
+    or a LayerConfig) with padding, eager, captured and replayed, and agrees with it off to
+    rounding."""
     from layerbench.common.contract import compare
     from layerbench.common.shapes import CI
 
-    cfg = CI[number].config if number else LayerConfig(2, 40, 32, 4, 36, 1)
-    model, x, mask, expected = _layer_case(cfg, 0.25, 41)
+    if isinstance(number, LayerConfig):
+        cfg = number
+    else:
+        cfg = CI[number].config if number else LayerConfig(2, 40, 32, 4, 36, 1)
+    model, x, mask, expected = _layer_case(cfg, padding, 41)
     outs = []
     for on in (True, False):
         try:
@@ -534,11 +554,14 @@ def _options_keep_the_contract(number, option):
         except Unsupported as exc:
             pytest.skip(str(exc))
         assert getattr(layer, option) == on
+        if option == "fuse_block":
+            assert layer._whole_blocks(cfg.seq_len) == on
         with torch.no_grad():
             for _ in range(3):  # eager, captured, replayed
                 outs.append(layer(x, mask).clone())
                 report = compare(outs[-1], expected)
                 assert report.passed, f"{option}={on}: {report.summary()}"
+        assert layer.graphed.graphs and not layer.graphed.uncapturable
     assert (outs[0] - outs[-1]).abs().max().item() < 1e-3
 
 

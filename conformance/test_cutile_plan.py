@@ -15,6 +15,7 @@ from layerbench.backends.cutile import CutileBackend, launch, specs
 from layerbench.backends.cutile.layer import CutileLayer, linear_products_for
 from layerbench.common.config import LayerConfig
 from layerbench.common.contract import compare
+from layerbench.common.errors import Unsupported
 from layerbench.common.inputs import make_inputs
 from layerbench.common.selection import selected_backends
 from layerbench.reference import make_reference, reference_forward
@@ -246,13 +247,43 @@ def test_launch_sequence_computes_the_layer(cutile_selected, cfg, fuse_norms, fu
     assert len(kernels.calls) == per_block * cfg.num_layers + 1, kernels.calls
 
 
+@pytest.mark.parametrize("build, cfg, whole", [
+    ("default", LayerConfig(2, 128, 32, 4, 32, 2), False),
+    ("sweep", LayerConfig(2, 128, 32, 4, 32, 2), True),
+    ("sweep", LayerConfig(2, 100, 32, 4, 32, 2), True),  # padded to 128 rows
+    ("sweep", LayerConfig(2, 64, 32, 4, 32, 1), False),  # 64 rows: not in the build
+], ids=["default", "sweep", "sweep-100", "sweep-64"])
+def test_whole_block_follows_the_build(cutile_selected, build, cfg, whole):
+    """With fuse_block, the layer runs the whole-block kernel where the build has it for the
+    call's length and the separate kernels where it does not, and keeps the contract."""
+    model = make_reference(cfg, seed=11)
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=12)
+    layer, _ = _stand_in_layer(cfg, model, True, False, fuse_block=True)
+    kernels = TorchKernels(DEFAULT_BUILD if build == "default" else SWEEP_BUILD)
+    layer.kernels = kernels
+    with torch.no_grad():
+        assert compare(layer(x, mask), reference_forward(model, x, mask)).passed
+    assert ("block_narrow_w8" in kernels.calls) == whole
+    assert set(kernels.calls) == {"block_narrow_w8"} or not whole
+
+
+def test_whole_block_is_refused_where_the_build_lacks_it(cutile_selected, monkeypatch):
+    """fuse_block with a build that lacks the kernel for the config's own length is refused
+    at build, with the reason."""
+    cfg = LayerConfig(2, 128, 32, 4, 32, 1)
+    backend = CpuCutile(fuse_block=True)
+    monkeypatch.setattr(backend, "kernels", lambda device: TorchKernels(DEFAULT_BUILD))
+    with pytest.raises(Unsupported, match="whole-block"):
+        backend.build(cfg, make_reference(cfg, seed=1).state_dict(), device="cpu")
+
+
 @pytest.mark.parametrize("fuse_norms, fuse_ffn", PLANS, ids=["separate", "norms", "ffn"])
 @pytest.mark.parametrize("pdl", [False, True], ids=["stream", "pdl"])
 @pytest.mark.parametrize("fuse_block", [False, True], ids=["kernels", "block"])
-@pytest.mark.parametrize("num_layers", [2, 1])
+@pytest.mark.parametrize("num_layers", [3, 1])
 def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn, pdl,
                                            fuse_block, num_layers, monkeypatch):
-    """One sequence per chunk, an fp16 input (staged), a misaligned output view and out=:
+    """One sequence per chunk, a misaligned input (staged), a misaligned output view and out=:
     every call still matches the reference; with pdl every kernel is launched
     programmatically, without it none; with fuse_block, one whole-block kernel per block."""
     cfg = LayerConfig(3, 20, 32, 2, 40, num_layers)
@@ -275,4 +306,7 @@ def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn
         x5, mask5 = make_inputs(other, padding_ratio=0.3, seed=9)
         assert compare(layer(x5, mask5), reference_forward(model, x5, mask5)).passed
     assert set(kernels.programmatic) == {pdl}
-    assert (set(kernels.calls) == {"block_narrow_w8"}) == fuse_block
+    if fuse_block:  # one launch per block and chunk: 3 + 3 + 5 one-sequence chunks
+        assert kernels.calls == ["block_narrow_w8"] * num_layers * 11
+    else:
+        assert "block_narrow_w8" not in kernels.calls

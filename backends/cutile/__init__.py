@@ -31,8 +31,8 @@ class CutileBackend(Backend):
     timed on a GPU). pdl: each kernel is launched to start while the one before it finishes
     (programmatic dependent launch; off until timed on a GPU). fuse_block: where sequences
     fit (specs.block_constants: up to 128 rows, d_model and ffn_dim up to 128, power-of-two
-    heads) and the build has it, one kernel runs each whole block (off until timed; exported
-    with --sweep).
+    heads), one kernel runs each whole block (off until timed; a build without the kernel
+    for the config's length is refused, other lengths it lacks run the separate kernels).
     """
 
     name = "cutile"
@@ -106,8 +106,15 @@ class CutileBackend(Backend):
                                       config.ffn_dim, products)
         if self.fuse_block and block is not None and not kernels.has(
                 specs.variant_name("block_narrow", specs.BLOCK_VARIANT), block):
-            raise Unsupported(f"{self.name}: this build has no whole-block kernel for {block}; "
-                              f"export it with --sweep (official shapes) or use the JIT")
+            raise Unsupported(f"{self.name}: this build has no whole-block kernel for {block} "
+                              f"(a --sweep build has those of the official shapes; the JIT "
+                              f"compiles any)")
+        import torch
+
+        device = torch.device(device)
+        if self.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+            raise Unsupported(f"{self.name}: pdl needs sm_90 or later (programmatic "
+                              f"dependent launch)")
         return CutileLayer(self, config, state_dict, device, dtype, kernels, products,
                            self.fuse_norms, self.fuse_ffn, lean_pairs=self.lean_pairs,
                            pdl=self.pdl, fuse_block=self.fuse_block)

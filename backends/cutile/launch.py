@@ -150,8 +150,8 @@ class AotKernels:
 
         kernel, threads = self._kernel(specs.symbol(name, constants))
         stream = core_stream(torch.cuda.current_stream(self.device).cuda_stream)
-        config = LaunchConfig(grid=grid, block=threads,
-                              programmatic_stream_serialization=programmatic)
+        extra = {"programmatic_stream_serialization": True} if programmatic else {}
+        config = LaunchConfig(grid=grid, block=threads, **extra)
         launch(stream, config, kernel, *pack(name, args))
 
 

@@ -1,6 +1,7 @@
 """The cuTile layer: packs the weights as fp16 pairs, plans the workspace, streams the batch
-in chunks and launches five kernels per block where the LayerNorms fit the residual GEMMs'
-epilogues, seven otherwise (replayed from a CUDA graph where it can)."""
+in chunks and launches per block five kernels where the LayerNorms fit the residual GEMMs'
+epilogues, seven otherwise (four with fuse_ffn, one with fuse_block where the sequence fits
+the whole-block kernel), replayed from a CUDA graph where it can."""
 from __future__ import annotations
 
 import torch
