@@ -97,8 +97,8 @@ def test_whole_block_kernel_compiles_without_spills(cutile_selected, cutile_comp
     from bench.sass import kernels as sass_kernels
     from layerbench.backends.cutile.export import kernel_function, signature
 
-    name = specs.variant_name("block_narrow", specs.BLOCK_VARIANT)
     constants = specs.block_constants(128, 128, 4, 128, 3)
+    name = specs.block_kernel(constants)
     export_kernel(kernel_function(name), [signature(name, constants)], tmp_path / "b.cubin",
                   gpu_code="sm_90", output_format="cubin")
     row = sass_kernels(tmp_path / "b.cubin")[specs.symbol(name, constants)]

@@ -263,8 +263,9 @@ def test_whole_block_follows_the_build(cutile_selected, build, cfg, whole):
     layer.kernels = kernels
     with torch.no_grad():
         assert compare(layer(x, mask), reference_forward(model, x, mask)).passed
-    assert ("block_narrow_w8" in kernels.calls) == whole
-    assert set(kernels.calls) == {"block_narrow_w8"} or not whole
+    blocks = [c for c in kernels.calls if c.startswith("block_narrow")]
+    assert bool(blocks) == whole
+    assert blocks == kernels.calls or not whole
 
 
 def test_whole_block_is_refused_where_the_build_lacks_it(cutile_selected, monkeypatch):
@@ -307,6 +308,7 @@ def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn
         assert compare(layer(x5, mask5), reference_forward(model, x5, mask5)).passed
     assert set(kernels.programmatic) == {pdl}
     if fuse_block:  # one launch per block and chunk: 3 + 3 + 5 one-sequence chunks
-        assert kernels.calls == ["block_narrow_w8"] * num_layers * 11
+        assert len(kernels.calls) == num_layers * 11
+        assert all(c.startswith("block_narrow") for c in kernels.calls)
     else:
-        assert "block_narrow_w8" not in kernels.calls
+        assert not any(c.startswith("block_narrow") for c in kernels.calls)

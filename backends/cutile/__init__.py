@@ -105,7 +105,7 @@ class CutileBackend(Backend):
         block = specs.block_constants(config.seq_len, config.d_model, config.num_heads,
                                       config.ffn_dim, products)
         if self.fuse_block and block is not None and not kernels.has(
-                specs.variant_name("block_narrow", specs.BLOCK_VARIANT), block):
+                specs.block_kernel(block), block):
             raise Unsupported(f"{self.name}: this build has no whole-block kernel for {block} "
                               f"(a --sweep build has those of the official shapes; the JIT "
                               f"compiles any)")

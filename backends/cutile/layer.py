@@ -216,9 +216,8 @@ class CutileLayer(BuiltLayer):
         cfg = self.config
         constants = specs.block_constants(seq_len, cfg.d_model, cfg.num_heads, cfg.ffn_dim,
                                           self.products)
-        name = specs.variant_name("block_narrow", specs.BLOCK_VARIANT)
         return (self.fuse_block and constants is not None
-                and self.kernels.has(name, constants))
+                and self.kernels.has(specs.block_kernel(constants), constants))
 
     def _run_blocks(self, src, valid, target, layers, final, batch, s, work) -> None:
         """One block_narrow launch per block, from src through the residual and its shadow

@@ -197,7 +197,7 @@ def block_narrow(kernels, x, out, valid, params, weights, ffn_in_bias, final, *,
     pairs = [weights[n] for n in ("qkv_weight", "out_weight", "ffn_in_weight",
                                   "ffn_out_weight")]
     kernels.launch(
-        specs.variant_name("block_narrow", specs.BLOCK_VARIANT), constants,
+        specs.block_kernel(constants), constants,
         (b, constants["SP"] // constants["QM"], 1),
         (x, out, spare["valid"] if valid is None else valid, *pairs[0], params.qkv_bias,
          *pairs[1], params.out_bias, params.norm1_weight, params.norm1_bias,
