@@ -45,6 +45,13 @@ def biased(acc, BIAS, bn, TN):
     return acc + bias.reshape((1, TN))
 
 
+def output_tile(A_HI, A_LO, W_HI, W_LO, BIAS, OUT, TM, TN, TK, PRODUCTS):
+    """(row tile, column tile, A @ W^T + bias) of this block's [TM, TN] tile of OUT."""
+    bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
+    return bm, bn, biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS),
+                          BIAS, bn, TN)
+
+
 def gelu(x):
     """Exact GELU, 0.5 x (1 + erf(x / sqrt 2))."""
     z = ct.abs(x) * SQRT_HALF
@@ -60,8 +67,7 @@ def linear_half(A_HI, A_LO, W_HI, W_LO, BIAS, OUT,
                 TM: ConstInt, TN: ConstInt, TK: ConstInt, PRODUCTS: ConstInt):
     """OUT (fp16) = A @ W^T + bias."""
     after_previous_kernel()
-    bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
-    acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
+    bm, bn, acc = output_tile(A_HI, A_LO, W_HI, W_LO, BIAS, OUT, TM, TN, TK, PRODUCTS)
     ct.store(OUT, index=(bm, bn), tile=ct.astype(acc, ct.float16))
 
 
@@ -70,8 +76,7 @@ def linear_gelu(A_HI, A_LO, W_HI, W_LO, BIAS, OUT_HI, OUT_LO,
                 TM: ConstInt, TN: ConstInt, TK: ConstInt, PRODUCTS: ConstInt):
     """(OUT_HI, OUT_LO) = GELU(A @ W^T + bias) as an fp16 pair."""
     after_previous_kernel()
-    bm, bn = tile_position(OUT_HI.shape[0], OUT_HI.shape[1], TM, TN)
-    acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
+    bm, bn, acc = output_tile(A_HI, A_LO, W_HI, W_LO, BIAS, OUT_HI, TM, TN, TK, PRODUCTS)
     store_pair(OUT_HI, OUT_LO, (bm, bn), gelu(acc))
 
 
@@ -80,8 +85,7 @@ def linear_gelu_half(A_HI, A_LO, W_HI, W_LO, BIAS, OUT,
                      TM: ConstInt, TN: ConstInt, TK: ConstInt, PRODUCTS: ConstInt):
     """OUT (fp16) = GELU(A @ W^T + bias), for an ffn_out that reads one fp16 product."""
     after_previous_kernel()
-    bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
-    acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
+    bm, bn, acc = output_tile(A_HI, A_LO, W_HI, W_LO, BIAS, OUT, TM, TN, TK, PRODUCTS)
     ct.store(OUT, index=(bm, bn), tile=ct.astype(gelu(acc), ct.float16))
 
 
@@ -107,8 +111,7 @@ def linear_residual(A_HI, A_LO, W_HI, W_LO, BIAS, RES, VALID, OUT, has_mask: int
                     PRODUCTS: ConstInt):
     """OUT (fp32) = RES + A @ W^T + bias, invalid rows as residual_sum. OUT may be RES."""
     after_previous_kernel()
-    bm, bn = tile_position(OUT.shape[0], OUT.shape[1], TM, TN)
-    acc = biased(products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS), BIAS, bn, TN)
+    bm, bn, acc = output_tile(A_HI, A_LO, W_HI, W_LO, BIAS, OUT, TM, TN, TK, PRODUCTS)
     y = residual_sum(acc, RES, VALID, bm, bn, has_mask, zero_sum, TM, TN)
     ct.store(OUT, index=(bm, bn), tile=y)
 
