@@ -475,9 +475,8 @@ def test_fused_ffn_keeps_the_contract(kernels, number):
     and on a one-block stack, agrees with the two FFN kernels to rounding, and needs no
     hidden-row workspace."""
     from layerbench.common.contract import compare
-    from layerbench.common.shapes import CI
 
-    cfg = CI[number].config if number else LayerConfig(2, 40, 32, 4, 36, 1)
+    cfg = _ci_config(number)
     model, x, mask, expected = _layer_case(cfg, 0.25, 43)
     outs, plans = [], []
     for fuse in (True, False):
@@ -496,20 +495,20 @@ def test_fused_ffn_keeps_the_contract(kernels, number):
 @pytest.mark.parametrize("number", [1, 7, 11, 0], ids=["d128", "d32", "h16", "one-layer"])
 def test_fused_norms_keep_the_contract(kernels, number):
     """fuse_norms=True (five launches per block) keeps the contract."""
-    _options_keep_the_contract(number, "fuse_norms")
+    _options_keep_the_contract(_ci_config(number), "fuse_norms")
 
 
 @pytest.mark.parametrize("number", [1, 8, 0], ids=["d128", "d1024", "one-layer"])
 def test_lean_pairs_keep_the_contract(kernels, number):
     """lean_pairs=True (hi halves alone where one product reads them) keeps the contract."""
-    _options_keep_the_contract(number, "lean_pairs")
+    _options_keep_the_contract(_ci_config(number), "lean_pairs")
 
 
 @pytest.mark.parametrize("number", [1, 7, 0], ids=["d128", "d32", "one-layer"])
 def test_pdl_keeps_the_contract(kernels, number):
     """pdl=True (each kernel launched to overlap the one before it) keeps the contract, in
     eager launches and in the replayed graph."""
-    _options_keep_the_contract(number, "pdl")
+    _options_keep_the_contract(_ci_config(number), "pdl")
 
 
 WHOLE_BLOCK_CASES = {  # sizes a --sweep build exports (specs.SWEEP_BLOCKS)
@@ -534,17 +533,18 @@ def test_whole_block_keeps_the_contract(kernels, case):
     _options_keep_the_contract(cfg, "fuse_block", padding)
 
 
-def _options_keep_the_contract(number, option, padding=0.25):
-    """A CutileBackend option on keeps the contract on CI shape number (0: a one-block stack;
-    or a LayerConfig) with padding, eager, captured and replayed, and agrees with it off to
-    rounding."""
-    from layerbench.common.contract import compare
+def _ci_config(number):
+    """The config of CI shape number, or for 0 a one-block stack."""
     from layerbench.common.shapes import CI
 
-    if isinstance(number, LayerConfig):
-        cfg = number
-    else:
-        cfg = CI[number].config if number else LayerConfig(2, 40, 32, 4, 36, 1)
+    return CI[number].config if number else LayerConfig(2, 40, 32, 4, 36, 1)
+
+
+def _options_keep_the_contract(cfg, option, padding=0.25):
+    """A CutileBackend option on keeps the contract on cfg with padding, eager, captured and
+    replayed, and agrees with it off to rounding."""
+    from layerbench.common.contract import compare
+
     model, x, mask, expected = _layer_case(cfg, padding, 41)
     outs = []
     for on in (True, False):
