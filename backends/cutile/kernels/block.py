@@ -8,37 +8,13 @@ probabilities, out_proj and the FFN with PRODUCTS products of fp16 pairs. Heads 
 power-of-two width HP, d_model = heads x HP."""
 import cuda.tile as ct
 
-from .linear import gelu
-from .norm import normalise
+from .linear import gelu, pair_product, weight_tile
+from .norm import normalise, split
 from .order import after_previous_kernel
 
 ConstInt = ct.Constant[int]
 ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634
-
-
-def split(x):
-    """fp32 tile x as an fp16 pair (hi, lo)."""
-    hi = ct.astype(x, ct.float16)
-    return hi, ct.astype(x - ct.astype(hi, ct.float32), ct.float16)
-
-
-def weight_tile(W, row_tile, col_tile, rows, cols):
-    """The [rows, cols] tile of an fp16 weight [N, K] at (row_tile, col_tile), transposed to
-    [cols, rows] for a right-hand operand."""
-    t = ct.load(W, index=(row_tile, col_tile), shape=(rows, cols), padding_mode=ZERO)
-    return ct.transpose(t)
-
-
-def pair_product(a, W_HI, W_LO, row_tile, col_tile, rows, cols, acc, PRODUCTS):
-    """acc + a @ W^T over one weight tile, a = (hi, lo): PRODUCTS fp16 products (1: hi hi,
-    2: + lo hi, 3: + hi lo)."""
-    w_hi = weight_tile(W_HI, row_tile, col_tile, rows, cols)
-    if PRODUCTS >= 2:
-        acc = ct.mma(a[1], w_hi, acc)
-    if PRODUCTS >= 3:
-        acc = ct.mma(a[0], weight_tile(W_LO, row_tile, col_tile, rows, cols), acc)
-    return ct.mma(a[0], w_hi, acc)
 
 
 def vector(V, tile, size):

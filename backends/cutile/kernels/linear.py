@@ -4,7 +4,7 @@ without a transposing copy) as (hi, lo) fp16; PRODUCTS fp16 products per K step 
 2: + A_lo W_hi; 3: + A_hi W_lo), fp32 accumulation. Each kernel has its own epilogue."""
 import cuda.tile as ct
 
-from .norm import normalise, store_pair
+from .norm import normalise, split, store_pair
 from .order import after_previous_kernel
 
 ConstInt = ct.Constant[int]
@@ -23,18 +23,36 @@ def tile_position(M, N, TM, TN):
     return bid // col_tiles, bid % col_tiles
 
 
+def weight_tile(W, row_tile, col_tile, rows, cols):
+    """The [rows, cols] tile of an fp16 weight [N, K] at (row_tile, col_tile), transposed to
+    [cols, rows] for a right-hand operand."""
+    t = ct.load(W, index=(row_tile, col_tile), shape=(rows, cols), padding_mode=ZERO)
+    return ct.transpose(t)
+
+
+def pair_product(a, W_HI, W_LO, row_tile, col_tile, rows, cols, acc, PRODUCTS):
+    """acc + a @ W^T over one weight tile, a = (hi, lo): PRODUCTS fp16 products (1: hi hi,
+    2: + lo hi, 3: + hi lo; a's lo is not read below 2)."""
+    w_hi = weight_tile(W_HI, row_tile, col_tile, rows, cols)
+    if PRODUCTS >= 2:
+        acc = ct.mma(a[1], w_hi, acc)
+    if PRODUCTS >= 3:
+        acc = ct.mma(a[0], weight_tile(W_LO, row_tile, col_tile, rows, cols), acc)
+    return ct.mma(a[0], w_hi, acc)
+
+
 def products(A_HI, A_LO, W_HI, W_LO, bm, bn, TM, TN, TK, PRODUCTS):
-    """The [TM, TN] fp32 tile of A @ W^T at (bm, bn)."""
+    """The [TM, TN] fp32 tile of A @ W^T at (bm, bn). (pair_product's products, written out:
+    loading A's lo after W's hi tile, as here, keeps the kernels' measured sm_90 schedule.)"""
     acc = ct.full((TM, TN), 0.0, dtype=ct.float32)
     for k in range(ct.cdiv(A_HI.shape[1], TK)):
         a_hi = ct.load(A_HI, index=(bm, k), shape=(TM, TK), padding_mode=ZERO)
-        w_hi = ct.transpose(ct.load(W_HI, index=(bn, k), shape=(TN, TK), padding_mode=ZERO))
+        w_hi = weight_tile(W_HI, bn, k, TN, TK)
         if PRODUCTS >= 2:
             a_lo = ct.load(A_LO, index=(bm, k), shape=(TM, TK), padding_mode=ZERO)
             acc = ct.mma(a_lo, w_hi, acc)
         if PRODUCTS >= 3:
-            w_lo = ct.transpose(ct.load(W_LO, index=(bn, k), shape=(TN, TK), padding_mode=ZERO))
-            acc = ct.mma(a_hi, w_lo, acc)
+            acc = ct.mma(a_hi, weight_tile(W_LO, bn, k, TN, TK), acc)
         acc = ct.mma(a_hi, w_hi, acc)
     return acc
 
@@ -163,16 +181,7 @@ def ffn_residual_norm(A_HI, A_LO, W1_HI, W1_LO, B1, W2_HI, W2_LO, B2, RES, VALID
     for f in range(ct.cdiv(W1_HI.shape[0], TF)):
         hidden = gelu(biased(products(A_HI, A_LO, W1_HI, W1_LO, bm, f, TM, TF, TN, PRODUCTS),
                              B1, f, TF))
-        h_hi = ct.astype(hidden, ct.float16)
-        w2_hi = ct.transpose(ct.load(W2_HI, index=(0, f), shape=(TN, TF), padding_mode=ZERO))
-        if PRODUCTS >= 2:
-            h_lo = ct.astype(hidden - ct.astype(h_hi, ct.float32), ct.float16)
-            acc = ct.mma(h_lo, w2_hi, acc)
-        if PRODUCTS >= 3:
-            w2_lo = ct.transpose(ct.load(W2_LO, index=(0, f), shape=(TN, TF),
-                                         padding_mode=ZERO))
-            acc = ct.mma(h_hi, w2_lo, acc)
-        acc = ct.mma(h_hi, w2_hi, acc)
+        acc = pair_product(split(hidden), W2_HI, W2_LO, 0, f, TN, TF, acc, PRODUCTS)
     y = residual_sum(biased(acc, B2, 0, TN), RES, VALID, bm, 0, has_mask, 1, TM, TN)
     store_rows_and_norm(y, bm, OUT, VALID, NORM_W, NORM_B, NORM_HI, NORM_LO, NORM_OUT,
                         has_mask, final, TM, TN)
