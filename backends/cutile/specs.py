@@ -172,10 +172,11 @@ def variant_name(name: str, variant: str) -> str:
 # remove the residual epilogue's spills at 128x128; 128x64 beats 64x64 on 64-128 blocks
 # (for Q/K/V and GELU with eight workers: 35-47% faster than 128x64x32, the plain 128x64x64
 # was not built for them).
+GELU_CHOICES = (((128, 128, 64), "w8"), ((128, 64, 64), "w8"), ((64, 64, 32), ""))
 GEMM_CHOICES = {
     "linear_half": (((128, 128, 64), ""), ((128, 64, 64), "w8"), ((64, 64, 32), "")),
-    "linear_gelu": (((128, 128, 64), "w8"), ((128, 64, 64), "w8"), ((64, 64, 32), "")),
-    "linear_gelu_half": (((128, 128, 64), "w8"), ((128, 64, 64), "w8"), ((64, 64, 32), "")),
+    "linear_gelu": GELU_CHOICES,
+    "linear_gelu_half": GELU_CHOICES,  # the same GEMM and GELU, one fp16 output
     "linear_residual": (((128, 128, 64), "w8"), ((128, 64, 64), ""), ((64, 64, 32), "")),
 }
 # Products per kernel: Q/K/V one (its output is rounded to fp16 for attention anyway),
