@@ -42,6 +42,7 @@ import torch
 from layerbench.backends.cutile import CutileBackend, ops, specs
 from layerbench.backends.cutile.layer import weight_pair
 from layerbench.common import runner
+from layerbench.common.cuda_host import split_fp16
 from layerbench.common.errors import Unsupported
 from layerbench.common.timing import alternating_medians_ms, replayed
 from layerbench.reference import packed_attention
@@ -84,8 +85,7 @@ def _gemm_call(kernels, kind, m, n, k, products, tile, variant, gen):
     a = torch.randn(m, k, device="cuda", generator=gen)
     w = torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)
     bias = torch.randn(n, device="cuda", generator=gen)
-    hi = a.half()
-    a_pair = (hi, (a - hi.float()).half())
+    a_pair = split_fp16(a)
     w_pair = weight_pair(w)
     res = torch.randn(m, n, device="cuda", generator=gen)
     if kind == "half":
@@ -93,7 +93,7 @@ def _gemm_call(kernels, kind, m, n, k, products, tile, variant, gen):
         run = lambda: ops.linear_half(kernels, a_pair, w_pair, bias, out, tile,  # noqa: E731
                                       variant)
         got = lambda r: out[r].float()  # noqa: E731
-        want = lambda r: hi[r].float() @ w_pair[0][:n, :k].float().t() + bias  # noqa: E731
+        want = lambda r: a_pair[0][r].float() @ w_pair[0][:n, :k].float().t() + bias  # noqa: E731
     elif kind == "gelu":
         pair = (torch.empty(m, n, device="cuda", dtype=torch.float16),
                 torch.empty(m, n, device="cuda", dtype=torch.float16))
@@ -179,8 +179,7 @@ def sweep_residual_norm(kernels, cases, rounds, repeats):
     for case in cases:
         m, n, k = (int(v) for v in case.split("x"))
         a = torch.randn(m, k, device="cuda", generator=gen)
-        hi = a.half()
-        a_pair = (hi, (a - hi.float()).half())
+        a_pair = split_fp16(a)
         w = torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)
         bias = torch.randn(n, device="cuda", generator=gen)
         res = torch.randn(m, n, device="cuda", generator=gen)

@@ -14,6 +14,7 @@ import torch
 from layerbench.backends.cutile import CutileBackend, launch, manifest, ops, specs
 from layerbench.backends.cutile.layer import weight_pair
 from layerbench.common.config import LayerConfig
+from layerbench.common.cuda_host import split_fp16
 from layerbench.common.errors import Unsupported
 from layerbench.common.selection import selected_backends
 from layerbench.reference import packed_attention
@@ -379,8 +380,7 @@ def test_linear_residual_norm_kernel(kernels, n, final, zero_sum):
     m, k = 300, 136
     g = torch.Generator(device="cuda").manual_seed(n)
     a = torch.randn(m, k, device="cuda", generator=g)
-    hi = a.half()
-    a_pair = (hi, (a - hi.float()).half())
+    a_pair = split_fp16(a)
     w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
     bias = torch.randn(n, device="cuda", generator=g)
     res = torch.randn(m, n, device="cuda", generator=g)
@@ -429,8 +429,7 @@ def test_ffn_residual_norm_kernel(kernels, n, f, final):
     m = 300
     g = torch.Generator(device="cuda").manual_seed(n + f)
     a = torch.randn(m, n, device="cuda", generator=g)
-    hi = a.half()
-    a_pair = (hi, (a - hi.float()).half())
+    a_pair = split_fp16(a)
     w1 = torch.randn(f, n, device="cuda", generator=g) / math.sqrt(n)
     b1 = torch.randn(f, device="cuda", generator=g)
     w2 = torch.randn(n, f, device="cuda", generator=g) / math.sqrt(f)
