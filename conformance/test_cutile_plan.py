@@ -248,11 +248,13 @@ def test_launch_sequence_computes_the_layer(cutile_selected, cfg, fuse_norms, fu
 
 
 @pytest.mark.parametrize("build, cfg, whole", [
-    ("default", LayerConfig(2, 128, 32, 4, 32, 2), False),
-    ("sweep", LayerConfig(2, 128, 32, 4, 32, 2), True),
+    ("default", LayerConfig(2, 128, 32, 4, 32, 2), True),  # official shape 7's sizes
+    ("default", LayerConfig(2, 32, 32, 4, 32, 2), False),  # 32 rows: a --sweep size only
+    ("default", LayerConfig(2, 128, 64, 4, 64, 1), False),  # in no build
+    ("sweep", LayerConfig(2, 32, 32, 4, 32, 2), True),
     ("sweep", LayerConfig(2, 100, 32, 4, 32, 2), True),  # padded to 128 rows
     ("sweep", LayerConfig(2, 64, 32, 4, 32, 1), False),  # 64 rows: not in the build
-], ids=["default", "sweep", "sweep-100", "sweep-64"])
+], ids=["default", "default-32", "default-d64", "sweep-32", "sweep-100", "sweep-64"])
 def test_whole_block_follows_the_build(cutile_selected, build, cfg, whole):
     """With fuse_block, the layer runs the whole-block kernel where the build has it for the
     call's length and the separate kernels where it does not, and keeps the contract."""
@@ -271,10 +273,23 @@ def test_whole_block_follows_the_build(cutile_selected, build, cfg, whole):
 def test_whole_block_is_refused_where_the_build_lacks_it(cutile_selected, monkeypatch):
     """fuse_block with a build that lacks the kernel for the config's own length is refused
     at build, with the reason."""
-    cfg = LayerConfig(2, 128, 32, 4, 32, 1)
+    cfg = LayerConfig(2, 128, 64, 4, 64, 1)
     backend = CpuCutile(fuse_block=True)
     monkeypatch.setattr(backend, "kernels", lambda device: TorchKernels(DEFAULT_BUILD))
     with pytest.raises(Unsupported, match="whole-block"):
+        backend.build(cfg, make_reference(cfg, seed=1).state_dict(), device="cpu")
+
+
+def test_default_options_follow_the_device_and_the_build(cutile_selected, monkeypatch):
+    """By default a build without the whole-block kernel for the config runs the separate
+    kernels instead of refusing, and PDL is off where the device lacks it (here the CPU)."""
+    cfg = LayerConfig(2, 128, 64, 4, 64, 1)
+    backend = CpuCutile()
+    monkeypatch.setattr(backend, "kernels", lambda device: TorchKernels(DEFAULT_BUILD))
+    layer = backend.build(cfg, make_reference(cfg, seed=1).state_dict(), device="cpu")
+    assert layer.fuse_block and not layer.pdl and not layer._whole_blocks(cfg.seq_len)
+    backend.pdl = True
+    with pytest.raises(Unsupported, match="pdl needs sm_90"):
         backend.build(cfg, make_reference(cfg, seed=1).state_dict(), device="cpu")
 
 

@@ -27,12 +27,13 @@ class CutileBackend(Backend):
     the official shapes it applies to). fuse_ffn: with fused norms, the whole FFN in one
     kernel, its hidden rows kept on chip (4 launches per block; off: slower on 10 of the 11
     official shapes it applies to). lean_pairs: LayerNorm and GELU rows that only a
-    one-product GEMM reads are written as one fp16 array, without the low half (off until
-    timed on a GPU). pdl: each kernel is launched to start while the one before it finishes
-    (programmatic dependent launch; off until timed on a GPU). fuse_block: where sequences
-    fit (specs.block_constants: up to 128 rows, d_model and ffn_dim up to 128, power-of-two
-    heads), one kernel runs each whole block (off until timed; a build without the kernel
-    for the config's length is refused, other lengths it lacks run the separate kernels).
+    one-product GEMM reads are written as one fp16 array, without the low half (off: no
+    faster on the H200). pdl: each kernel is launched to start while the one before it
+    finishes (programmatic dependent launch); None (default) where the device has it (sm_90
+    on), True requires it. fuse_block: where sequences fit (specs.block_constants: up to 128
+    rows, d_model and ffn_dim up to 128, power-of-two heads), one kernel runs each whole
+    block; None (default) where the launcher has that kernel, the separate kernels
+    elsewhere; True refuses a build without the kernel for the config's own length.
     """
 
     name = "cutile"
@@ -44,7 +45,7 @@ class CutileBackend(Backend):
 
     def __init__(self, mode: str = "auto", linear_products: int | None = None,
                  fuse_norms: bool = True, fuse_ffn: bool = False, lean_pairs: bool = False,
-                 pdl: bool = False, fuse_block: bool = False):
+                 pdl: bool | None = None, fuse_block: bool | None = None):
         built = sorted(set(specs.GEMM_PRODUCTS["linear_gelu"]) &
                        set(specs.GEMM_PRODUCTS["linear_residual"]) | set(specs.SWEEP_PRODUCTS))
         if linear_products is not None and linear_products not in built:
@@ -91,7 +92,8 @@ class CutileBackend(Backend):
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
         norms, ffn = fusions(config, self.fuse_norms, self.fuse_ffn)
-        one = working_bytes_per_sequence(config, None, norms, ffn, self.fuse_block)
+        block = self.fuse_block is not False
+        one = working_bytes_per_sequence(config, None, norms, ffn, block)
         return MemoryPlan({"one sequence": one, "parameters": param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):
@@ -104,7 +106,7 @@ class CutileBackend(Backend):
                               f"product(s) per weight; export it with --sweep")
         block = specs.block_constants(config.seq_len, config.d_model, config.num_heads,
                                       config.ffn_dim, products)
-        if self.fuse_block and block is not None and not kernels.has(
+        if self.fuse_block is True and block is not None and not kernels.has(
                 specs.block_kernel(block), block):
             raise Unsupported(f"{self.name}: this build has no whole-block kernel for {block} "
                               f"(a --sweep build has those of the official shapes; the JIT "
@@ -112,12 +114,14 @@ class CutileBackend(Backend):
         import torch
 
         device = torch.device(device)
-        if self.pdl and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        has_pdl = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+        if self.pdl and not has_pdl:
             raise Unsupported(f"{self.name}: pdl needs sm_90 or later (programmatic "
                               f"dependent launch)")
         return CutileLayer(self, config, state_dict, device, dtype, kernels, products,
                            self.fuse_norms, self.fuse_ffn, lean_pairs=self.lean_pairs,
-                           pdl=self.pdl, fuse_block=self.fuse_block)
+                           pdl=has_pdl if self.pdl is None else self.pdl,
+                           fuse_block=self.fuse_block is not False)
 
     def describe(self):
         """Name, summary, capabilities, and how kernels are launched on this machine."""

@@ -113,9 +113,11 @@ def linear_gelu(kernels, a, weight, bias, out, products: int, tile=None,
           tile, variant)
 
 
-def linear_gelu_half(kernels, a, weight, bias, out, products: int) -> None:
+def linear_gelu_half(kernels, a, weight, bias, out, products: int, tile=None,
+                     variant="") -> None:
     """out (fp16) = GELU(a @ weight^T + bias) rounded once, for a one-product ffn_out."""
-    _gemm(kernels, "linear_gelu_half", a, weight, out.shape, products, (bias, out))
+    _gemm(kernels, "linear_gelu_half", a, weight, out.shape, products, (bias, out), tile,
+          variant)
 
 
 def linear_residual(kernels, a, weight, bias, res, valid_rows, out, products: int,

@@ -116,7 +116,7 @@ KERNELS: dict[str, Kernel] = {
 VARIANT_HINTS = {"w8": (("num_worker_warps", 8),), "occ2": (("occupancy", 2),),
                  "occ4": (("occupancy", 4),), "occ8": (("occupancy", 8),),
                  "occ2_w8": (("occupancy", 2), ("num_worker_warps", 8))}
-GEMM_VARIANTS = ("w8", "occ2")  # occ2: unmeasured (K = 128 GEMMs have two K steps)
+GEMM_VARIANTS = ("w8", "occ2")
 ATTENTION_VARIANTS = ("w8", "occ2", "occ2_w8")
 NORM_VARIANTS = ("occ2", "occ4", "occ8")
 # LayerNorm blocks run with occupancy 4 (at most 64 registers a thread): 2.1x faster than
@@ -171,10 +171,11 @@ def variant_name(name: str, variant: str) -> str:
 # wherever it fills the device; eight worker warps speed up the GELU epilogue by 19-27% and
 # remove the residual epilogue's spills at 128x128; 128x64 beats 64x64 on 64-128 blocks
 # (for Q/K/V and GELU with eight workers: 35-47% faster than 128x64x32, the plain 128x64x64
-# was not built for them).
+# was not built for them). Q/K/V at 128x128 with occupancy 2 (C15): 12-36% faster than the
+# plain kernel on every official Q/K/V GEMM; the GELU and residual GEMMs gain nothing.
 GELU_CHOICES = (((128, 128, 64), "w8"), ((128, 64, 64), "w8"), ((64, 64, 32), ""))
 GEMM_CHOICES = {
-    "linear_half": (((128, 128, 64), ""), ((128, 64, 64), "w8"), ((64, 64, 32), "")),
+    "linear_half": (((128, 128, 64), "occ2"), ((128, 64, 64), "w8"), ((64, 64, 32), "")),
     "linear_gelu": GELU_CHOICES,
     "linear_gelu_half": GELU_CHOICES,  # the same GEMM and GELU, one fp16 output
     "linear_residual": (((128, 128, 64), "w8"), ((128, 64, 64), ""), ((64, 64, 32), "")),
@@ -208,8 +209,13 @@ NORM_GEMM_VARIANT = {128: "occ2"}
 FFN_CHUNK = 32  # 64 spills 13-24 stores at width 128 on sm_90
 
 
-# Spill stores accepted in the default build's sm_90 SASS, per symbol (none at present).
-SPILLS_ACCEPTED: dict[str, int] = {}
+# Spill stores accepted in the default build's sm_90 SASS, per symbol: whole-block kernels
+# that spill a little and still beat the separate kernels (C15: shapes 9, 10 and 11).
+SPILLS_ACCEPTED: dict[str, int] = {
+    "block_narrow_SP128_QM64_DP128_HP8_FP128_PRODUCTS3": 32,
+    "block_narrow_w8_SP128_QM64_DP128_HP64_FP128_PRODUCTS3": 2,
+    "block_narrow_w8_SP128_QM64_DP128_HP128_FP128_PRODUCTS3": 58,
+}
 
 
 # Attention choices per padded head dim, ((TM, TN), variant): the first where the grid has
@@ -229,10 +235,13 @@ ATTENTION_CHOICES = {
 
 # The whole-block kernel: query rows per block (fewer where the sequence is shorter), and
 # its limits: rows padded to at most 128, d_model and ffn_dim at most 128, power-of-two heads
-# of at least 8. Exported with --sweep for the official shapes it fits (sequences of 32 and
-# 128; d_model, head dim, ffn width); other fits compile with the JIT.
+# of at least 8. The default build has it for the official shapes that fit
+# ((seq_len, d_model, head dim, ffn_dim) below, at three products), a --sweep build also for
+# SWEEP_BLOCKS at both lengths; other fits compile with the JIT.
 BLOCK_ROWS = 64
 BLOCK_MAX = 128
+BUILD_BLOCKS = ((128, 128, 32, 128), (32, 128, 32, 128), (128, 32, 8, 32),
+                (128, 128, 128, 128), (128, 128, 64, 128), (128, 128, 8, 128))
 SWEEP_BLOCKS = ((128, 32, 128), (128, 64, 128), (128, 128, 128), (128, 8, 128), (32, 8, 32))
 SWEEP_BLOCK_SEQS = (32, 128)
 
@@ -323,10 +332,13 @@ def specialisations(sweep: bool = False) -> list[tuple[str, dict[str, int]]]:
         out += [(variant_name("linear_residual_norm", v),
                  {"TM": rows, "TN": width, "TK": tk, "PRODUCTS": 3})
                 for width in NORM_GEMM_WIDTHS for rows, v in sweep_norm_gemm_choices()]
+    blocks = list(BUILD_BLOCKS)
     if sweep:
-        for (dp, hp, fp), seq_len in itertools.product(SWEEP_BLOCKS, SWEEP_BLOCK_SEQS):
-            constants = block_constants(seq_len, dp, dp // hp, fp, 3)
-            out.append((block_kernel(constants), constants))
+        blocks += [(seq_len, dp, hp, fp) for (dp, hp, fp), seq_len
+                   in itertools.product(SWEEP_BLOCKS, SWEEP_BLOCK_SEQS)]
+    for seq_len, dp, hp, fp in blocks:
+        constants = block_constants(seq_len, dp, dp // hp, fp, 3)
+        out.append((block_kernel(constants), constants))
     for hp in HEAD_PADS:
         choices = sweep_attention_choices(hp) if sweep else ATTENTION_CHOICES[hp]
         out += [(variant_name("flash_attention", variant), {"TM": tm, "TN": tn, "HP": hp})
