@@ -27,8 +27,8 @@ class CutileBackend(Backend):
     the official shapes it applies to). fuse_ffn: with fused norms, the whole FFN in one
     kernel, its hidden rows kept on chip (4 launches per block; off: slower on 10 of the 11
     official shapes it applies to). lean_pairs: LayerNorm and GELU rows that only a
-    one-product GEMM reads are written as one fp16 array, without the low half (off: no
-    faster on the H200). pdl: each kernel is launched to start while the one before it
+    one-product GEMM reads are written as one fp16 array, without the low half (on: 3%
+    faster at d_model 1024, no change where the FFN takes three products). pdl: each kernel is launched to start while the one before it
     finishes (programmatic dependent launch); None (default) where the device has it (sm_90
     on), True requires it. fuse_block: where sequences fit (specs.block_constants: up to 128
     rows, d_model and ffn_dim up to 128, power-of-two heads), one kernel runs each whole
@@ -44,7 +44,7 @@ class CutileBackend(Backend):
               "cubins (aot) or compiles with ct.launch (jit)")
 
     def __init__(self, mode: str = "auto", linear_products: int | None = None,
-                 fuse_norms: bool = True, fuse_ffn: bool = False, lean_pairs: bool = False,
+                 fuse_norms: bool = True, fuse_ffn: bool = False, lean_pairs: bool = True,
                  pdl: bool | None = None, fuse_block: bool | None = None):
         built = sorted(set(specs.GEMM_PRODUCTS["linear_gelu"]) &
                        set(specs.GEMM_PRODUCTS["linear_residual"]) | set(specs.SWEEP_PRODUCTS))
