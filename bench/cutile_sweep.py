@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from layerbench.backends.cutile import CutileBackend, ops, specs
-from layerbench.backends.cutile.layer import weight_pair
+from layerbench.common.cuda_host import weight_pair
 from layerbench.common import runner
 from layerbench.common.cuda_host import split_fp16
 from layerbench.common.errors import Unsupported

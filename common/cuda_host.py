@@ -1,5 +1,6 @@
 """Host-side helpers shared by the CUDA-kernel backends: device facts, the fp16 (hi, lo)
-weight split, uint8 masks, the per-shape chunk plan and the chunk loop."""
+split and padded weight pairs, uint8 masks and per-sequence key extents, the per-shape chunk
+plan and the chunk loop."""
 from __future__ import annotations
 
 import functools
@@ -54,6 +55,47 @@ def split_fp16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi = t.to(torch.float16)
     lo = (t - hi.to(t.dtype)).to(torch.float16)
     return hi.contiguous(), lo.contiguous()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division."""
+    return -(-a // b)
+
+
+def padded(n: int) -> int:
+    """n rounded up to a multiple of 8 (fp16 rows of 16-byte multiples)."""
+    return cdiv(n, 8) * 8
+
+
+def weight_pair(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] as an (hi, lo) fp16 pair [N8, K8], both sizes rounded up to multiples of 8
+    with zeros (the padded columns of a GEMM's output are then bias only)."""
+    n, k = w.shape
+    pair = []
+    for part in split_fp16(w):
+        store = torch.zeros(padded(n), padded(k), dtype=torch.float16, device=w.device)
+        store[:n, :k] = part
+        pair.append(store)
+    return pair[0], pair[1]
+
+
+def padded_vector(v: torch.Tensor) -> torch.Tensor:
+    """v with zeros appended to a multiple of 8 elements."""
+    out = torch.zeros(padded(v.shape[0]), dtype=v.dtype, device=v.device)
+    out[:v.shape[0]] = v
+    return out
+
+
+def key_info(valid: torch.Tensor) -> torch.Tensor:
+    """[B, 4] int32 per sequence of a [B, S] uint8 key mask: the end of its valid keys (last
+    valid + 1, 0 if none), 1 where some key before that end is invalid (the kernel must then
+    read the mask), and two zeros that keep each row 16 bytes long."""
+    s = valid.shape[1]
+    positions = torch.arange(1, s + 1, device=valid.device, dtype=torch.int32)
+    end = (valid.to(torch.int32) * positions).amax(dim=1)
+    holes = valid.sum(dim=1, dtype=torch.int32) != end
+    zero = torch.zeros_like(end)
+    return torch.stack([end, holes.to(torch.int32), zero, zero], dim=1).contiguous()
 
 
 def mask_bytes(valid_token_mask: torch.Tensor | None) -> torch.Tensor | None:

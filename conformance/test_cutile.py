@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from layerbench.backends.cutile import CutileBackend, launch, manifest, ops, specs
-from layerbench.backends.cutile.layer import weight_pair
+from layerbench.common.cuda_host import key_info, weight_pair
 from layerbench.common.config import LayerConfig
 from layerbench.common.cuda_host import split_fp16
 from layerbench.common.errors import Unsupported
@@ -236,7 +236,7 @@ def test_key_info():
     """Key end and the read-mask flag per sequence: prefix, holed, empty and full masks."""
     valid = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]],
                          dtype=torch.uint8)
-    info = ops.key_info(valid)
+    info = key_info(valid)
     assert info.shape == (4, 4) and info.dtype == torch.int32
     assert info[:, 0].tolist() == [2, 3, 0, 4] and info[:, 1].tolist() == [0, 1, 0, 0]
 
@@ -596,7 +596,7 @@ def test_attention_kernel(kernels, head_dim, causal, mask, tile, monkeypatch):
                            dtype=torch.float16) for _ in range(2))
     ops.attention(kernels, qkv.view(batch, seq_len, 3 * heads, head_dim),
                   [t.view(batch, seq_len, heads, head_dim) for t in ctx], valid,
-                  None if valid is None else ops.key_info(valid), num_heads=heads,
+                  None if valid is None else key_info(valid), num_heads=heads,
                   causal=causal)
     got = (ctx[0].float() + ctx[1].float()).view(batch, seq_len, d)
     assert torch.isfinite(got).all()

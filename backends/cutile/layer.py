@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from layerbench.common.cuda_host import ChunkPlan, mask_bytes, run_in_chunks, split_fp16
+from layerbench.common.cuda_host import (ChunkPlan, key_info, mask_bytes, padded, padded_vector,
+                                         run_in_chunks, weight_pair)
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
@@ -15,11 +16,6 @@ from . import ops, specs
 from .launch import ProgrammaticLaunches
 
 MAX_GRID_Y = 65535  # attention blocks: sequences x heads in grid dimension y
-
-
-def padded(n: int) -> int:
-    """n rounded up to a multiple of 8 (fp16 rows of 16-byte multiples)."""
-    return -(-n // 8) * 8
 
 
 def linear_products_for(d_model: int) -> int:
@@ -64,25 +60,6 @@ def working_bytes_per_sequence(config, seq_len: int | None = None, fuse_norms: b
     buffers = workspace(config, fuse_norms, fuse_ffn, fuse_block).values()
     per_token = sum(c * t.itemsize for c, t in buffers)
     return (config.seq_len if seq_len is None else seq_len) * per_token
-
-
-def weight_pair(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] as an (hi, lo) fp16 pair [N8, K8], both sizes rounded up to multiples of 8
-    with zeros (the padded columns of a GEMM's output are then bias only)."""
-    n, k = w.shape
-    pair = []
-    for part in split_fp16(w):
-        store = torch.zeros(padded(n), padded(k), dtype=torch.float16, device=w.device)
-        store[:n, :k] = part
-        pair.append(store)
-    return pair[0], pair[1]
-
-
-def padded_vector(v: torch.Tensor) -> torch.Tensor:
-    """v with zeros appended to a multiple of 8 elements."""
-    out = torch.zeros(padded(v.shape[0]), dtype=v.dtype, device=v.device)
-    out[:v.shape[0]] = v
-    return out
 
 
 class CutileLayer(BuiltLayer):
@@ -131,7 +108,7 @@ class CutileLayer(BuiltLayer):
     def _forward(self, x, valid_token_mask, out=None):
         b, s, _ = x.shape
         valid = mask_bytes(valid_token_mask)
-        info = None if valid is None else ops.key_info(valid)
+        info = None if valid is None else key_info(valid)
         out = torch.empty_like(x) if out is None else out
 
         def run_chunk(b0, b1, x2, out2, work):

@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from layerbench.common.cuda_host import multiprocessor_count
+from layerbench.common.cuda_host import cdiv, multiprocessor_count
 from layerbench.common.errors import Unsupported
 
 from . import specs
@@ -14,11 +14,6 @@ from . import specs
 def power_of_two_at_least(n: int, low: int = 8) -> int:
     """The smallest power of two >= max(n, low)."""
     return max(low, 1 << (max(n, 1) - 1).bit_length())
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
 
 
 @functools.cache
@@ -206,18 +201,6 @@ def block_narrow(kernels, x, out, valid, params, weights, ffn_in_bias, final, *,
          params.norm2_weight, params.norm2_bias, *pairs[2], ffn_in_bias, *pairs[3],
          params.ffn_out_bias, *norm, (d // num_heads) ** -0.5, num_heads, int(causal),
          int(valid is not None), int(final is not None)))
-
-
-def key_info(valid: torch.Tensor) -> torch.Tensor:
-    """[B, 4] int32 per sequence: the end of its valid keys (last valid + 1, 0 if none),
-    1 where some key before that end is invalid (the kernel must then read the mask), and
-    two zeros that keep each row 16 bytes long."""
-    s = valid.shape[1]
-    positions = torch.arange(1, s + 1, device=valid.device, dtype=torch.int32)
-    end = (valid.to(torch.int32) * positions).amax(dim=1)
-    holes = valid.sum(dim=1, dtype=torch.int32) != end
-    zero = torch.zeros_like(end)
-    return torch.stack([end, holes.to(torch.int32), zero, zero], dim=1).contiguous()
 
 
 def attention_choice(batch_heads: int, seq_len: int, head_pad: int, device: torch.device):
