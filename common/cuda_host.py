@@ -4,7 +4,9 @@ plan and the chunk loop."""
 from __future__ import annotations
 
 import functools
+import re
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +50,26 @@ def cuda_tool(name: str) -> str:
     except ImportError:
         pass
     return next((str(c) for c in candidates if c.exists()), name)
+
+
+def cubin_kernels(cubin) -> dict[str, dict]:
+    """Per kernel symbol in a cubin: its parameter sizes in order and its required block size
+    (EIATTR_REQNTID, None if unset), read with cuobjdump -elf."""
+    text = subprocess.run([cuda_tool("cuobjdump"), "-elf", str(cubin)], check=True,
+                          capture_output=True, text=True).stdout
+    info = {}
+    for section in re.split(r"\n(?=\.nv\.info\.)", text):
+        head = re.match(r"\.nv\.info\.(\w+)", section)
+        if not head:
+            continue
+        params = re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*0x[0-9a-f]+\s+"
+                            r"Size\s*:\s*(0x[0-9a-f]+)", section)
+        threads = re.search(r"EIATTR_REQNTID\s+Format:\s*\w+\s+Value:\s*(0x[0-9a-f]+)\s+"
+                            r"(0x[0-9a-f]+)\s+(0x[0-9a-f]+)", section)
+        info[head.group(1)] = {
+            "params": [int(s, 16) for _, s in sorted(params, key=lambda p: int(p[0], 16))],
+            "threads": [int(v, 16) for v in threads.groups()] if threads else None}
+    return info
 
 
 def split_fp16(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +118,21 @@ def key_info(valid: torch.Tensor) -> torch.Tensor:
     holes = valid.sum(dim=1, dtype=torch.int32) != end
     zero = torch.zeros_like(end)
     return torch.stack([end, holes.to(torch.int32), zero, zero], dim=1).contiguous()
+
+
+def float_rows(x2: torch.Tensor, out2: torch.Tensor,
+               staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, target) rows for kernels that read and write fp32 rows at 16-byte aligned
+    addresses: x2 and out2 where they are, else staging (x2 copied into it). Both may be
+    staging: the source is read before the target is written. The caller copies a staged
+    target into out2."""
+    def usable(t):
+        return t.dtype == torch.float32 and t.data_ptr() % 16 == 0
+    src = x2
+    if not usable(x2):
+        staging.copy_(x2)
+        src = staging
+    return src, out2 if usable(out2) else staging
 
 
 def mask_bytes(valid_token_mask: torch.Tensor | None) -> torch.Tensor | None:

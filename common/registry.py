@@ -26,6 +26,7 @@ BUILTIN = {
     "triton": "layerbench.backends.triton:TritonBackend",
     "wmma": "layerbench.backends.wmma:WmmaBackend",
     "cutile": "layerbench.backends.cutile:CutileBackend",
+    "cupy": "layerbench.backends.cupy:CupyBackend",
 }
 
 # The plain-PyTorch forms every table ranks against; torch-baseline is the speedup denominator.

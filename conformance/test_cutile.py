@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from layerbench.backends.cutile import CutileBackend, launch, manifest, ops, specs
-from layerbench.common.cuda_host import key_info, weight_pair
 from layerbench.common.config import LayerConfig
-from layerbench.common.cuda_host import split_fp16
+from layerbench.common.cuda_host import key_info, split_fp16, weight_pair
 from layerbench.common.errors import Unsupported
 from layerbench.common.selection import selected_backends
 from layerbench.reference import packed_attention
@@ -75,14 +74,15 @@ def test_variants_compile_their_hints(cutile_selected, cutile_compiles, tmp_path
     worker warps give linear_half at 128x128 a third warp group (sm_90, cuobjdump -elf)."""
     from cuda.tile.compilation import export_kernel
 
-    from layerbench.backends.cutile.export import kernel_function, kernel_info, signature
+    from layerbench.backends.cutile.export import kernel_function, signature
+    from layerbench.common.cuda_host import cubin_kernels
 
     tile = {"TM": 128, "TN": 128, "TK": 64, "PRODUCTS": 1}
     threads = {}
     for name in ("linear_half", "linear_half_w8"):
         export_kernel(kernel_function(name), [signature(name, tile)], tmp_path / f"{name}.cubin",
                       gpu_code="sm_90", output_format="cubin")
-        info = kernel_info(tmp_path / f"{name}.cubin")
+        info = cubin_kernels(tmp_path / f"{name}.cubin")
         assert list(info) == [specs.symbol(name, tile)]
         threads[name] = info[specs.symbol(name, tile)]["threads"][0]
     assert threads == {"linear_half": 256, "linear_half_w8": 384}

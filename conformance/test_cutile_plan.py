@@ -20,34 +20,7 @@ from layerbench.common.inputs import make_inputs
 from layerbench.common.selection import selected_backends
 from layerbench.reference import make_reference, reference_forward
 
-
-def _pair(y: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
-    """Store fp32 y as the fp16 pair (hi, lo)."""
-    hi.copy_(y.half())
-    lo.copy_((y - hi.float()).half())
-
-
-def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.layer_norm(x, (x.shape[1],), w, b, eps=1e-5)
-
-
-def _products(a_hi, a_lo, w_hi, w_lo, n: int, products: int) -> torch.Tensor:
-    """A @ W^T over the first n rows of W and the columns of A, by PRODUCTS fp16 products."""
-    k = a_hi.shape[1]
-    wh, wl = w_hi[:n, :k].float(), w_lo[:n, :k].float()
-    acc = a_hi.float() @ wh.t()
-    if products >= 2:
-        acc += a_lo.float() @ wh.t()
-    if products >= 3:
-        acc += a_hi.float() @ wl.t()
-    return acc
-
-
-def _residual(acc, res, valid, has_mask: int, zero_sum: int) -> torch.Tensor:
-    if not has_mask:
-        return res + acc
-    keep = valid[: res.shape[0]].bool()[:, None]
-    return torch.where(keep, res + acc, 0.0) if zero_sum else res + torch.where(keep, acc, 0.0)
+from standins import _norm, _pair, _products, _residual
 
 
 def _rows_and_norm(y, valid, out, norm_w, norm_b, norm_hi, norm_lo, norm_out, has_mask, final):

@@ -8,11 +8,11 @@ import functools
 import importlib
 import json
 import os
-import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+
+from layerbench.common.cuda_host import cubin_kernels
 
 from . import specs
 from .manifest import ARCHS, CALLING_CONVENTION, INDEX_BITS, build_dir
@@ -59,28 +59,6 @@ def kernel_function(name: str):
     return function.replace_hints(**dict(kernel.hints)) if kernel.hints else function
 
 
-def kernel_info(cubin) -> dict[str, dict]:
-    """Per kernel symbol in a cubin: its parameter sizes in order and its required block size
-    (EIATTR_REQNTID), read with cuobjdump -elf."""
-    from layerbench.common.cuda_host import cuda_tool
-
-    text = subprocess.run([cuda_tool("cuobjdump"), "-elf", str(cubin)], check=True,
-                          capture_output=True, text=True).stdout
-    info = {}
-    for section in re.split(r"\n(?=\.nv\.info\.)", text):
-        head = re.match(r"\.nv\.info\.(\w+)", section)
-        if not head:
-            continue
-        params = re.findall(r"Ordinal\s*:\s*(0x[0-9a-f]+)\s+Offset\s*:\s*0x[0-9a-f]+\s+"
-                            r"Size\s*:\s*(0x[0-9a-f]+)", section)
-        threads = re.search(r"EIATTR_REQNTID\s+Format:\s*\w+\s+Value:\s*(0x[0-9a-f]+)\s+"
-                            r"(0x[0-9a-f]+)\s+(0x[0-9a-f]+)", section)
-        info[head.group(1)] = {
-            "params": [int(s, 16) for _, s in sorted(params, key=lambda p: int(p[0], 16))],
-            "threads": [int(v, 16) for v in threads.groups()] if threads else None}
-    return info
-
-
 COMPILER_CRASH_RETRIES = 2
 
 
@@ -101,7 +79,7 @@ def export_group(arch: str, name: str, constant_sets: list[dict[str, int]], fold
             if not str(error).startswith("Return code -") or attempt == COMPILER_CRASH_RETRIES:
                 raise
             print(f"{arch} {name}: tileiras crashed, compiling again", file=sys.stderr)
-    info = kernel_info(f"{folder}/{name}.cubin")
+    info = cubin_kernels(f"{folder}/{name}.cubin")
     entries = []
     for c in constant_sets:
         symbol = specs.symbol(name, c)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from layerbench.common.cuda_host import (ChunkPlan, key_info, mask_bytes, padded, padded_vector,
-                                         run_in_chunks, weight_pair)
+from layerbench.common.cuda_host import (ChunkPlan, float_rows, key_info, mask_bytes, padded,
+                                         padded_vector, run_in_chunks, weight_pair)
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
@@ -130,13 +130,9 @@ class CutileLayer(BuiltLayer):
         hidden = None if self.fuse_ffn else (work["hidden_hi"], work["hidden_lo"])
         heads = [t.view(batch, s, h, d // h) for t in rows]
         qkv_heads = qkv.view(batch, s, 3 * h, d // h)
-        src = x2
-        if x2.dtype != torch.float32 or x2.data_ptr() % 16:
-            staging.copy_(x2)
-            src = staging
+        src, target = float_rows(x2, out2, staging)
+        direct = target is out2
         layers = list(zip(self.params.layers, self.weights, self.ffn_in_biases))
-        direct = out2.dtype == torch.float32 and out2.data_ptr() % 16 == 0
-        target = out2 if direct else staging
         final = (self.params.final_weight, self.params.final_bias)
         if self._whole_blocks(s):
             self._run_blocks(src, valid, target, layers, final, batch, s, work)

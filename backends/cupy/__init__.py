@@ -1,0 +1,69 @@
+"""cupy: the whole stack as CUDA C++ compiled at run time by NVRTC through cupy.RawModule, on
+PTX-level tensor-core instructions (mma.sync, ldmatrix, cp.async)."""
+from __future__ import annotations
+
+from layerbench.common.errors import Unsupported
+from layerbench.common.interface import Backend, Capabilities
+from layerbench.common.memory import MemoryPlan
+from layerbench.common.params import param_bytes
+
+from . import build
+from .layer import CupyLayer, linear_products_for, working_bytes_per_sequence
+
+HEAD_DIMS = tuple(range(8, 257, 8))
+
+
+class CupyBackend(Backend):
+    """The stack in NVRTC-compiled kernels: LayerNorm, split-fp16 GEMMs with fused epilogues
+    and flash attention on mma.sync; replayed as one CUDA graph where the input allows.
+
+    linear_products: fp16 products of out_proj and the FFN (1 or 3; default 1 from d_model
+    512 on, 3 below).
+    """
+
+    name = "cupy"
+    summary = "CuPy RawModule (NVRTC): mma.sync GEMMs and flash attention, CUDA graph"
+    capabilities = Capabilities(
+        devices=("cuda",), head_dims=HEAD_DIMS,
+        notes="sm_80+; fp32 residual stream; kernels compiled at run time by NVRTC")
+
+    def __init__(self, linear_products: int | None = None):
+        if linear_products not in (None, 1, 3):
+            raise ValueError(f"cupy linear_products must be 1 or 3, not {linear_products}")
+        self.linear_products = linear_products
+
+    def unavailable_reason(self, device):
+        """CuPy must import, the CUDA headers must be found, and the device must have compute
+        capability 8.0 or newer."""
+        try:
+            import cupy  # noqa: F401
+        except ImportError as exc:
+            return f"CuPy is not installed ({exc}); pip install '.[cupy]'"
+        try:
+            build.cuda_include()
+        except Unsupported as exc:
+            return str(exc)
+        import torch
+
+        if device.type == "cuda" and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(device)
+            if major < 8:
+                return f"needs compute capability 8.0 or newer, not {major}.{minor}"
+        return None
+
+    def check(self, config, device, dtype):
+        """The interface's checks, plus 32-bit row counts in the kernels."""
+        if config.seq_len * config.num_heads >= 2 ** 31:
+            raise Unsupported(f"{self.name}: seq_len x num_heads must stay below 2^31")
+        super().check(config, device, dtype)
+
+    def memory_plan(self, config, dtype):
+        """One sequence's workspace (the layer streams the batch) plus the packed weights."""
+        return MemoryPlan({"one sequence": working_bytes_per_sequence(config),
+                           "parameters": param_bytes(config)})
+
+    def _build(self, config, state_dict, device, dtype):
+        from .ops import kernels_for
+
+        products = self.linear_products or linear_products_for(config.d_model)
+        return CupyLayer(self, config, state_dict, device, dtype, kernels_for(device), products)

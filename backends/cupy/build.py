@@ -1,0 +1,146 @@
+"""Run-time compilation of the cupy kernels: the CUDA headers NVRTC needs, the one module
+source, its options and its template instantiations; on a GPU through cupy.RawModule (cached
+per architecture), on any machine through cuda-python's NVRTC bindings."""
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+from layerbench.common.errors import Unsupported
+
+SOURCE_DIR = Path(__file__).resolve().parent
+SOURCES = ("norm.cu", "linear.cu", "attention.cu")  # one module, in this order
+HEADERS = ("common.cuh",)
+ARCHES = ("80", "90")  # the CPU test compiles for both
+HEADER = "cuda_fp16.h"  # the one toolkit header the kernels include
+
+# Template instantiations the backend launches, as NVRTC name expressions.
+NORM_OUTPUTS = {"pair": 0, "half": 1, "float": 2}
+EPILOGUES = {"half": 0, "gelu_pair": 1, "residual": 2}
+GEMM_TILES = ((128, 128, 2, 4), (64, 64, 2, 2))  # (BM, BN, warps along M, warps along N)
+GEMM_PRODUCTS = (1, 3)
+ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
+                   128: ((64, 64),), 256: ((64, 32),)}  # padded head dim -> (BQ, BKV)
+
+
+def norm_name(output: str) -> str:
+    """Name expression of the LayerNorm kernel writing output ("pair", "half" or "float")."""
+    return f"lb::layer_norm<{NORM_OUTPUTS[output]}>"
+
+
+def gemm_name(tile, products: int, epilogue: str) -> str:
+    """Name expression of the GEMM kernel for tile (BM, BN, WM, WN), products and epilogue."""
+    bm, bn, wm, wn = tile
+    return f"lb::linear<{bm}, {bn}, {wm}, {wn}, {products}, {EPILOGUES[epilogue]}>"
+
+
+def attention_name(head_pad: int, bq: int, bkv: int) -> str:
+    """Name expression of flash attention at a padded head dim with BQ queries, BKV keys."""
+    return f"lb::flash_attention<{head_pad}, {bq}, {bkv}>"
+
+
+def name_expressions() -> list[str]:
+    """Every kernel instantiation of the module."""
+    names = [norm_name(o) for o in NORM_OUTPUTS]
+    names += [gemm_name(t, p, e) for t in GEMM_TILES for p in GEMM_PRODUCTS for e in EPILOGUES]
+    names += [attention_name(hp, bq, bkv) for hp, tiles in ATTENTION_TILES.items()
+              for bq, bkv in tiles]
+    return names
+
+
+def module_source() -> str:
+    """The module's source: each kernel file included once, headers found in SOURCE_DIR."""
+    return "".join(f'#include "{name}"\n' for name in SOURCES)
+
+
+def include_candidates() -> list[Path]:
+    """Folders that may hold the toolkit headers, in order: $CUDA_HOME, $CUDA_PATH, the
+    NVIDIA pip packages, /usr/local/cuda."""
+    found = [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH")
+             if os.environ.get(v)]
+    try:
+        import nvidia
+        for root in nvidia.__path__:
+            found += [Path(root) / sub / "include" for sub in ("cu13", "cu12", "cuda_runtime")]
+    except ImportError:
+        pass
+    found.append(Path("/usr/local/cuda/include"))
+    return found
+
+
+@functools.cache
+def cuda_include() -> str:
+    """The first candidate folder holding cuda_fp16.h; Unsupported naming those tried."""
+    candidates = include_candidates()
+    for folder in candidates:
+        if (folder / HEADER).exists():
+            return str(folder)
+    raise Unsupported(f"cupy: no CUDA headers ({HEADER}) in " +
+                      ", ".join(str(c) for c in candidates) +
+                      "; set CUDA_HOME or pip install nvidia-cuda-runtime")
+
+
+def options(arch: str | None = None) -> tuple[str, ...]:
+    """NVRTC options, for one architecture ("90" for sm_90) or, without one, for CuPy to add
+    the device's. No fast math: exact GELU needs erff, and the contract leaves no room for
+    approximate division."""
+    target = (f"--gpu-architecture=sm_{arch}",) if arch else ()
+    return ("-std=c++17", *target, f"-I{SOURCE_DIR}", f"-I{cuda_include()}")
+
+
+def source_files() -> list[Path]:
+    """Every file the module is built from."""
+    return [SOURCE_DIR / n for n in SOURCES + HEADERS]
+
+
+def compile_with_nvrtc(arch: str) -> tuple[bytes, dict[str, str]]:
+    """Compile the module with cuda-python's NVRTC to a cubin for arch, without a GPU: (cubin,
+    name expression -> lowered symbol). Raises RuntimeError with the compiler log on error
+    or warning."""
+    from cuda.bindings import nvrtc
+
+    def check(result, log=""):
+        if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"NVRTC: {result[0]}\n{log}")
+        return result[1:] if len(result) > 2 else (result[1] if len(result) == 2 else None)
+
+    program = check(nvrtc.nvrtcCreateProgram(module_source().encode(), b"layerbench_cupy.cu",
+                                             0, [], []))
+    names = name_expressions()
+    for name in names:
+        check(nvrtc.nvrtcAddNameExpression(program, name.encode()))
+    flags = [o.encode() for o in options(arch)]
+    result = nvrtc.nvrtcCompileProgram(program, len(flags), flags)
+    size = check(nvrtc.nvrtcGetProgramLogSize(program))
+    log = bytearray(size)
+    check(nvrtc.nvrtcGetProgramLog(program, log))
+    text = log.decode(errors="replace").rstrip("\x00").strip()
+    check(result, text)
+    if "warning" in text:
+        raise RuntimeError(f"NVRTC warnings for sm_{arch}:\n{text}")
+    size = check(nvrtc.nvrtcGetCUBINSize(program))
+    cubin = bytearray(size)
+    check(nvrtc.nvrtcGetCUBIN(program, cubin))
+    lowered = {n: check(nvrtc.nvrtcGetLoweredName(program, n.encode())).decode() for n in names}
+    check(nvrtc.nvrtcDestroyProgram(program))
+    return bytes(cubin), lowered
+
+
+def device_arch(device) -> str:
+    """The compute capability of device as digits, e.g. '90'."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+@functools.cache
+def module_for(arch: str):
+    """The cupy.RawModule of the kernels for the current device, whose architecture is
+    arch, compiled once per process and architecture (CuPy keeps compiled modules in its
+    own disk cache across processes)."""
+    import cupy
+
+    return cupy.RawModule(code=module_source(), options=options(),
+                          name_expressions=name_expressions(), backend="nvrtc")

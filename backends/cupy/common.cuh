@@ -1,0 +1,71 @@
+// PTX-level building blocks of the cupy kernels: cp.async copies, ldmatrix fragment loads,
+// mma.sync tensor-core products, fp16 pair splitting and exact GELU. sm_80 and later.
+#pragma once
+#include <cuda_fp16.h>
+
+namespace lb {
+
+// 16 bytes global -> shared, asynchronously; when valid is false the 16 bytes are zero-filled
+// and nothing is read (src must still be a mapped address: pass the tensor's base).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+    unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dst), "l"(gmem), "r"(bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+// Wait until at most N committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N));
+}
+
+// Four 8x8 fp16 matrices from shared memory; lane l gives the address of row (l % 8) of
+// matrix l / 8, and receives in r[i] its two elements of matrix i (row l / 4, columns
+// 2 (l % 4) and 2 (l % 4) + 1), or with trans those of the transposed matrix.
+__device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const void* smem) {
+    unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned r[4], const void* smem) {
+    unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+// d += a (16x16, row-major fragment) * b (16x8, column-major fragment), fp32 accumulators.
+// Fragments (g = lane / 4, t = lane % 4): a[0] row g cols 2t..2t+1, a[1] row g+8, a[2] row g
+// cols 2t+8.., a[3] row g+8 cols 2t+8..; b[0] k 2t..2t+1 col g, b[1] k 2t+8..; d[0..1] row g
+// cols 2t..2t+1, d[2..3] row g+8.
+__device__ __forceinline__ void mma16816(float d[4], const unsigned a[4], const unsigned b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two floats as one register of two fp16 (the first in the low half).
+__device__ __forceinline__ unsigned pack_half2(float x, float y) {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<unsigned*>(&h);
+}
+
+// x = hi + lo in fp16, to about 22 bits.
+__device__ __forceinline__ void split_half(float x, __half& hi, __half& lo) {
+    hi = __float2half_rn(x);
+    lo = __float2half_rn(x - __half2float(hi));
+}
+
+// Exact GELU, x * Phi(x), with the libdevice erf.
+__device__ __forceinline__ float gelu(float x) {
+    return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
+}
+
+}  // namespace lb

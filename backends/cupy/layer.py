@@ -1,0 +1,107 @@
+"""The cupy layer: packs the weights as fp16 pairs, plans the workspace, streams the batch in
+chunks and launches seven kernels per block, replayed from a CUDA graph where it can."""
+from __future__ import annotations
+
+import torch
+
+from layerbench.common.cuda_host import (ChunkPlan, float_rows, key_info, mask_bytes, padded,
+                                         padded_vector, run_in_chunks, weight_pair)
+from layerbench.common.graphs import GraphedForward
+from layerbench.common.interface import BuiltLayer
+from layerbench.common.params import pack_params
+
+from . import ops
+
+MAX_GRID_Y = 65535  # attention blocks: sequences x heads in grid dimension y
+WEIGHTS = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
+
+
+def linear_products_for(d_model: int) -> int:
+    """fp16 products of out_proj and the FFN: 1 (activations rounded to fp16) from d_model
+    512 on, where the GEMMs are bound by the tensor cores; 3 (activations and weights split)
+    below, where one product costs more of the contract's margin."""
+    return 1 if d_model >= 512 else 3
+
+
+def workspace(config) -> dict[str, tuple[int, torch.dtype]]:
+    """Per-token workspace buffers: name -> (columns, dtype). "rows" holds the normed rows,
+    then the context, as an fp16 (hi, lo) pair; "hidden" the FFN's hidden rows, padded to a
+    multiple of 8 columns (GELU(0) = 0 there)."""
+    d, f = config.d_model, padded(config.ffn_dim)
+    return {"residual": (d, torch.float32), "staging": (d, torch.float32),
+            "qkv": (3 * d, torch.float16), "rows_hi": (d, torch.float16),
+            "rows_lo": (d, torch.float16), "hidden_hi": (f, torch.float16),
+            "hidden_lo": (f, torch.float16)}
+
+
+def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
+    """Workspace bytes of one sequence (of seq_len tokens, default the config's)."""
+    per_token = sum(c * t.itemsize for c, t in workspace(config).values())
+    return (config.seq_len if seq_len is None else seq_len) * per_token
+
+
+class CupyLayer(BuiltLayer):
+    """Per block: norm1 (fp16, read by one product), Q/K/V, attention, out_proj + residual,
+    norm2, ffn_in + GELU, ffn_out + residual (one or three fp16 products each); the final
+    norm into the output."""
+
+    def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int):
+        super().__init__(backend, config, device, dtype)
+        self.kernels = kernels
+        self.products = products
+        self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
+        self.weights = [{n: weight_pair(getattr(p, n)) for n in WEIGHTS}
+                        for p in self.params.layers]
+        self.ffn_in_biases = [padded_vector(p.ffn_in_bias) for p in self.params.layers]
+        for p in self.params.layers:  # the fp16 pairs replace the fp32 matrices
+            for n in WEIGHTS:
+                setattr(p, n, None)
+        self.chunks = ChunkPlan(device, lambda s: working_bytes_per_sequence(config, s), 0,
+                                MAX_GRID_Y // config.num_heads)
+        self.graphed = GraphedForward(self._forward)
+
+    def forward(self, x, valid_token_mask, out=None):
+        """Run the kernels, through a CUDA graph once these input buffers repeat."""
+        return self.graphed(x, valid_token_mask, out)
+
+    def _forward(self, x, valid_token_mask, out=None):
+        b, s, _ = x.shape
+        valid = mask_bytes(valid_token_mask)
+        info = None if valid is None else key_info(valid)
+        out = torch.empty_like(x) if out is None else out
+
+        def run_chunk(b0, b1, x2, out2, work):
+            masks = (None, None) if valid is None else (valid[b0:b1], info[b0:b1])
+            self._run(x2, masks, out2, b1 - b0, s, work)
+        run_in_chunks(x, out, self.chunks(b, s), workspace(self.config), run_chunk)
+        return out
+
+    def _run(self, x2, masks, out2, batch, s, work):
+        """The stack on one chunk of sequences (x2, out2: [tokens, d_model] views)."""
+        cfg, k, products = self.config, self.kernels, self.products
+        valid, info = masks
+        valid_rows = None if valid is None else valid.reshape(-1)
+        res, qkv = work["residual"], work["qkv"]
+        rows = (work["rows_hi"], work["rows_lo"])
+        hidden = (work["hidden_hi"], work["hidden_lo"])
+        src, target = float_rows(x2, out2, work["staging"])
+        for p, w, ffn_in_bias in zip(self.params.layers, self.weights, self.ffn_in_biases):
+            ops.layer_norm(k, src, p.norm1_weight, p.norm1_bias, half=rows[0])
+            ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv)
+            ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
+                          num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal)
+            ops.linear(k, rows, w["out_weight"], p.out_bias, "residual", products, res=src,
+                       out=res, valid_rows=valid_rows, zero_sum=False)
+            if products == 1:
+                ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, half=rows[0])
+            else:
+                ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, pair=rows)
+            ops.linear(k, rows, w["ffn_in_weight"], ffn_in_bias, "gelu_pair", products,
+                       out_pair=hidden)
+            ops.linear(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, "residual", products,
+                       res=res, out=res, valid_rows=valid_rows, zero_sum=True)
+            src = res
+        ops.layer_norm(k, src, self.params.final_weight, self.params.final_bias, out=target,
+                       valid_rows=valid_rows)
+        if target is not out2:
+            out2.copy_(target)

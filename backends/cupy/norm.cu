@@ -1,0 +1,71 @@
+// LayerNorm of fp32 rows, one warp per row: to an fp16 (hi, lo) pair, to fp16 alone, or to
+// fp32 with invalid rows zeroed.
+#include "common.cuh"
+
+namespace lb {
+
+enum NormOut { PAIR = 0, ONE_HALF = 1, FLOAT = 2 };
+
+constexpr int NORM_WARPS = 4;  // rows per block
+
+// Row r of x ([M, D], D a multiple of 4, rows 16-byte aligned): y = (x - mean) / sqrt(var +
+// eps) * weight + bias, the variance from a second pass over the row. PAIR writes hi and lo,
+// ONE_HALF hi alone, FLOAT writes out_f, 0 on rows whose valid byte is 0 (valid may be null).
+template <int OUT>
+__global__ void __launch_bounds__(NORM_WARPS * 32)
+layer_norm(const float* __restrict__ x, long long x_stride, const float* __restrict__ weight,
+           const float* __restrict__ bias, int M, int D, float eps,
+           __half* __restrict__ out_hi, __half* __restrict__ out_lo, long long out_stride,
+           float* __restrict__ out_f, const unsigned char* __restrict__ valid) {
+    const int row = blockIdx.x * NORM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= M) return;
+    const float4* src = reinterpret_cast<const float4*>(x + (long long)row * x_stride);
+    const int quads = D / 4;
+
+    float sum = 0.0f;
+    for (int q = lane; q < quads; q += 32) {
+        float4 v = src[q];
+        sum += (v.x + v.y) + (v.z + v.w);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float mean = sum / D;
+
+    float sq = 0.0f;
+    for (int q = lane; q < quads; q += 32) {
+        float4 v = src[q];
+        float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
+        sq += (a * a + b * b) + (c * c + d * d);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    const float rstd = rsqrtf(sq / D + eps);
+
+    const bool keep = OUT != FLOAT || valid == nullptr || valid[row] != 0;
+    const float4* w4 = reinterpret_cast<const float4*>(weight);
+    const float4* b4 = reinterpret_cast<const float4*>(bias);
+    const long long o = (long long)row * out_stride;
+    for (int q = lane; q < quads; q += 32) {
+        float4 v = src[q], w = w4[q], b = b4[q];
+        float y[4] = {(v.x - mean) * rstd * w.x + b.x, (v.y - mean) * rstd * w.y + b.y,
+                      (v.z - mean) * rstd * w.z + b.z, (v.w - mean) * rstd * w.w + b.w};
+        if (OUT == FLOAT) {
+            float4 r = keep ? make_float4(y[0], y[1], y[2], y[3]) : make_float4(0, 0, 0, 0);
+            reinterpret_cast<float4*>(out_f + o)[q] = r;
+        } else {
+            __half h[4], l[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) split_half(y[e], h[e], l[e]);
+            __half2* hi = reinterpret_cast<__half2*>(out_hi + o + 4 * q);
+            hi[0] = __halves2half2(h[0], h[1]);
+            hi[1] = __halves2half2(h[2], h[3]);
+            if (OUT == PAIR) {
+                __half2* lo = reinterpret_cast<__half2*>(out_lo + o + 4 * q);
+                lo[0] = __halves2half2(l[0], l[1]);
+                lo[1] = __halves2half2(l[2], l[3]);
+            }
+        }
+    }
+}
+
+}  // namespace lb

@@ -1,0 +1,144 @@
+"""Host side of each kernel family: the kernel, grid, shared memory and argument list of one
+launch, on PyTorch's current stream, with tensors handed to CuPy through DLPack."""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+from layerbench.common.cuda_host import cdiv, multiprocessor_count
+from layerbench.reference.model import LN_EPS
+
+from . import build
+
+NORM_ROWS = 4  # rows per LayerNorm block (norm.cu NORM_WARPS)
+STAGES, BK_ROW = 3, 40  # linear.cu: pipeline stages, shared row length in halves
+NULL = np.uint64(0)
+
+
+def linear_shared_bytes(bm: int, bn: int, products: int) -> int:
+    """Dynamic shared memory of a GEMM block (linear.cu linear_shared_bytes)."""
+    return STAGES * (2 if products > 1 else 1) * (bm + bn) * BK_ROW * 2
+
+
+def attention_shared_bytes(head_pad: int, bq: int, bkv: int) -> int:
+    """Dynamic shared memory of an attention block (attention.cu: Q, K and V tiles, rows
+    padded by 8 halves)."""
+    return (bq + 2 * bkv) * (head_pad + 8) * 2
+
+
+def head_pad(head_dim: int) -> int:
+    """The padded head dim attention is compiled for: the power of two >= head_dim, >= 16."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+class Kernels:
+    """The compiled module of one device, launching its kernels on PyTorch's current stream
+    and turning CUDA errors into exceptions that name the kernel."""
+
+    def __init__(self, device: torch.device):
+        import cupy
+
+        self.cupy = cupy
+        index = torch.cuda.current_device() if device.index is None else device.index
+        self.device = torch.device("cuda", index)
+        self.arch = build.device_arch(self.device)
+        with cupy.cuda.Device(index):
+            self.module = build.module_for(self.arch)
+        self.functions: dict[str, object] = {}
+
+    def function(self, name: str, shared: int):
+        """The kernel of name expression name, allowed shared bytes of dynamic memory."""
+        kernel = self.functions.get(name)
+        if kernel is None:
+            kernel = self.functions[name] = self.module.get_function(name)
+        if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
+            kernel.max_dynamic_shared_size_bytes = shared
+        return kernel
+
+    def launch(self, name: str, grid, block: int, shared: int, args) -> None:
+        """Launch kernel name; tensors pass through DLPack, None as a null pointer."""
+        cupy = self.cupy
+        packed = tuple(NULL if a is None else cupy.from_dlpack(a.detach())
+                       if isinstance(a, torch.Tensor) else a for a in args)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        try:
+            with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream):
+                self.function(name, shared)(tuple(grid), (block,), packed, shared_mem=shared)
+        except cupy.cuda.driver.CUDADriverError as exc:
+            raise RuntimeError(f"cupy kernel {name} failed to launch: {exc}") from exc
+
+
+@functools.cache
+def kernels_for(device: torch.device) -> Kernels:
+    """The compiled kernels of device (built once per process)."""
+    return Kernels(device)
+
+
+def layer_norm(k: Kernels, x, weight, bias, *, pair=None, half=None, out=None,
+               valid_rows=None, eps: float = LN_EPS) -> None:
+    """LayerNorm of x's rows into an fp16 pair, fp16 alone (half) or fp32 (out, rows whose
+    valid byte is 0 set to 0)."""
+    m, d = x.shape
+    if pair is not None:
+        output, hi, lo, stride = "pair", pair[0], pair[1], pair[0].stride(0)
+    elif half is not None:
+        output, hi, lo, stride = "half", half, None, half.stride(0)
+    else:
+        output, hi, lo, stride = "float", None, None, out.stride(0)
+    k.launch(build.norm_name(output), (cdiv(m, NORM_ROWS), 1, 1), NORM_ROWS * 32, 0,
+             (x, np.int64(x.stride(0)), weight, bias, np.int32(m), np.int32(d),
+              np.float32(eps), hi, lo, np.int64(stride), out, valid_rows))
+
+
+def gemm_tile(m: int, n: int, device: torch.device):
+    """(BM, BN, WM, WN): 128x128 where that grid has at least one block per multiprocessor,
+    else 64x64."""
+    big = build.GEMM_TILES[0]
+    if cdiv(m, big[0]) * cdiv(n, big[1]) >= multiprocessor_count(device):
+        return big
+    return build.GEMM_TILES[1]
+
+
+def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pair=None,
+           out_half=None, res=None, out=None, valid_rows=None, zero_sum: bool = False,
+           tile=None) -> None:
+    """out = epilogue(a @ weight^T + bias) with a and weight as fp16 (hi, lo) pairs; "half"
+    writes out_half, "gelu_pair" out_pair, "residual" out = res + ... (see linear.cu)."""
+    m, kdim = a[0].shape
+    n = weight[0].shape[0]
+    tile = tile or gemm_tile(m, n, a[0].device)
+    bm, bn, wm, wn = tile
+    hi = out_half if epilogue == "half" else (out_pair[0] if out_pair is not None else None)
+    lo = out_pair[1] if out_pair is not None else None
+    stride = (hi if hi is not None else out).stride(0)
+    shared = linear_shared_bytes(bm, bn, products)
+    k.launch(build.gemm_name(tile, products, epilogue), (cdiv(m, bm), cdiv(n, bn), 1),
+             wm * wn * 32, shared,
+             (a[0], a[1], np.int64(a[0].stride(0)), weight[0], weight[1],
+              np.int64(weight[0].stride(0)), bias, np.int32(m), np.int32(n), np.int32(kdim),
+              hi, lo, np.int64(stride), res, out, valid_rows, np.int32(int(zero_sum))))
+
+
+def attention_tile(head_padded: int, blocks: int, device: torch.device):
+    """(BQ, BKV) for attention: 128 queries a block where compiled and the grid still has
+    two blocks per multiprocessor, else the first compiled tile."""
+    tiles = build.ATTENTION_TILES[head_padded]
+    wide = [t for t in tiles if t[0] == 128]
+    if wide and cdiv(blocks, 2) >= 2 * multiprocessor_count(device):
+        return wide[0]
+    return tiles[0]
+
+
+def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, num_heads: int,
+              head_dim: int, causal: bool) -> None:
+    """ctx (an fp16 pair of [tokens, H * hd] rows) = attention of qkv ([tokens, 3 H hd])."""
+    hp = head_pad(head_dim)
+    bq, bkv = attention_tile(hp, cdiv(seq_len, 64) * batch * num_heads, qkv.device)
+    k.launch(build.attention_name(hp, bq, bkv), (cdiv(seq_len, bq), batch * num_heads, 1),
+             bq // 16 * 32, attention_shared_bytes(hp, bq, bkv),
+             (qkv, np.int64(qkv.stride(0)), ctx[0], ctx[1], np.int64(ctx[0].stride(0)),
+              valid, info, np.int32(seq_len), np.int32(num_heads), np.int32(head_dim),
+              np.float32(1.0 / math.sqrt(head_dim)), np.int32(int(causal))))

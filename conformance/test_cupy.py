@@ -1,0 +1,361 @@
+"""cupy-specific cases: every kernel instantiation compiles with NVRTC for sm_80 and sm_90
+(also without a GPU) to mma.sync and ldmatrix without spills, the host packs exactly the
+parameters each compiled kernel takes, the toolkit headers are found or refused clearly, and
+(on a GPU) each kernel family against PyTorch in fp64."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from layerbench.backends.cupy import build, ops
+from layerbench.backends.cupy.layer import linear_products_for
+from layerbench.common.config import LayerConfig
+from layerbench.common.contract import compare
+from layerbench.common.cuda_host import cubin_kernels, key_info, split_fp16, weight_pair
+from layerbench.common.errors import Unsupported
+from layerbench.common.inputs import make_inputs
+from layerbench.common.selection import selected_backends
+from layerbench.reference import make_reference, packed_attention, reference_forward
+
+from standins import _norm, _pair, _products, _residual
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def cupy_selected(pytestconfig):
+    """Skip unless --backend selects cupy."""
+    if "cupy" not in selected_backends(pytestconfig):
+        pytest.skip("cupy is not among the selected backends")
+
+
+def nvrtc_missing() -> str | None:
+    """Why cuda-python's NVRTC cannot run here, or None."""
+    try:
+        from cuda.bindings import nvrtc
+        nvrtc.nvrtcVersion()
+    except Exception as exc:  # noqa: BLE001 - any failure to load NVRTC is a reason to skip
+        return f"NVRTC is not usable here: {exc}"
+    try:
+        build.cuda_include()
+    except Unsupported as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="session")
+def compiled(tmp_path_factory):
+    """arch -> (cubin path, name expression -> symbol), the module compiled by NVRTC."""
+    why = nvrtc_missing()
+    if why:
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("cupy-cubins")
+    out = {}
+    for arch in build.ARCHES:
+        cubin, lowered = build.compile_with_nvrtc(arch)
+        path = root / f"sm_{arch}.cubin"
+        path.write_bytes(cubin)
+        out[arch] = (path, lowered)
+    return out
+
+
+@pytest.mark.parametrize("arch", build.ARCHES)
+def test_every_kernel_compiles(cupy_selected, compiled, arch):
+    """Every name expression of the module is a kernel of the cubin NVRTC made for arch (an
+    error or a warning in the sources fails the compile)."""
+    path, lowered = compiled[arch]
+    symbols = set(cubin_kernels(path))
+    assert set(lowered) == set(build.name_expressions())
+    assert set(lowered.values()) <= symbols
+
+
+def test_sm90_sass(cupy_selected, compiled):
+    """sm_90 SASS: HMMA (mma.sync) and LDSM (ldmatrix) in every GEMM and attention kernel, no
+    local memory in any but attention at head dim 256, no 2-byte global loads."""
+    from bench.sass import kernels as sass_kernels
+
+    path, lowered = compiled["90"]
+    rows = sass_kernels(path)
+    for name, symbol in lowered.items():
+        row = rows[symbol]
+        assert row["load16"] == 0, (name, row)
+        if "flash_attention<256" not in name:
+            assert row["spill_stores"] == 0 and row["stack_bytes"] == 0, (name, row)
+        if "layer_norm" not in name:
+            assert row["HMMA"] > 0 and row["LDSM"] > 0, (name, row)
+
+
+class Recorder:
+    """Stands in for ops.Kernels: records each launch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, name, grid, block, shared, args):
+        """Record one launch."""
+        self.calls.append((name, grid, block, shared, args))
+
+
+def _size(arg) -> int:
+    if arg is None or isinstance(arg, torch.Tensor):
+        return 8
+    assert isinstance(arg, np.generic), f"untyped scalar {arg!r}"
+    return arg.dtype.itemsize
+
+
+def _launches():
+    """Every kind of launch the layer makes, recorded on CPU tensors."""
+    k = Recorder()
+    m, d, f, heads = 40, 64, 72, 2
+    x = torch.zeros(m, d)
+    w, b = torch.zeros(d), torch.zeros(d)
+    pair = (torch.zeros(m, d, dtype=torch.float16), torch.zeros(m, d, dtype=torch.float16))
+    valid = torch.ones(m, dtype=torch.uint8)
+    ops.layer_norm(k, x, w, b, pair=pair)
+    ops.layer_norm(k, x, w, b, half=pair[0])
+    ops.layer_norm(k, x, w, b, out=x, valid_rows=valid)
+    for products in build.GEMM_PRODUCTS:
+        for tile in build.GEMM_TILES:
+            wp = weight_pair(torch.zeros(f, d))
+            ops.linear(k, pair, wp, torch.zeros(f), "half", products,
+                       out_half=torch.zeros(m, f, dtype=torch.float16), tile=tile)
+            ops.linear(k, pair, wp, torch.zeros(f), "gelu_pair", products,
+                       out_pair=(torch.zeros(m, f, dtype=torch.float16),) * 2, tile=tile)
+            ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", products,
+                       res=x, out=x, valid_rows=valid, zero_sum=True, tile=tile)
+    for head_dim in (8, 32, 64, 128, 256):
+        d = heads * head_dim
+        qkv = torch.zeros(m, 3 * d, dtype=torch.float16)
+        ctx = (torch.zeros(m, d, dtype=torch.float16),) * 2
+        mask = torch.ones(2, m // 2, dtype=torch.uint8)
+        ops.attention(k, qkv, ctx, mask, key_info(mask), batch=2, seq_len=m // 2,
+                      num_heads=heads, head_dim=head_dim, causal=True)
+    return k.calls
+
+
+def test_parameters_match_the_compiled_kernels(cupy_selected, compiled):
+    """Each launch the host makes passes as many arguments as its kernel takes, each of the
+    size the cubin records (8 for an address or 64-bit integer, 4 for int32 or float), within
+    the kernel's shared-memory limit (227 KiB on sm_90) and a whole number of warps."""
+    path, lowered = compiled["90"]
+    info = cubin_kernels(path)
+    seen = set()
+    for name, grid, block, shared, args in _launches():
+        assert name in lowered, name
+        assert [_size(a) for a in args] == info[lowered[name]]["params"], name
+        assert block % 32 == 0 and shared <= 227 * 1024 and all(g >= 1 for g in grid), name
+        seen.add(name)
+    assert seen >= {n for n in build.name_expressions() if "flash_attention" not in n}
+
+
+def test_headers_are_found_or_refused(cupy_selected, monkeypatch, tmp_path):
+    """$CUDA_HOME with the header comes first; with no candidate holding it the reason names
+    every folder tried."""
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / build.HEADER).write_text("")
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))
+    build.cuda_include.cache_clear()
+    try:
+        assert build.cuda_include() == str(tmp_path / "include")
+        monkeypatch.setattr(build, "include_candidates", lambda: [tmp_path / "none"])
+        build.cuda_include.cache_clear()
+        with pytest.raises(Unsupported, match="none"):
+            build.cuda_include()
+    finally:
+        build.cuda_include.cache_clear()
+
+
+@pytest.fixture
+def kernels(cupy_selected):
+    """The compiled kernels of the current GPU (skips without one or without CuPy)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("cupy")
+    return ops.kernels_for(torch.device("cuda", torch.cuda.current_device()))
+
+
+@needs_gpu
+@pytest.mark.parametrize("m,d", [(1, 8), (77, 40), (300, 1024), (5, 4096)])
+def test_layer_norm_kernel(kernels, m, d):
+    """Every output form against fp64, rows off the block size, invalid rows zeroed."""
+    g = torch.Generator(device="cuda").manual_seed(m + d)
+    x = torch.randn(m, d, device="cuda", generator=g) * 3 + 1
+    w, b = (torch.randn(d, device="cuda", generator=g) for _ in range(2))
+    want = torch.nn.functional.layer_norm(x.double(), (d,), w.double(), b.double(), 1e-5)
+    pair = tuple(torch.full((m, d), math.nan, device="cuda", dtype=torch.float16)
+                 for _ in range(2))
+    ops.layer_norm(kernels, x, w, b, pair=pair)
+    assert (pair[0].double() + pair[1].double() - want).abs().max().item() < 1e-5
+    half = torch.full((m, d), math.nan, device="cuda", dtype=torch.float16)
+    ops.layer_norm(kernels, x, w, b, half=half)
+    assert torch.equal(half, pair[0])
+    valid = (torch.rand(m, device="cuda", generator=g) > 0.3).to(torch.uint8)
+    out = torch.full((m, d), math.nan, device="cuda")
+    ops.layer_norm(kernels, x, w, b, out=out, valid_rows=valid)
+    want = torch.where(valid.bool()[:, None], want, 0)
+    assert (out.double() - want).abs().max().item() < 2e-5
+
+
+@needs_gpu
+@pytest.mark.parametrize("m,k,n", [(77, 40, 24), (300, 128, 384), (1000, 1032, 136),
+                                   (8192, 1024, 1024)])
+@pytest.mark.parametrize("epilogue", ["half", "gelu_pair", "residual_update", "residual_sum"])
+def test_linear_kernel(kernels, epilogue, m, k, n):
+    """Each epilogue with each product count and tile, odd row counts and K steps, against
+    fp64; the residual in place and with invalid rows."""
+    g = torch.Generator(device="cuda").manual_seed(m + n)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
+    bias = torch.randn(n, device="cuda", generator=g)
+    a_pair = split_fp16(a)
+    w_pair = weight_pair(w)
+    exact = a.double() @ w.double().t() + bias.double()
+    valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
+    for products, tile in itertools.product(build.GEMM_PRODUCTS, build.GEMM_TILES):
+        if epilogue == "half":
+            if products != 1:
+                continue
+            out = torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
+            ops.linear(kernels, a_pair, w_pair, bias, "half", 1, out_half=out, tile=tile)
+            got = out.double()
+            want = a_pair[0].double() @ w_pair[0].double().t() + bias.double()
+            tol = 2e-3
+        elif epilogue == "gelu_pair":
+            pair = tuple(torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
+                         for _ in range(2))
+            ops.linear(kernels, a_pair, w_pair, bias, "gelu_pair", products, out_pair=pair,
+                       tile=tile)
+            got = pair[0].double() + pair[1].double()
+            want, tol = torch.nn.functional.gelu(exact), 1e-4 if products == 3 else 2e-3
+        else:
+            zero_sum = epilogue == "residual_sum"
+            res = torch.randn(m, n, device="cuda", generator=g)
+            out = res.clone()  # in place, as ffn_out runs
+            ops.linear(kernels, a_pair, w_pair, bias, "residual", products, res=out, out=out,
+                       valid_rows=valid, zero_sum=zero_sum, tile=tile)
+            keep = valid.bool()[:, None]
+            want = (torch.where(keep, res.double() + exact, 0) if zero_sum
+                    else res.double() + torch.where(keep, exact, 0))
+            got, tol = out.double(), 1e-4 if products == 3 else 2e-3
+        err = ((got - want).abs() / want.abs().clamp_min(1.0)).nan_to_num(nan=math.inf)
+        assert err.max().item() < tol, f"{epilogue} {products} products {tile}: {err.max()}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("head_dim", [8, 24, 32, 64, 72, 128, 136, 256])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("mask", ["none", "prefix", "holes"])
+@pytest.mark.parametrize("batch", [3, 400], ids=["few", "many"])
+def test_attention_kernel(kernels, head_dim, causal, mask, batch):
+    """Flash attention at odd lengths against the fp32 oracle: every padded head dim, causal
+    or full, no mask, prefix masks (one sequence empty) and holed masks, on both tiles where
+    two are compiled ("many": enough blocks for 128 queries a block)."""
+    seq_len, heads = 200, 2
+    d = heads * head_dim
+    g = torch.Generator(device="cuda").manual_seed(head_dim + batch)
+    qkv = torch.randn(batch * seq_len, 3 * d, device="cuda", generator=g).half()
+    valid = None
+    if mask != "none":
+        lengths = torch.randint(0, seq_len + 1, (batch,), device="cuda", generator=g)
+        lengths[0], lengths[1] = seq_len, 0
+        valid = torch.arange(seq_len, device="cuda")[None, :] < lengths[:, None]
+        if mask == "holes":
+            valid &= torch.rand(batch, seq_len, device="cuda", generator=g) > 0.3
+        valid = valid.to(torch.uint8)
+    everyone = torch.ones(batch, seq_len, dtype=torch.uint8, device="cuda")
+    want, blind = packed_attention(qkv, everyone if valid is None else valid, batch=batch,
+                                   seq_len=seq_len, heads=heads, causal=causal)
+    ctx = tuple(torch.full((batch * seq_len, d), math.nan, device="cuda", dtype=torch.float16)
+                for _ in range(2))
+    ops.attention(kernels, qkv, ctx, valid, None if valid is None else key_info(valid),
+                  batch=batch, seq_len=seq_len, num_heads=heads, head_dim=head_dim,
+                  causal=causal)
+    got = (ctx[0].float() + ctx[1].float()).view(batch, seq_len, d)
+    assert torch.isfinite(got).all()
+    err = (got - want).abs().max().item()
+    assert err < 2e-2, f"max error {err:.3g}"
+    assert torch.equal(got[blind], torch.zeros_like(got[blind]))
+
+
+class StandIns:
+    """PyTorch stand-ins for ops.layer_norm, ops.linear and ops.attention, computing what
+    each kernel promises from the operands it reads (one product reads only hi halves)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def layer_norm(self, k, x, weight, bias, *, pair=None, half=None, out=None,
+                   valid_rows=None, eps=1e-5):
+        """LayerNorm into a pair, hi alone, or fp32 with invalid rows zeroed."""
+        self.calls.append("layer_norm")
+        y = _norm(x, weight, bias)
+        if pair is not None:
+            _pair(y, *pair)
+        elif half is not None:
+            half.copy_(y.half())
+        else:
+            out.copy_(y if valid_rows is None else torch.where(valid_rows.bool()[:, None], y, 0))
+
+    def linear(self, k, a, weight, bias, epilogue, products, *, out_pair=None, out_half=None,
+               res=None, out=None, valid_rows=None, zero_sum=False, tile=None):
+        """The GEMM and its epilogue over products fp16 products."""
+        self.calls.append(f"linear:{epilogue}:{products}")
+        n = weight[0].shape[0]
+        acc = _products(a[0], a[1], weight[0], weight[1], n, products) + bias
+        if epilogue == "half":
+            out_half.copy_(acc.half())
+        elif epilogue == "gelu_pair":
+            _pair(torch.nn.functional.gelu(acc), *out_pair)
+        else:
+            out.copy_(_residual(acc, res, valid_rows, valid_rows is not None, int(zero_sum)))
+
+    def attention(self, k, qkv, ctx, valid, info, *, batch, seq_len, num_heads, head_dim,
+                  causal):
+        """The fp32 attention oracle, as an fp16 pair."""
+        self.calls.append("attention")
+        everyone = torch.ones(batch, seq_len, dtype=torch.uint8)
+        got, _ = packed_attention(qkv, everyone if valid is None else valid, batch=batch,
+                                  seq_len=seq_len, heads=num_heads, causal=causal)
+        _pair(got.reshape(batch * seq_len, -1), *ctx)
+
+
+@pytest.mark.parametrize("cfg", [LayerConfig(3, 24, 32, 4, 36, 2), LayerConfig(2, 17, 64, 2, 64, 1),
+                                 LayerConfig(2, 12, 512, 4, 64, 1)],
+                         ids=["d32-f36", "one-layer", "d512-one-product"])
+@pytest.mark.parametrize("padding", [0.0, 0.4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_launch_sequence_computes_the_layer(cupy_selected, cfg, padding, dtype, monkeypatch):
+    """The layer's launches, run by stand-ins on CPU with a NaN-poisoned workspace, keep the
+    contract: seven per block and the final norm, no read of a half left unwritten, staged
+    fp16 input and output, one product from d_model 512."""
+    from layerbench.backends.cupy.layer import CupyLayer
+
+    model = make_reference(cfg, seed=5)
+    x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
+    expected = reference_forward(model, x, mask)
+    stand = StandIns()
+    for name in ("layer_norm", "linear", "attention"):
+        monkeypatch.setattr(ops, name, getattr(stand, name))
+    layer = CupyLayer(None, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
+                      None, linear_products_for(cfg.d_model))
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+    with torch.no_grad():
+        got = layer._forward(x.to(dtype), mask)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        report = compare(got, expected)
+        assert report.passed, report.summary()
+    else:  # staged in and out: the fp16 input's own rounding is beyond the contract here
+        assert torch.isfinite(got).all()
+    assert len(stand.calls) == 7 * cfg.num_layers + 1, stand.calls
+    products = linear_products_for(cfg.d_model)
+    assert stand.calls.count(f"linear:residual:{products}") == 2 * cfg.num_layers
