@@ -4,13 +4,14 @@
 # run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
-#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|cutile|cutile-jit|sanitize]
+#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|cutile|cutile-jit|cupy|sanitize]
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
 #   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
 #   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels
 #   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
+#   bash bench/gpu_run.sh cupy        # cupy kernel tests, then GPU time per kernel
 # The cutile backend needs its cubins: export them where cuda-tile is installed
 # (python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile)
 # and bring build/cutile along.
@@ -107,6 +108,15 @@ if [[ $stage == cutile ]]; then
         --out "$OUT/cutile-plans-block.json" 2>&1 | tee -a "$log"
     python3 bench/tile_sweep.py profile --backend cutile --shapes 5,8,13 \
         --out "$OUT/cutile-profile.json" 2>&1 | tee -a "$log"
+fi
+if [[ $stage == cupy ]]; then
+    # The cupy kernels on their own: kernel tests against fp64, then GPU time per kernel.
+    log="$OUT/cupy.log"
+    python3 -m pytest conformance/test_cupy.py --backend cupy -q -p no:cacheprovider -rf \
+        2>&1 | tail -25 | tee -a "$log"
+    status=$((status | ${PIPESTATUS[0]}))
+    python3 bench/tile_sweep.py profile --backend cupy --shapes "${PROFILE_SHAPES:-2,8,13}" \
+        --out "$OUT/cupy-profile.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cutile-jit ]]; then
     # The JIT path where no registry is reachable: unpack whichever parts of
