@@ -1,5 +1,5 @@
-"""cupy-specific cases: every kernel instantiation compiles with NVRTC for sm_80 and sm_90
-(also without a GPU) to mma.sync and ldmatrix without spills, the host packs exactly the
+"""cupy-specific cases: every kernel instantiation compiles with NVRTC for sm_80 and sm_90a
+(also without a GPU) to mma.sync and ldmatrix, or wgmma, without spills, the host packs exactly the
 parameters each compiled kernel takes, the toolkit headers are found or refused clearly, and
 (on a GPU) each kernel family against PyTorch in fp64."""
 from __future__ import annotations
@@ -69,23 +69,26 @@ def test_every_kernel_compiles(cupy_selected, compiled, arch):
     error or a warning in the sources fails the compile)."""
     path, lowered = compiled[arch]
     symbols = set(cubin_kernels(path))
-    assert set(lowered) == set(build.name_expressions())
+    assert set(lowered) == set(build.name_expressions(arch))
     assert set(lowered.values()) <= symbols
 
 
 def test_sm90_sass(cupy_selected, compiled):
-    """sm_90 SASS: HMMA (mma.sync) and LDSM (ldmatrix) in every GEMM and attention kernel, no
-    local memory in any but attention at head dim 256, no 2-byte global loads."""
+    """sm_90a SASS: HGMMA (wgmma) in every Hopper GEMM, HMMA (mma.sync) and LDSM (ldmatrix)
+    in every other GEMM and attention kernel, no local memory in any but attention at head
+    dim 256, no 2-byte global loads."""
     from bench.sass import kernels as sass_kernels
 
-    path, lowered = compiled["90"]
+    path, lowered = compiled[build.HOPPER]
     rows = sass_kernels(path)
     for name, symbol in lowered.items():
         row = rows[symbol]
         assert row["load16"] == 0, (name, row)
         if "flash_attention<256" not in name:
             assert row["spill_stores"] == 0 and row["stack_bytes"] == 0, (name, row)
-        if "layer_norm" not in name:
+        if "linear_wgmma" in name:
+            assert row["HGMMA"] > 0, (name, row)
+        elif "layer_norm" not in name:
             assert row["HMMA"] > 0 and row["LDSM"] > 0, (name, row)
 
 
@@ -127,6 +130,15 @@ def _launches():
                        out_pair=(torch.zeros(m, f, dtype=torch.float16),) * 2, tile=tile)
             ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", products,
                        res=x, out=x, valid_rows=valid, zero_sum=True, tile=tile)
+        for tile in build.WGMMA_TILES:
+            ops.linear(k, pair, weight_pair(torch.zeros(f, d)), torch.zeros(f), "gelu_pair",
+                       products, out_pair=(torch.zeros(m, f, dtype=torch.float16), None),
+                       tile=tile, wgmma=True)
+            ops.linear(k, pair, weight_pair(torch.zeros(f, d)), torch.zeros(f), "half",
+                       products, out_half=torch.zeros(m, f, dtype=torch.float16), tile=tile,
+                       wgmma=True)
+            ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", products,
+                       res=x, out=x, valid_rows=None, tile=tile, wgmma=True)
     for head_dim in (8, 32, 64, 128, 256):
         d = heads * head_dim
         qkv = torch.zeros(m, 3 * d, dtype=torch.float16)
@@ -141,7 +153,7 @@ def test_parameters_match_the_compiled_kernels(cupy_selected, compiled):
     """Each launch the host makes passes as many arguments as its kernel takes, each of the
     size the cubin records (8 for an address or 64-bit integer, 4 for int32 or float), within
     the kernel's shared-memory limit (227 KiB on sm_90) and a whole number of warps."""
-    path, lowered = compiled["90"]
+    path, lowered = compiled[build.HOPPER]
     info = cubin_kernels(path)
     seen = set()
     for name, grid, block, shared, args in _launches():
@@ -149,7 +161,8 @@ def test_parameters_match_the_compiled_kernels(cupy_selected, compiled):
         assert [_size(a) for a in args] == info[lowered[name]]["params"], name
         assert block % 32 == 0 and shared <= 227 * 1024 and all(g >= 1 for g in grid), name
         seen.add(name)
-    assert seen >= {n for n in build.name_expressions() if "flash_attention" not in n}
+    assert seen >= {n for n in build.name_expressions(build.HOPPER)
+                    if "flash_attention" not in n}
 
 
 def test_headers_are_found_or_refused(cupy_selected, monkeypatch, tmp_path):
@@ -215,12 +228,15 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
     w_pair = weight_pair(w)
     exact = a.double() @ w.double().t() + bias.double()
     valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
-    for products, tile in itertools.product(build.GEMM_PRODUCTS, build.GEMM_TILES):
+    tiles = [(t, False) for t in build.GEMM_TILES]
+    tiles += [(t, True) for t in build.WGMMA_TILES] if kernels.has_wgmma else []
+    for products, (tile, wgmma) in itertools.product(build.GEMM_PRODUCTS, tiles):
+        gemm = {"tile": tile, "wgmma": wgmma}
         if epilogue == "half":
             if products != 1:
                 continue
             out = torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
-            ops.linear(kernels, a_pair, w_pair, bias, "half", 1, out_half=out, tile=tile)
+            ops.linear(kernels, a_pair, w_pair, bias, "half", 1, out_half=out, **gemm)
             got = out.double()
             want = a_pair[0].double() @ w_pair[0].double().t() + bias.double()
             tol = 2e-3
@@ -228,7 +244,7 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
             pair = tuple(torch.full((m, n), math.nan, device="cuda", dtype=torch.float16)
                          for _ in range(2))
             ops.linear(kernels, a_pair, w_pair, bias, "gelu_pair", products, out_pair=pair,
-                       tile=tile)
+                       **gemm)
             got = pair[0].double() + pair[1].double()
             want, tol = torch.nn.functional.gelu(exact), 1e-4 if products == 3 else 2e-3
         else:
@@ -236,13 +252,14 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
             res = torch.randn(m, n, device="cuda", generator=g)
             out = res.clone()  # in place, as ffn_out runs
             ops.linear(kernels, a_pair, w_pair, bias, "residual", products, res=out, out=out,
-                       valid_rows=valid, zero_sum=zero_sum, tile=tile)
+                       valid_rows=valid, zero_sum=zero_sum, **gemm)
             keep = valid.bool()[:, None]
             want = (torch.where(keep, res.double() + exact, 0) if zero_sum
                     else res.double() + torch.where(keep, exact, 0))
             got, tol = out.double(), 1e-4 if products == 3 else 2e-3
         err = ((got - want).abs() / want.abs().clamp_min(1.0)).nan_to_num(nan=math.inf)
-        assert err.max().item() < tol, f"{epilogue} {products} products {tile}: {err.max()}"
+        assert err.max().item() < tol, \
+            f"{epilogue} {products} products {tile} wgmma={wgmma}: {err.max()}"
 
 
 @needs_gpu
@@ -301,13 +318,15 @@ class StandIns:
             out.copy_(y if valid_rows is None else torch.where(valid_rows.bool()[:, None], y, 0))
 
     def linear(self, k, a, weight, bias, epilogue, products, *, out_pair=None, out_half=None,
-               res=None, out=None, valid_rows=None, zero_sum=False, tile=None):
+               res=None, out=None, valid_rows=None, zero_sum=False, tile=None, wgmma=False):
         """The GEMM and its epilogue over products fp16 products."""
         self.calls.append(f"linear:{epilogue}:{products}")
         n = weight[0].shape[0]
         acc = _products(a[0], a[1], weight[0], weight[1], n, products) + bias
         if epilogue == "half":
             out_half.copy_(acc.half())
+        elif epilogue == "gelu_pair" and out_pair[1] is None:
+            out_pair[0].copy_(torch.nn.functional.gelu(acc).half())
         elif epilogue == "gelu_pair":
             _pair(torch.nn.functional.gelu(acc), *out_pair)
         else:
@@ -359,3 +378,27 @@ def test_launch_sequence_computes_the_layer(cupy_selected, cfg, padding, dtype, 
     assert len(stand.calls) == 7 * cfg.num_layers + 1, stand.calls
     products = linear_products_for(cfg.d_model)
     assert stand.calls.count(f"linear:residual:{products}") == 2 * cfg.num_layers
+
+
+@needs_gpu
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
+def test_layer_keeps_the_contract_and_replays(kernels, number, wgmma):
+    """The layer keeps the contract eager, captured and replayed (the launches go on
+    PyTorch's stream, so a CUDA graph captures them), with either GEMM family (wgmma where
+    the device has it)."""
+    from layerbench.backends.cupy import CupyBackend
+    from layerbench.common.shapes import CI
+
+    if wgmma and not kernels.has_wgmma:
+        pytest.skip(f"no wgmma on sm_{kernels.arch}")
+    cfg = CI[number].config
+    model = make_reference(cfg, seed=41)
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
+    expected = reference_forward(model.cuda(), x, mask)
+    layer = CupyBackend(wgmma=wgmma).build(cfg, model.state_dict(), device="cuda")
+    with torch.no_grad():
+        for _ in range(3):  # eager, captured, replayed
+            report = compare(layer(x, mask), expected)
+            assert report.passed, report.summary()
+    assert layer.graphed.graphs and not layer.graphed.uncapturable

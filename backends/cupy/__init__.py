@@ -18,7 +18,8 @@ class CupyBackend(Backend):
     and flash attention on mma.sync; replayed as one CUDA graph where the input allows.
 
     linear_products: fp16 products of out_proj and the FFN (1 or 3; default 1 from d_model
-    512 on, 3 below).
+    512 on, 3 below). wgmma: the GEMMs on Hopper's wgmma.mma_async (sm_90 only; off until
+    timed on a GPU), else on mma.sync.
     """
 
     name = "cupy"
@@ -27,10 +28,11 @@ class CupyBackend(Backend):
         devices=("cuda",), head_dims=HEAD_DIMS,
         notes="sm_80+; fp32 residual stream; kernels compiled at run time by NVRTC")
 
-    def __init__(self, linear_products: int | None = None):
+    def __init__(self, linear_products: int | None = None, wgmma: bool = False):
         if linear_products not in (None, 1, 3):
             raise ValueError(f"cupy linear_products must be 1 or 3, not {linear_products}")
         self.linear_products = linear_products
+        self.wgmma = wgmma
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -51,12 +53,6 @@ class CupyBackend(Backend):
                 return f"needs compute capability 8.0 or newer, not {major}.{minor}"
         return None
 
-    def check(self, config, device, dtype):
-        """The interface's checks, plus 32-bit row counts in the kernels."""
-        if config.seq_len * config.num_heads >= 2 ** 31:
-            raise Unsupported(f"{self.name}: seq_len x num_heads must stay below 2^31")
-        super().check(config, device, dtype)
-
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
         return MemoryPlan({"one sequence": working_bytes_per_sequence(config),
@@ -66,4 +62,8 @@ class CupyBackend(Backend):
         from .ops import kernels_for
 
         products = self.linear_products or linear_products_for(config.d_model)
-        return CupyLayer(self, config, state_dict, device, dtype, kernels_for(device), products)
+        kernels = kernels_for(device)
+        if self.wgmma and not kernels.has_wgmma:
+            raise Unsupported(f"{self.name}: wgmma needs an sm_90 device, not sm_{kernels.arch}")
+        return CupyLayer(self, config, state_dict, device, dtype, kernels, products,
+                         wgmma=self.wgmma)

@@ -4,15 +4,17 @@ per architecture), on any machine through cuda-python's NVRTC bindings."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
 from layerbench.common.errors import Unsupported
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("norm.cu", "linear.cu", "attention.cu")  # one module, in this order
+SOURCES = ("norm.cu", "linear.cu", "linear_wgmma.cu", "attention.cu")  # one module
 HEADERS = ("common.cuh",)
-ARCHES = ("80", "90")  # the CPU test compiles for both
+ARCHES = ("80", "90a")  # the CPU test compiles for both
+HOPPER = "90a"  # sm_90 devices run the module compiled for sm_90a, which has wgmma
 HEADER = "cuda_fp16.h"  # the one toolkit header the kernels include
 
 # Template instantiations the backend launches, as NVRTC name expressions.
@@ -20,6 +22,7 @@ NORM_OUTPUTS = {"pair": 0, "half": 1, "float": 2}
 EPILOGUES = {"half": 0, "gelu_pair": 1, "residual": 2}
 GEMM_TILES = ((128, 128, 2, 4), (64, 64, 2, 2))  # (BM, BN, warps along M, warps along N)
 GEMM_PRODUCTS = (1, 3)
+WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads
 ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
                    128: ((64, 64),), 256: ((64, 32),)}  # padded head dim -> (BQ, BKV)
 
@@ -35,23 +38,43 @@ def gemm_name(tile, products: int, epilogue: str) -> str:
     return f"lb::linear<{bm}, {bn}, {wm}, {wn}, {products}, {EPILOGUES[epilogue]}>"
 
 
+def wgmma_name(tile, products: int, epilogue: str) -> str:
+    """Name expression of the Hopper GEMM kernel for tile (BM, BN), products and epilogue."""
+    bm, bn = tile
+    return f"lb::linear_wgmma<{bm}, {bn}, {products}, {EPILOGUES[epilogue]}>"
+
+
 def attention_name(head_pad: int, bq: int, bkv: int) -> str:
     """Name expression of flash attention at a padded head dim with BQ queries, BKV keys."""
     return f"lb::flash_attention<{head_pad}, {bq}, {bkv}>"
 
 
-def name_expressions() -> list[str]:
-    """Every kernel instantiation of the module."""
+def nvrtc_arch(device_arch: str) -> str:
+    """The architecture the module is compiled for on a device: sm_90a on sm_90 (wgmma),
+    the device's own elsewhere."""
+    return HOPPER if device_arch == "90" else device_arch
+
+
+def name_expressions(arch: str) -> list[str]:
+    """Every kernel instantiation of the module compiled for arch (the wgmma GEMMs on sm_90a
+    only)."""
     names = [norm_name(o) for o in NORM_OUTPUTS]
     names += [gemm_name(t, p, e) for t in GEMM_TILES for p in GEMM_PRODUCTS for e in EPILOGUES]
+    if arch == HOPPER:
+        names += [wgmma_name(t, p, e) for t in WGMMA_TILES for p in GEMM_PRODUCTS
+                  for e in EPILOGUES]
     names += [attention_name(hp, bq, bkv) for hp, tiles in ATTENTION_TILES.items()
               for bq, bkv in tiles]
     return names
 
 
 def module_source() -> str:
-    """The module's source: each kernel file included once, headers found in SOURCE_DIR."""
-    return "".join(f'#include "{name}"\n' for name in SOURCES)
+    """The module's source: each kernel file included once (found in SOURCE_DIR), after a
+    hash of every source file, so that CuPy's cache, keyed by this text, misses when a file
+    changes."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in source_files())).hexdigest()
+    return f"// layerbench cupy sources {digest}\n" + "".join(
+        f'#include "{name}"\n' for name in SOURCES)
 
 
 def include_candidates() -> list[Path]:
@@ -82,9 +105,10 @@ def cuda_include() -> str:
 
 
 def options(arch: str | None = None) -> tuple[str, ...]:
-    """NVRTC options, for one architecture ("90" for sm_90) or, without one, for CuPy to add
-    the device's. No fast math: exact GELU needs erff, and the contract leaves no room for
-    approximate division."""
+    """NVRTC options, for one architecture ("90a" for sm_90a) or, without one, for CuPy to
+    add the device's (CuPy appends its own -arch=sm_XX; NVRTC takes sm_90a over sm_90, and
+    CuPy adds -ftz=true, which flushes fp32 subnormals only). No fast math: exact GELU needs
+    erff, and the contract leaves no room for approximate division."""
     target = (f"--gpu-architecture=sm_{arch}",) if arch else ()
     return ("-std=c++17", *target, f"-I{SOURCE_DIR}", f"-I{cuda_include()}")
 
@@ -107,7 +131,7 @@ def compile_with_nvrtc(arch: str) -> tuple[bytes, dict[str, str]]:
 
     program = check(nvrtc.nvrtcCreateProgram(module_source().encode(), b"layerbench_cupy.cu",
                                              0, [], []))
-    names = name_expressions()
+    names = name_expressions(arch)
     for name in names:
         check(nvrtc.nvrtcAddNameExpression(program, name.encode()))
     flags = [o.encode() for o in options(arch)]
@@ -142,5 +166,7 @@ def module_for(arch: str):
     own disk cache across processes)."""
     import cupy
 
-    return cupy.RawModule(code=module_source(), options=options(),
-                          name_expressions=name_expressions(), backend="nvrtc")
+    target = nvrtc_arch(arch)
+    return cupy.RawModule(code=module_source(),
+                          options=options(target if target != arch else None),
+                          name_expressions=name_expressions(target), backend="nvrtc")

@@ -43,12 +43,14 @@ def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
 class CupyLayer(BuiltLayer):
     """Per block: norm1 (fp16, read by one product), Q/K/V, attention, out_proj + residual,
     norm2, ffn_in + GELU, ffn_out + residual (one or three fp16 products each); the final
-    norm into the output."""
+    norm into the output. With wgmma, the GEMMs run on Hopper's wgmma (linear_wgmma.cu)."""
 
-    def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int):
+    def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
+                 wgmma: bool = False):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
+        self.wgmma = wgmma
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [{n: weight_pair(getattr(p, n)) for n in WEIGHTS}
                         for p in self.params.layers]
@@ -79,6 +81,7 @@ class CupyLayer(BuiltLayer):
     def _run(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk of sequences (x2, out2: [tokens, d_model] views)."""
         cfg, k, products = self.config, self.kernels, self.products
+        gemm = {"wgmma": self.wgmma}
         valid, info = masks
         valid_rows = None if valid is None else valid.reshape(-1)
         res, qkv = work["residual"], work["qkv"]
@@ -87,19 +90,20 @@ class CupyLayer(BuiltLayer):
         src, target = float_rows(x2, out2, work["staging"])
         for p, w, ffn_in_bias in zip(self.params.layers, self.weights, self.ffn_in_biases):
             ops.layer_norm(k, src, p.norm1_weight, p.norm1_bias, half=rows[0])
-            ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv)
+            ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv, **gemm)
             ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
                           num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal)
             ops.linear(k, rows, w["out_weight"], p.out_bias, "residual", products, res=src,
-                       out=res, valid_rows=valid_rows, zero_sum=False)
+                       out=res, valid_rows=valid_rows, zero_sum=False, **gemm)
             if products == 1:
                 ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, half=rows[0])
             else:
                 ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, pair=rows)
+            # at one product ffn_out reads the hi half alone: the lo half is not written
             ops.linear(k, rows, w["ffn_in_weight"], ffn_in_bias, "gelu_pair", products,
-                       out_pair=hidden)
+                       out_pair=hidden if products > 1 else (hidden[0], None), **gemm)
             ops.linear(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, "residual", products,
-                       res=res, out=res, valid_rows=valid_rows, zero_sum=True)
+                       res=res, out=res, valid_rows=valid_rows, zero_sum=True, **gemm)
             src = res
         ops.layer_norm(k, src, self.params.final_weight, self.params.final_bias, out=target,
                        valid_rows=valid_rows)

@@ -31,7 +31,8 @@ __device__ __forceinline__ void load_tile(__half* tile, const __half* src, long 
 }
 
 // Block tile BM x BN over WM x WN warps; PRODUCTS 1 (a_hi w_hi) or 3 (+ a_hi w_lo + a_lo w_hi).
-// HALF: out_hi = fp16(acc + bias). GELU_PAIR: (out_hi, out_lo) = split(GELU(acc + bias)).
+// HALF: out_hi = fp16(acc + bias). GELU_PAIR: (out_hi, out_lo) = split(GELU(acc + bias)),
+// or out_hi alone where out_lo is null.
 // RESIDUAL: out_f = res + acc + bias on rows whose valid byte is set (all rows when valid is
 // null); other rows get res (zero_sum 0) or 0 (zero_sum 1). res may be out_f (in place).
 // M is any size; N and K are multiples of 8 (zero-padded weights and activations).
@@ -148,7 +149,8 @@ linear(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo, long lo
                     split_half(y, yh, yl);
                     long long o = (long long)row * out_stride + col;
                     *reinterpret_cast<__half2*>(out_hi + o) = __halves2half2(xh, yh);
-                    *reinterpret_cast<__half2*>(out_lo + o) = __halves2half2(xl, yl);
+                    if (out_lo != nullptr)  // null: the hi half alone, for one product
+                        *reinterpret_cast<__half2*>(out_lo + o) = __halves2half2(xl, yl);
                 } else {
                     long long o = (long long)row * out_stride + col;
                     float2 r = *reinterpret_cast<const float2*>(res + o);

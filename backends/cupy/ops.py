@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from layerbench.common.cuda_host import cdiv, multiprocessor_count
+from layerbench.common.cuda_host import cdiv, max_shared_memory_per_block, multiprocessor_count
 from layerbench.reference.model import LN_EPS
 
 from . import build
@@ -21,6 +21,12 @@ NULL = np.uint64(0)
 def linear_shared_bytes(bm: int, bn: int, products: int) -> int:
     """Dynamic shared memory of a GEMM block (linear.cu linear_shared_bytes)."""
     return STAGES * (2 if products > 1 else 1) * (bm + bn) * BK_ROW * 2
+
+
+def wgmma_shared_bytes(bm: int, bn: int, products: int) -> int:
+    """Dynamic shared memory of a Hopper GEMM block (linear_wgmma.cu), with 1 KiB to align
+    its 128-byte-swizzled tiles."""
+    return STAGES * (2 if products > 1 else 1) * (bm + bn) * 128 + 1024
 
 
 def attention_shared_bytes(head_pad: int, bq: int, bkv: int) -> int:
@@ -45,6 +51,7 @@ class Kernels:
         index = torch.cuda.current_device() if device.index is None else device.index
         self.device = torch.device("cuda", index)
         self.arch = build.device_arch(self.device)
+        self.has_wgmma = build.nvrtc_arch(self.arch) == build.HOPPER
         with cupy.cuda.Device(index):
             self.module = build.module_for(self.arch)
         self.functions: dict[str, object] = {}
@@ -59,13 +66,16 @@ class Kernels:
         return kernel
 
     def launch(self, name: str, grid, block: int, shared: int, args) -> None:
-        """Launch kernel name; tensors pass through DLPack, None as a null pointer."""
+        """Launch kernel name on PyTorch's current stream; tensors pass through DLPack, None
+        as a null pointer. The tensors are exported inside the stream context, so PyTorch sees
+        its own stream asked for and adds no cross-stream wait (which would break a CUDA
+        graph's capture)."""
         cupy = self.cupy
-        packed = tuple(NULL if a is None else cupy.from_dlpack(a.detach())
-                       if isinstance(a, torch.Tensor) else a for a in args)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         try:
             with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream):
+                packed = tuple(NULL if a is None else cupy.from_dlpack(a.detach())
+                               if isinstance(a, torch.Tensor) else a for a in args)
                 self.function(name, shared)(tuple(grid), (block,), packed, shared_mem=shared)
         except cupy.cuda.driver.CUDADriverError as exc:
             raise RuntimeError(f"cupy kernel {name} failed to launch: {exc}") from exc
@@ -93,30 +103,40 @@ def layer_norm(k: Kernels, x, weight, bias, *, pair=None, half=None, out=None,
               np.float32(eps), hi, lo, np.int64(stride), out, valid_rows))
 
 
-def gemm_tile(m: int, n: int, device: torch.device):
-    """(BM, BN, WM, WN): 128x128 where that grid has at least one block per multiprocessor,
-    else 64x64."""
-    big = build.GEMM_TILES[0]
-    if cdiv(m, big[0]) * cdiv(n, big[1]) >= multiprocessor_count(device):
-        return big
-    return build.GEMM_TILES[1]
+def gemm_tile(m: int, n: int, device: torch.device, products: int = 1, wgmma: bool = False):
+    """(BM, BN, WM, WN), or (BM, BN) with wgmma: the large tile where that grid has at least
+    one block per multiprocessor and its shared memory fits the device, else the small."""
+    tiles = build.WGMMA_TILES if wgmma else build.GEMM_TILES
+    need = (wgmma_shared_bytes if wgmma else linear_shared_bytes)(tiles[0][0], tiles[0][1],
+                                                                  products)
+    limit = max_shared_memory_per_block(device)
+    fits = limit is None or need <= limit
+    if fits and cdiv(m, tiles[0][0]) * cdiv(n, tiles[0][1]) >= multiprocessor_count(device):
+        return tiles[0]
+    return tiles[1]
 
 
 def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pair=None,
            out_half=None, res=None, out=None, valid_rows=None, zero_sum: bool = False,
-           tile=None) -> None:
+           tile=None, wgmma: bool = False) -> None:
     """out = epilogue(a @ weight^T + bias) with a and weight as fp16 (hi, lo) pairs; "half"
-    writes out_half, "gelu_pair" out_pair, "residual" out = res + ... (see linear.cu)."""
+    writes out_half, "gelu_pair" out_pair (its lo half may be None: hi alone), "residual"
+    out = res + ... (see linear.cu); wgmma: the Hopper kernel (linear_wgmma.cu)."""
     m, kdim = a[0].shape
     n = weight[0].shape[0]
-    tile = tile or gemm_tile(m, n, a[0].device)
-    bm, bn, wm, wn = tile
+    tile = tile or gemm_tile(m, n, a[0].device, products, wgmma)
     hi = out_half if epilogue == "half" else (out_pair[0] if out_pair is not None else None)
     lo = out_pair[1] if out_pair is not None else None
     stride = (hi if hi is not None else out).stride(0)
-    shared = linear_shared_bytes(bm, bn, products)
-    k.launch(build.gemm_name(tile, products, epilogue), (cdiv(m, bm), cdiv(n, bn), 1),
-             wm * wn * 32, shared,
+    if wgmma:
+        bm, bn = tile
+        name, threads = build.wgmma_name(tile, products, epilogue), 2 * bm
+        shared = wgmma_shared_bytes(bm, bn, products)
+    else:
+        bm, bn, wm, wn = tile
+        name, threads = build.gemm_name(tile, products, epilogue), wm * wn * 32
+        shared = linear_shared_bytes(bm, bn, products)
+    k.launch(name, (cdiv(m, bm), cdiv(n, bn), 1), threads, shared,
              (a[0], a[1], np.int64(a[0].stride(0)), weight[0], weight[1],
               np.int64(weight[0].stride(0)), bias, np.int32(m), np.int32(n), np.int32(kdim),
               hi, lo, np.int64(stride), res, out, valid_rows, np.int32(int(zero_sum))))

@@ -1,0 +1,276 @@
+// Hopper GEMMs with fused epilogues on wgmma.mma_async: the same kernel interface and semantics
+// as lb::linear (linear.cu), out = epilogue(A @ W^T + bias), A [M, K] and W [N, K] as fp16
+// (hi, lo) pairs, both operands read by the tensor cores from 128-byte-swizzled shared memory
+// filled by a cp.async pipeline.
+//
+// MUST BE COMPILED FOR sm_90a (NVRTC --gpu-architecture=sm_90a, nvcc -arch=sm_90a): wgmma exists
+// only there. For any other target (sm_80, plain sm_90, sm_100, ...) the kernels still compile,
+// so that this file can share a module with the sm_80 kernels, but their body is a trap.
+//
+// Launch: block BM * 2 threads (one warpgroup of 128 threads per 64 rows of the tile), grid
+// (ceil(M / BM), ceil(N / BN)) as lb::linear, dynamic shared memory
+// lb::linear_wgmma_shared_bytes(BM, BN, PRODUCTS) bytes, above 48 KB only after the kernel's
+// max dynamic shared memory attribute has been raised to it.
+#include "common.cuh"
+
+namespace lb {
+
+namespace wgmma_detail {
+
+constexpr int BK = 64;        // K columns per stage: 128 bytes per tile row, one 128B-swizzle row
+constexpr int ROW_BYTES = BK * 2;
+constexpr int STAGES = 3;
+constexpr int ALIGN = 1024;   // a 128B-swizzle atom (8 rows x 128 bytes) starts at 1024 bytes
+constexpr int EPI_HALF = 0, EPI_GELU_PAIR = 1, EPI_RESIDUAL = 2;  // as lb::Epilogue
+
+// Copy rows [r0, r0 + ROWS) x columns [k0, k0 + BK) of a row-major fp16 matrix into the tile at
+// tile_ptr (1024-byte aligned), zero-filling rows past row_end and columns past k_end (a
+// multiple of 8). Row r occupies bytes [128 r, 128 r + 128) of the tile; its 16-byte
+// chunk c (columns 8c..8c+7) lands in chunk slot c ^ (r % 8): the 128-byte swizzle, which the
+// tensor cores undo on the absolute shared address (the tile starts at a multiple of 1024).
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile(unsigned char* tile_ptr, const __half* src,
+                                          long long stride, int r0, int row_end, int k0,
+                                          int k_end) {
+    constexpr int CHUNKS = ROWS * (BK / 8);
+    static_assert(CHUNKS % THREADS == 0, "tile chunks must divide among the threads");
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+        int c = threadIdx.x + i * THREADS;
+        int r = c / (BK / 8), kc = c % (BK / 8);
+        bool ok = r0 + r < row_end && k0 + kc * 8 < k_end;
+        const __half* g = ok ? src + (long long)(r0 + r) * stride + k0 + kc * 8 : src;
+        cp_async16(tile_ptr + r * ROW_BYTES + ((kc ^ (r & 7)) << 4), g, ok);
+    }
+}
+
+// wgmma shared-memory matrix descriptor of a K-major operand in the canonical 128B-swizzle
+// layout: start address >> 4 (bits 0-13), leading-dimension byte offset (bits 16-29; unused for
+// swizzled K-major layouts, 1 by convention), stride-dimension byte offset 1024 >> 4 = 64 (bits
+// 32-45: from one group of 8 rows to the next), base offset 0 (bits 49-51: atoms 1024-aligned),
+// swizzle mode 1 = 128B (bits 62-63).
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
+    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) | (1ull << 16) |
+           (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accesses of an accumulator across wgmma issue and wait.
+__device__ __forceinline__ void fence_operand(float& x) {
+    asm volatile("" : "+f"(x)::"memory");
+}
+
+#define LB_WGMMA_D8(i)                                                                   \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),          \
+        "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+
+// d (64 x N fp32, the m64nNk16 fragment) += A (64 x 16, K-major, descriptor da) *
+// B (16 x N, K-major, i.e. rows of W, descriptor db); scale-d 1, no negation, no transpose.
+template <int N>
+struct Wgmma;
+
+template <>
+struct Wgmma<64> {
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da,
+                                               unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "%32, %33, p, 1, 1, 0, 0;\n}\n"
+            : LB_WGMMA_D8(0), LB_WGMMA_D8(8), LB_WGMMA_D8(16), LB_WGMMA_D8(24)
+            : "l"(da), "l"(db), "n"(1));
+    }
+};
+
+template <>
+struct Wgmma<128> {
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da,
+                                               unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+            "%64, %65, p, 1, 1, 0, 0;\n}\n"
+            : LB_WGMMA_D8(0), LB_WGMMA_D8(8), LB_WGMMA_D8(16), LB_WGMMA_D8(24),
+              LB_WGMMA_D8(32), LB_WGMMA_D8(40), LB_WGMMA_D8(48), LB_WGMMA_D8(56)
+            : "l"(da), "l"(db), "n"(1));
+    }
+};
+
+#undef LB_WGMMA_D8
+
+}  // namespace wgmma_detail
+
+// Dynamic shared bytes of one block of lb::linear_wgmma<bm, bn, products, *>: STAGES x (A and W
+// tiles of 64 K columns, hi and, past one product, lo) plus 1024 bytes of slack for aligning the
+// first tile to 1024 bytes. <128, 128, 1>: 99328, <128, 128, 3>: 197632, <64, 64, 1>: 50176,
+// <64, 64, 3>: 99328.
+__host__ __device__ constexpr int linear_wgmma_shared_bytes(int bm, int bn, int products) {
+    return wgmma_detail::STAGES * (products > 1 ? 2 : 1) * (bm + bn) * wgmma_detail::ROW_BYTES +
+           wgmma_detail::ALIGN;
+}
+
+// Block tile BM x BN, BM / 64 warpgroups, each computing 64 rows x BN columns with
+// wgmma m64nBNk16; PRODUCTS 1 (a_hi w_hi) or 3 (+ a_hi w_lo + a_lo w_hi), one fp32 accumulator.
+// HALF: out_hi = fp16(acc + bias). GELU_PAIR: (out_hi, out_lo) = split(GELU(acc + bias)),
+// or out_hi alone where out_lo is null.
+// RESIDUAL: out_f = res + acc + bias on rows whose valid byte is set (all rows when valid is
+// null); other rows get res (zero_sum 0) or 0 (zero_sum 1). res may be out_f (in place).
+// M is any size; N and K are multiples of 8 (zero-padded weights and activations).
+template <int BM, int BN, int PRODUCTS, int EPI>
+__global__ void __launch_bounds__(BM * 2, 1)
+linear_wgmma(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
+             long long a_stride, const __half* __restrict__ w_hi,
+             const __half* __restrict__ w_lo, long long w_stride,
+             const float* __restrict__ bias, int M, int N, int K,
+             __half* __restrict__ out_hi, __half* __restrict__ out_lo, long long out_stride,
+             const float* res, float* out_f, const unsigned char* __restrict__ valid,
+             int zero_sum) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    // Qualified names only: linear.cu's lb::BK, lb::STAGES, lb::load_tile may share the module.
+    namespace wd = wgmma_detail;
+    constexpr int BK = wd::BK, STAGES = wd::STAGES, ROW_BYTES = wd::ROW_BYTES, ALIGN = wd::ALIGN;
+    static_assert(BM == 64 || BM == 128, "one or two warpgroups of 64 rows");
+    static_assert(BN == 64 || BN == 128, "wgmma n64 or n128");
+    static_assert(PRODUCTS == 1 || PRODUCTS == 3, "one or three fp16 products");
+    constexpr int THREADS = BM * 2;
+    constexpr int PARTS = PRODUCTS > 1 ? 2 : 1;
+    constexpr int A_TILE = BM * ROW_BYTES, W_TILE = BN * ROW_BYTES;  // bytes, multiples of 1024
+    constexpr int STAGE = PARTS * (A_TILE + W_TILE);
+    extern __shared__ __align__(1024) unsigned char wgmma_shared[];
+
+    // Align the stages to 1024 bytes whatever the start of dynamic shared memory.
+    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(wgmma_shared));
+    const unsigned base = (raw + ALIGN - 1) & ~static_cast<unsigned>(ALIGN - 1);
+    unsigned char* smem = wgmma_shared + (base - raw);
+
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int group = threadIdx.x / 128;  // warpgroup: rows 64 group .. 64 group + 63 of the tile
+    const int k_tiles = (K + BK - 1) / BK;
+
+    // Stage layout: A_hi, W_hi, then (PRODUCTS 3) A_lo, W_lo.
+    auto load_stage = [&](int stage, int kt) {
+        unsigned char* s = smem + stage * STAGE;
+        int k0 = kt * BK;
+        wd::load_tile<BM, THREADS>(s, a_hi, a_stride, m0, M, k0, K);
+        wd::load_tile<BN, THREADS>(s + A_TILE, w_hi, w_stride, n0, N, k0, K);
+        if (PARTS == 2) {
+            wd::load_tile<BM, THREADS>(s + A_TILE + W_TILE, a_lo, a_stride, m0, M, k0, K);
+            wd::load_tile<BN, THREADS>(s + 2 * A_TILE + W_TILE, w_lo, w_stride, n0, N, k0, K);
+        }
+    };
+
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < k_tiles) load_stage(s, s);
+        cp_async_commit();
+    }
+
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        // This thread's copies of tile kt are done; make them visible to the async proxy (the
+        // tensor cores), then to every thread. The barrier also tells that every warpgroup has
+        // finished (wgmma_wait<0> below) reading stage (kt - 1) % STAGES, overwritten next.
+        cp_async_wait<STAGES - 2>();
+        wd::fence_proxy_async();
+        __syncthreads();
+
+        const unsigned s = base + (kt % STAGES) * STAGE;
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+        wd::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+#pragma unroll
+            for (int part = 0; part < PRODUCTS; ++part) {
+                // part 0: a_hi w_hi; 1: a_hi w_lo; 2: a_lo w_hi. Each k16 step starts 32 bytes
+                // further into the 128-byte rows; the hardware swizzles the resulting addresses.
+                unsigned a = s + (part == 2 ? A_TILE + W_TILE : 0) + group * 64 * ROW_BYTES +
+                             kk * 32;
+                unsigned w = s + A_TILE + (part == 1 ? A_TILE + W_TILE : 0) + kk * 32;
+                wd::Wgmma<BN>::run(acc, wd::smem_desc(a), wd::smem_desc(w));
+            }
+        }
+        wd::wgmma_commit();
+
+        // Refill the stage read in the previous iteration while the tensor cores work.
+        int next = kt + STAGES - 1;
+        if (next < k_tiles) load_stage(next % STAGES, next);
+        cp_async_commit();
+
+        wd::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+    }
+    cp_async_wait<0>();
+
+    // Accumulator fragment of m64nNk16 (g = lane / 4, t = lane % 4, warp w of the warpgroup):
+    // acc[4 j + 2 h + e] is row 16 w + g + 8 h, column 8 j + 2 t + e of the warpgroup's 64 x BN.
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int row = m0 + group * 64 + warp * 16 + g + h * 8;
+        if (row >= M) continue;
+        bool keep = EPI != wd::EPI_RESIDUAL || valid == nullptr || valid[row] != 0;
+        long long o_row = (long long)row * out_stride;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            int col = n0 + j * 8 + 2 * t;
+            if (col >= N) continue;
+            float x = acc[4 * j + 2 * h] + bias[col];
+            float y = acc[4 * j + 2 * h + 1] + bias[col + 1];
+            long long o = o_row + col;
+            if (EPI == wd::EPI_HALF) {
+                *reinterpret_cast<__half2*>(out_hi + o) = __floats2half2_rn(x, y);
+            } else if (EPI == wd::EPI_GELU_PAIR) {
+                x = gelu(x);
+                y = gelu(y);
+                __half xh, xl, yh, yl;
+                split_half(x, xh, xl);
+                split_half(y, yh, yl);
+                *reinterpret_cast<__half2*>(out_hi + o) = __halves2half2(xh, yh);
+                if (out_lo != nullptr)  // null: the hi half alone, for one product
+                    *reinterpret_cast<__half2*>(out_lo + o) = __halves2half2(xl, yl);
+            } else {
+                float2 r = *reinterpret_cast<const float2*>(res + o);
+                float2 v;
+                if (keep) {
+                    v = make_float2(r.x + x, r.y + y);
+                } else {
+                    v = zero_sum ? make_float2(0.0f, 0.0f) : r;
+                }
+                *reinterpret_cast<float2*>(out_f + o) = v;
+            }
+        }
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // wgmma needs sm_90a: compile this kernel for sm_90a
+#endif
+}
+
+}  // namespace lb
