@@ -53,13 +53,16 @@ def compiled(tmp_path_factory):
     why = nvrtc_missing()
     if why:
         pytest.skip(why)
+    from concurrent.futures import ThreadPoolExecutor
+
     root = tmp_path_factory.mktemp("cupy-cubins")
     out = {}
-    for arch in build.ARCHES:
-        cubin, lowered = build.compile_with_nvrtc(arch)
-        path = root / f"sm_{arch}.cubin"
-        path.write_bytes(cubin)
-        out[arch] = (path, lowered)
+    with ThreadPoolExecutor(len(build.ARCHES)) as pool:  # NVRTC runs without the GIL
+        for arch, (cubin, lowered) in zip(build.ARCHES,
+                                          pool.map(build.compile_with_nvrtc, build.ARCHES)):
+            path = root / f"sm_{arch}.cubin"
+            path.write_bytes(cubin)
+            out[arch] = (path, lowered)
     return out
 
 
