@@ -40,9 +40,8 @@ from pathlib import Path
 import torch
 
 from layerbench.backends.cutile import CutileBackend, ops, specs
-from layerbench.common.cuda_host import weight_pair
 from layerbench.common import runner
-from layerbench.common.cuda_host import split_fp16
+from layerbench.common.cuda_host import split_fp16, weight_pair
 from layerbench.common.errors import Unsupported
 from layerbench.common.timing import alternating_medians_ms, replayed
 from layerbench.reference import packed_attention

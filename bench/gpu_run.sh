@@ -11,7 +11,7 @@
 #   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels
 #   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
-#   bash bench/gpu_run.sh cupy        # cupy kernel tests, then GPU time per kernel
+#   bash bench/gpu_run.sh cupy        # cupy kernel tests, wgmma on/off, GPU time per kernel
 # The cutile backend needs its cubins: export them where cuda-tile is installed
 # (python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile)
 # and bring build/cutile along.
@@ -110,11 +110,14 @@ if [[ $stage == cutile ]]; then
         --out "$OUT/cutile-profile.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cupy ]]; then
-    # The cupy kernels on their own: kernel tests against fp64, then GPU time per kernel.
+    # The cupy kernels: kernel tests against fp64, wgmma GEMMs on and off on whole layers,
+    # then GPU time per kernel.
     log="$OUT/cupy.log"
     python3 -m pytest conformance/test_cupy.py --backend cupy -q -p no:cacheprovider -rf \
         2>&1 | tail -25 | tee -a "$log"
     status=$((status | ${PIPESTATUS[0]}))
+    python3 bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1 \
+        --out "$OUT/cupy-plans-wgmma.json" 2>&1 | tee -a "$log"
     python3 bench/tile_sweep.py profile --backend cupy --shapes "${PROFILE_SHAPES:-2,8,13}" \
         --out "$OUT/cupy-profile.json" 2>&1 | tee -a "$log"
 fi
