@@ -89,7 +89,7 @@ def test_sm90_sass(cupy_selected, compiled):
         assert row["load16"] == 0, (name, row)
         if "flash_attention<256" not in name:
             assert row["spill_stores"] == 0 and row["stack_bytes"] == 0, (name, row)
-        if "linear_wgmma" in name:
+        if "wgmma" in name:
             assert row["HGMMA"] > 0, (name, row)
         elif "layer_norm" not in name:
             assert row["HMMA"] > 0 and row["LDSM"] > 0, (name, row)
@@ -147,8 +147,9 @@ def _launches():
         qkv = torch.zeros(m, 3 * d, dtype=torch.float16)
         ctx = (torch.zeros(m, d, dtype=torch.float16),) * 2
         mask = torch.ones(2, m // 2, dtype=torch.uint8)
-        ops.attention(k, qkv, ctx, mask, key_info(mask), batch=2, seq_len=m // 2,
-                      num_heads=heads, head_dim=head_dim, causal=True)
+        for wgmma in (False, True):
+            ops.attention(k, qkv, ctx, mask, key_info(mask), batch=2, seq_len=m // 2,
+                          num_heads=heads, head_dim=head_dim, causal=True, wgmma=wgmma)
     return k.calls
 
 
@@ -165,7 +166,7 @@ def test_parameters_match_the_compiled_kernels(cupy_selected, compiled):
         assert block % 32 == 0 and shared <= 227 * 1024 and all(g >= 1 for g in grid), name
         seen.add(name)
     assert seen >= {n for n in build.name_expressions(build.HOPPER)
-                    if "flash_attention" not in n}
+                    if not n.startswith("lb::flash_attention<")}
 
 
 def test_headers_are_found_or_refused(cupy_selected, monkeypatch, tmp_path):
@@ -270,10 +271,14 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("mask", ["none", "prefix", "holes"])
 @pytest.mark.parametrize("batch", [3, 400], ids=["few", "many"])
-def test_attention_kernel(kernels, head_dim, causal, mask, batch):
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+def test_attention_kernel(kernels, head_dim, causal, mask, batch, wgmma):
     """Flash attention at odd lengths against the fp32 oracle: every padded head dim, causal
     or full, no mask, prefix masks (one sequence empty) and holed masks, on both tiles where
-    two are compiled ("many": enough blocks for 128 queries a block)."""
+    two are compiled ("many": enough blocks for 128 queries a block), and on the wgmma kernel
+    where the device has it."""
+    if wgmma and not kernels.has_wgmma:
+        pytest.skip(f"no wgmma on sm_{kernels.arch}")
     seq_len, heads = 200, 2
     d = heads * head_dim
     g = torch.Generator(device="cuda").manual_seed(head_dim + batch)
@@ -293,7 +298,7 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch):
                 for _ in range(2))
     ops.attention(kernels, qkv, ctx, valid, None if valid is None else key_info(valid),
                   batch=batch, seq_len=seq_len, num_heads=heads, head_dim=head_dim,
-                  causal=causal)
+                  causal=causal, wgmma=wgmma)
     got = (ctx[0].float() + ctx[1].float()).view(batch, seq_len, d)
     assert torch.isfinite(got).all()
     err = (got - want).abs().max().item()
@@ -336,7 +341,7 @@ class StandIns:
             out.copy_(_residual(acc, res, valid_rows, valid_rows is not None, int(zero_sum)))
 
     def attention(self, k, qkv, ctx, valid, info, *, batch, seq_len, num_heads, head_dim,
-                  causal):
+                  causal, wgmma=False):
         """The fp32 attention oracle, as an fp16 pair."""
         self.calls.append("attention")
         everyone = torch.ones(batch, seq_len, dtype=torch.uint8)

@@ -18,8 +18,8 @@ class CupyBackend(Backend):
     and flash attention on mma.sync; replayed as one CUDA graph where the input allows.
 
     linear_products: fp16 products of out_proj and the FFN (1 or 3; default 1 from d_model
-    512 on, 3 below). wgmma: the GEMMs on Hopper's wgmma.mma_async (sm_90 only; off until
-    timed on a GPU), else on mma.sync.
+    512 on, 3 below). wgmma: the GEMMs and attention (head dims up to 128) on Hopper's
+    wgmma.mma_async (sm_90 only; off until timed on a GPU), else on mma.sync.
     """
 
     name = "cupy"

@@ -11,7 +11,8 @@ from pathlib import Path
 from layerbench.common.errors import Unsupported
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("norm.cu", "linear.cu", "linear_wgmma.cu", "attention.cu")  # one module
+SOURCES = ("norm.cu", "linear.cu", "linear_wgmma.cu", "attention.cu",
+           "attention_wgmma.cu")  # one module, in this order
 HEADERS = ("common.cuh",)
 ARCHES = ("80", "90a")  # the CPU test compiles for both
 HOPPER = "90a"  # sm_90 devices run the module compiled for sm_90a, which has wgmma
@@ -25,6 +26,9 @@ GEMM_PRODUCTS = (1, 3)
 WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads
 ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
                    128: ((64, 64),), 256: ((64, 32),)}  # padded head dim -> (BQ, BKV)
+# flash_attention_wgmma (sm_90a): padded head dim -> (BQ, BKV), 2 BQ threads; head dims up to
+# 32 run at 32, and 256 has none (the mma.sync kernel runs it).
+ATTENTION_WGMMA = {32: (128, 128), 64: (128, 128), 128: (128, 128)}
 
 
 def norm_name(output: str) -> str:
@@ -44,9 +48,11 @@ def wgmma_name(tile, products: int, epilogue: str) -> str:
     return f"lb::linear_wgmma<{bm}, {bn}, {products}, {EPILOGUES[epilogue]}>"
 
 
-def attention_name(head_pad: int, bq: int, bkv: int) -> str:
-    """Name expression of flash attention at a padded head dim with BQ queries, BKV keys."""
-    return f"lb::flash_attention<{head_pad}, {bq}, {bkv}>"
+def attention_name(head_pad: int, bq: int, bkv: int, wgmma: bool = False) -> str:
+    """Name expression of flash attention at a padded head dim with BQ queries, BKV keys (on
+    wgmma: the sm_90a kernel)."""
+    kernel = "flash_attention_wgmma" if wgmma else "flash_attention"
+    return f"lb::{kernel}<{head_pad}, {bq}, {bkv}>"
 
 
 def nvrtc_arch(device_arch: str) -> str:
@@ -63,6 +69,8 @@ def name_expressions(arch: str) -> list[str]:
     if arch == HOPPER:
         names += [wgmma_name(t, p, e) for t in WGMMA_TILES for p in GEMM_PRODUCTS
                   for e in EPILOGUES]
+        names += [attention_name(hp, bq, bkv, wgmma=True)
+                  for hp, (bq, bkv) in ATTENTION_WGMMA.items()]
     names += [attention_name(hp, bq, bkv) for hp, tiles in ATTENTION_TILES.items()
               for bq, bkv in tiles]
     return names

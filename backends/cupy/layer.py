@@ -43,7 +43,8 @@ def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
 class CupyLayer(BuiltLayer):
     """Per block: norm1 (fp16, read by one product), Q/K/V, attention, out_proj + residual,
     norm2, ffn_in + GELU, ffn_out + residual (one or three fp16 products each); the final
-    norm into the output. With wgmma, the GEMMs run on Hopper's wgmma (linear_wgmma.cu)."""
+    norm into the output. With wgmma, the GEMMs and attention (head dims up to 128) run on
+    Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu)."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False):
@@ -92,7 +93,8 @@ class CupyLayer(BuiltLayer):
             ops.layer_norm(k, src, p.norm1_weight, p.norm1_bias, half=rows[0])
             ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv, **gemm)
             ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
-                          num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal)
+                          num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal,
+                          **gemm)
             ops.linear(k, rows, w["out_weight"], p.out_bias, "residual", products, res=src,
                        out=res, valid_rows=valid_rows, zero_sum=False, **gemm)
             if products == 1:

@@ -35,6 +35,12 @@ def attention_shared_bytes(head_pad: int, bq: int, bkv: int) -> int:
     return (bq + 2 * bkv) * (head_pad + 8) * 2
 
 
+def attention_wgmma_shared_bytes(head_pad: int, bq: int, bkv: int) -> int:
+    """Dynamic shared memory of a Hopper attention block (attention_wgmma.cu: Q, two K and two
+    V tiles, 1 KiB to align them)."""
+    return (bq + 4 * bkv) * head_pad * 2 + 1024
+
+
 def head_pad(head_dim: int) -> int:
     """The padded head dim attention is compiled for: the power of two >= head_dim, >= 16."""
     return max(16, 1 << (head_dim - 1).bit_length())
@@ -153,12 +159,20 @@ def attention_tile(head_padded: int, blocks: int, device: torch.device):
 
 
 def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, num_heads: int,
-              head_dim: int, causal: bool) -> None:
-    """ctx (an fp16 pair of [tokens, H * hd] rows) = attention of qkv ([tokens, 3 H hd])."""
+              head_dim: int, causal: bool, wgmma: bool = False) -> None:
+    """ctx (an fp16 pair of [tokens, H * hd] rows) = attention of qkv ([tokens, 3 H hd]);
+    wgmma: the Hopper kernel where it has the head dim (attention_wgmma.cu)."""
     hp = head_pad(head_dim)
-    bq, bkv = attention_tile(hp, cdiv(seq_len, 64) * batch * num_heads, qkv.device)
-    k.launch(build.attention_name(hp, bq, bkv), (cdiv(seq_len, bq), batch * num_heads, 1),
-             bq // 16 * 32, attention_shared_bytes(hp, bq, bkv),
+    wide = max(32, hp)
+    if wgmma and wide in build.ATTENTION_WGMMA:
+        bq, bkv = build.ATTENTION_WGMMA[wide]
+        name, threads = build.attention_name(wide, bq, bkv, wgmma=True), 2 * bq
+        shared = attention_wgmma_shared_bytes(wide, bq, bkv)
+    else:
+        bq, bkv = attention_tile(hp, cdiv(seq_len, 64) * batch * num_heads, qkv.device)
+        name, threads = build.attention_name(hp, bq, bkv), bq // 16 * 32
+        shared = attention_shared_bytes(hp, bq, bkv)
+    k.launch(name, (cdiv(seq_len, bq), batch * num_heads, 1), threads, shared,
              (qkv, np.int64(qkv.stride(0)), ctx[0], ctx[1], np.int64(ctx[0].stride(0)),
               valid, info, np.int32(seq_len), np.int32(num_heads), np.int32(head_dim),
               np.float32(1.0 / math.sqrt(head_dim)), np.int32(int(causal))))

@@ -1,0 +1,522 @@
+// Flash attention forward on Hopper wgmma.mma_async (FlashAttention-3 basics, no warp
+// specialisation): the same interface and semantics as lb::flash_attention (attention.cu), with
+// S = Q K^T as wgmma m64nBKVk16 reading Q and K from 128- (or, at HP 32, 64-) byte-swizzled
+// shared memory, P = exp2(...) converted to fp16 in registers and O += P V as wgmma m64nHPk16
+// with A = P from registers and B = V from shared memory, N-major (imm-trans-b 1).
+//
+// MUST BE COMPILED FOR sm_90a (NVRTC --gpu-architecture=sm_90a, nvcc -arch=sm_90a): wgmma exists
+// only there. For any other target the kernel still compiles, so that this file can share a
+// module with the sm_80 kernels, but its body is a trap.
+//
+// Launch: block BQ * 2 threads (one warpgroup of 128 threads per 64 query rows), grid
+// (ceil(seq_len / BQ), batch * num_heads) as lb::flash_attention, dynamic shared memory
+// lb::attention_wgmma_shared_bytes(HP, BQ, BKV) bytes, above 48 KB only after the kernel's max
+// dynamic shared memory attribute has been raised to it.
+//
+// Shared tiles. A tile of ROWS rows x HP halves is stored as HP * 2 / SW panels, SW (the swizzle
+// width) = 128 bytes, or 64 bytes at HP 32; panel p holds columns [p SW/2, (p+1) SW/2) of every
+// row, row r at byte r SW of the panel (panels ROWS SW bytes apart). Each tile starts at a
+// multiple of 1024 bytes, so the swizzle the tensor cores apply to absolute shared addresses,
+// bits [4, 4 + log2(SW/16)) ^= bits [7, 7 + log2(SW/16)) (CUTLASS Swizzle<3,4,3> / <2,4,3>),
+// is applied by the copies: 16-byte chunk c of row r lands in chunk slot c ^ (r % 8) (128B)
+// or c ^ ((r / 2) % 4) (64B).
+// - Q [query][d] and K [key][d] are K-major operands (the reduction dim d is contiguous): a k16
+//   step reads 32 bytes of each row, starting kk * 32 bytes into the rows, in panel kk * 32 / SW;
+//   descriptor SBO = 8 SW (from one group of 8 rows to the next), LBO unused (1).
+// - V [key][d] is the B operand of P V with K = key, N = d and N contiguous: N-major ("MN-major",
+//   imm-trans-b 1). Its canonical layout (PTX ISA, CUTLASS make_gmma_desc<Major::MN>) is
+//   ((T, SW/16, n), (8, k)) : ((1, T, LBO), (SW/2, SBO)) in halves (T = 8): swizzle atoms of
+//   SW/2 N-elements x 8 K-rows; SBO = 8 SW (the next 8 keys, the next 8 rows of the panel), LBO =
+//   BKV SW (the next SW/2 values of d: the next panel). A k16 step starts 16 SW bytes further.
+#include "common.cuh"
+
+namespace lb {
+
+namespace attn_wgmma_detail {
+
+constexpr int ALIGN = 1024;  // a 128B-swizzle pattern repeats every 1024 bytes (64B: 512)
+
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// Swizzle width in bytes (one row of a panel) for the padded head dim hp.
+__host__ __device__ constexpr int swizzle_bytes(int hp) { return hp * 2 >= 128 ? 128 : 64; }
+
+// Byte offset within a 1024-aligned tile of the logical offset off, swizzled (SW 128 or 64).
+template <int SW>
+__device__ __forceinline__ unsigned swizzle(unsigned off) {
+    constexpr unsigned MASK = (SW / 16 - 1) << 4;  // 0x70 (128B) or 0x30 (64B)
+    return off ^ ((off >> 3) & MASK);
+}
+
+// Copy rows [row0, row0 + ROWS) of one head (HP columns from src, a row pitch of stride) into the
+// swizzled panels of the tile at tile (1024-byte aligned). Rows at or past row_end, rows whose
+// byte in vrow is 0 (when vrow is not null) and columns at or past head_dim are zero-filled and
+// not read.
+template <int HP, int ROWS, int THREADS>
+__device__ __forceinline__ void load_tile(unsigned char* tile, const __half* src,
+                                          long long stride, int row0, int row_end,
+                                          const unsigned char* vrow, int head_dim,
+                                          const __half* base) {
+    constexpr int SW = swizzle_bytes(HP);
+    constexpr int CPR = HP / 8;   // 16-byte chunks per row
+    constexpr int CPP = SW / 16;  // 16-byte chunks per panel row
+    constexpr int CHUNKS = ROWS * CPR;
+#pragma unroll 1  // unrolled, the hoisted chunk addresses cost registers
+    for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i) {
+        const int c = i * THREADS + threadIdx.x;
+        if (CHUNKS % THREADS != 0 && c >= CHUNKS) break;
+        const int r = c / CPR, cc = c % CPR;
+        const int row = row0 + r;
+        bool ok = row < row_end && cc * 8 < head_dim;
+        if (ok && vrow != nullptr) ok = vrow[row] != 0;
+        const __half* g = ok ? src + (long long)row * stride + cc * 8 : base;
+        const unsigned off = (cc / CPP) * (ROWS * SW) + r * SW + (cc % CPP) * 16;
+        cp_async16(tile + swizzle<SW>(off), g, ok);
+    }
+}
+
+// wgmma shared-memory matrix descriptor: start address >> 4 (bits 0-13), leading-dimension byte
+// offset >> 4 (bits 16-29), stride-dimension byte offset >> 4 (bits 32-45), base offset 0 (bits
+// 49-51: every swizzle pattern starts at a multiple of its size), swizzle mode (bits 62-63):
+// 1 = 128B, 2 = 64B.
+template <int SW>
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr, unsigned lbo,
+                                                        unsigned sbo) {
+    constexpr unsigned long long MODE = SW == 128 ? 1ull : 2ull;
+    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
+           (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
+           (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32) | (MODE << 62);
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keep the compiler from moving accesses of a wgmma operand register across wgmma issue and wait.
+__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+
+__device__ __forceinline__ void fence_operand(unsigned& x) {
+    asm volatile("" : "+r"(x)::"memory");
+}
+
+#define LB_AW_RW8(i)                                                                     \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),          \
+        "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define LB_AW_W8(i)                                                                      \
+    "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]),          \
+        "=f"(d[i + 5]), "=f"(d[i + 6]), "=f"(d[i + 7])
+
+// SS<N>::run<SCALE_D>: d (64 x N fp32, the m64nNk16 accumulator fragment) = A * B + SCALE_D * d,
+// A (64 x 16) and B (16 x N) both K-major in shared memory (descriptors da, db): imm-trans-a and
+// imm-trans-b 0. With SCALE_D 0 d is only written (its old value is not an input).
+template <int N>
+struct SS;
+
+// RS<N>::run: d (64 x N fp32) += A * B, A (64 x 16 fp16) from registers (a[0..3], the fragment
+// of the m16n8k16 A operand for the warp's 16 rows), B (16 x N) N-major in shared memory
+// (descriptor db, imm-trans-b 1).
+template <int N>
+struct RS;
+
+template <>
+struct SS<64> {
+    template <int SCALE_D>
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da,
+                                               unsigned long long db) {
+        if constexpr (SCALE_D == 0) {
+            asm volatile(
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                : LB_AW_W8(0), LB_AW_W8(8), LB_AW_W8(16), LB_AW_W8(24)
+                : "l"(da), "l"(db), "n"(0));
+        } else {
+            asm volatile(
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24)
+                : "l"(da), "l"(db), "n"(1));
+        }
+    }
+};
+
+template <>
+struct SS<128> {
+    template <int SCALE_D>
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da,
+                                               unsigned long long db) {
+        if constexpr (SCALE_D == 0) {
+            asm volatile(
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
+                "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "
+                "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                : LB_AW_W8(0), LB_AW_W8(8), LB_AW_W8(16), LB_AW_W8(24), LB_AW_W8(32), LB_AW_W8(40),
+                  LB_AW_W8(48), LB_AW_W8(56)
+                : "l"(da), "l"(db), "n"(0));
+        } else {
+            asm volatile(
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
+                "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "
+                "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24), LB_AW_RW8(32),
+                  LB_AW_RW8(40), LB_AW_RW8(48), LB_AW_RW8(56)
+                : "l"(da), "l"(db), "n"(1));
+        }
+    }
+};
+
+template <>
+struct RS<32> {
+    static __device__ __forceinline__ void run(float (&d)[16], const unsigned (&a)[4],
+                                               unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
+            : LB_AW_RW8(0), LB_AW_RW8(8)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+    }
+};
+
+template <>
+struct RS<64> {
+    static __device__ __forceinline__ void run(float (&d)[32], const unsigned (&a)[4],
+                                               unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+            "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+            : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+    }
+};
+
+template <>
+struct RS<128> {
+    static __device__ __forceinline__ void run(float (&d)[64], const unsigned (&a)[4],
+                                               unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+            "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+            "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, "
+            "%52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+            "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24), LB_AW_RW8(32),
+              LB_AW_RW8(40), LB_AW_RW8(48), LB_AW_RW8(56)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+    }
+};
+
+#undef LB_AW_RW8
+#undef LB_AW_W8
+
+}  // namespace attn_wgmma_detail
+
+// Dynamic shared bytes of one block of lb::flash_attention_wgmma<hp, bq, bkv>: Q (bq rows), two
+// K and two V buffers (bkv rows each) of hp halves a row, plus 1024 bytes of slack for aligning
+// the first tile to 1024 bytes. <32, 128, 128>: 41984, <64, 128, 128>: 82944,
+// <64, 128, 64>: 50176, <128, 128, 128>: 164864, <128, 128, 64>: 99328.
+__host__ __device__ constexpr int attention_wgmma_shared_bytes(int hp, int bq, int bkv) {
+    return (bq + 4 * bkv) * hp * 2 + attn_wgmma_detail::ALIGN;
+}
+
+// Grid (ceil(seq_len / BQ), batch * num_heads), BQ / 64 warpgroups of 64 query rows each; the
+// same semantics as lb::flash_attention in every detail (see attention.cu).
+// Per key tile: wait for its K (and, on the first, Q), start the copies of the next tile's K and
+// V into the other buffers, S = Q K^T (wgmma, waited for), online softmax in registers, wait for
+// this tile's V, O += P V (wgmma, waited for). Both barriers of a tile are reached by every
+// thread, also by a warpgroup that skips the tile (causal, or no query row).
+// shared bytes: (BQ + 4 * BKV) * HP * 2 + 1024
+template <int HP, int BQ, int BKV>
+__global__ void __launch_bounds__(BQ * 2, 1)
+flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
+                      __half* __restrict__ ctx_hi, __half* __restrict__ ctx_lo,
+                      long long ctx_stride, const unsigned char* __restrict__ valid,
+                      const int* __restrict__ key_info, int seq_len, int num_heads,
+                      int head_dim, float scale, int causal) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    // Qualified names only: attention.cu's and linear_wgmma.cu's helpers share the module.
+    namespace ad = attn_wgmma_detail;
+    static_assert(HP == 32 || HP == 64 || HP == 128, "padded head dim 32, 64 or 128");
+    static_assert(BQ == 64 || BQ == 128, "one or two warpgroups of 64 rows");
+    static_assert(BKV == 64 || BKV == 128, "wgmma n64 or n128 score tiles");
+    constexpr int THREADS = BQ * 2;
+    constexpr int SW = ad::swizzle_bytes(HP);  // bytes per panel row
+    constexpr int Q_BYTES = BQ * HP * 2;       // multiples of 1024: every tile 1024-aligned
+    constexpr int KV_BYTES = BKV * HP * 2;
+    constexpr int NS = BKV / 2;   // score accumulators per thread (m64nBKV)
+    constexpr int NO = HP / 2;    // output accumulators per thread (m64nHP)
+    constexpr int KD = HP / 16;   // k16 steps over the head dim (Q K^T)
+    constexpr int KS = BKV / 16;  // k16 steps over the keys (P V)
+    constexpr int KPP = SW / 32;  // k16 steps per panel (32 bytes each)
+    static_assert(Q_BYTES % ad::ALIGN == 0 && KV_BYTES % ad::ALIGN == 0, "1024-byte tiles");
+
+    extern __shared__ __align__(1024) unsigned char attn_wgmma_shared[];
+    // Align the tiles to 1024 bytes whatever the start of dynamic shared memory.
+    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(attn_wgmma_shared));
+    const unsigned sbase = (raw + ad::ALIGN - 1) & ~static_cast<unsigned>(ad::ALIGN - 1);
+    unsigned char* smem = attn_wgmma_shared + (sbase - raw);
+    // Layout: Q, K buffer 0, K buffer 1, V buffer 0, V buffer 1.
+    const unsigned sQ = sbase, sK = sbase + Q_BYTES, sV = sK + 2 * KV_BYTES;
+
+    const int group = threadIdx.x / 128;  // warpgroup: rows 64 group .. 64 group + 63
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int b = blockIdx.y / num_heads, h = blockIdx.y % num_heads;
+    const int qb0 = blockIdx.x * BQ;        // first query row of the block
+    const int qg0 = qb0 + group * 64;       // ... of the warpgroup
+    const int q0 = qg0 + warp * 16;         // ... of the warp
+
+    // Keys [0, kv_end) may be visible; holes: some of them are invalid (read valid).
+    int kv_end = seq_len;
+    bool holes = false;
+    if (key_info != nullptr) {
+        kv_end = ad::imin(kv_end, key_info[b * 4]);
+        holes = key_info[b * 4 + 1] != 0;
+    }
+    if (kv_end < 0) kv_end = 0;
+    const unsigned char* vrow = holes ? valid + (long long)b * seq_len : nullptr;
+    const int kv_stop = causal ? ad::imin(kv_end, qb0 + BQ) : kv_end;
+    const int n_tiles = (kv_stop + BKV - 1) / BKV;
+
+    const long long row_base = (long long)b * seq_len;
+    const __half* gq = qkv + row_base * qkv_stride + (long long)h * head_dim;
+    const __half* gk = gq + (long long)num_heads * head_dim;
+    const __half* gv = gk + (long long)num_heads * head_dim;
+
+    const float sl = scale * 1.4426950408889634f;  // scores to the log2 domain
+    const float NEG_INF = ad::neg_inf();
+    const bool group_rows = qg0 < seq_len;  // the warpgroup has a query row to compute
+    const bool warp_rows = q0 < seq_len;    // the warp has one
+
+    // Accumulator fragment of m64nNk16 (warp w of the warpgroup, g = lane / 4, t = lane % 4):
+    // x[4 j + 2 r + e] is row 16 w + g + 8 r, column 8 j + 2 t + e of the warpgroup's 64 x N.
+    float o[NO];
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o[i] = 0.0f;
+    float s[NS];
+    float m_run[2] = {NEG_INF, NEG_INF};  // running max (log2 domain) of rows g and g + 8
+    float l_run[2] = {0.0f, 0.0f};        // this lane's part of the running row sums
+
+    // One commit group per K tile and per V tile (Q joins the first K): the counts of the waits
+    // below hold for every tile, empty groups included.
+    auto load_kv = [&](int buf, int kv0) {
+        ad::load_tile<HP, BKV, THREADS>(smem + Q_BYTES + buf * KV_BYTES, gk, qkv_stride, kv0,
+                                        kv_end, vrow, head_dim, qkv);
+        cp_async_commit();
+        ad::load_tile<HP, BKV, THREADS>(smem + Q_BYTES + (2 + buf) * KV_BYTES, gv, qkv_stride,
+                                        kv0, kv_end, vrow, head_dim, qkv);
+        cp_async_commit();
+    };
+
+    if (n_tiles > 0) {
+        ad::load_tile<HP, BQ, THREADS>(smem, gq, qkv_stride, qb0, seq_len, nullptr, head_dim,
+                                       qkv);
+        load_kv(0, 0);
+    }
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const int kv0 = it * BKV, buf = it & 1;
+        // In flight: K and V of this tile. Wait for K (and Q), make this thread's copies visible
+        // to the async proxy (the tensor cores), then to every thread; past the barrier every
+        // warpgroup has also finished (wgmma waited for) reading the other buffers, tile it - 1.
+        cp_async_wait<1>();
+        ad::fence_proxy_async();
+        __syncthreads();
+        if (it + 1 < n_tiles) {
+            load_kv(buf ^ 1, kv0 + BKV);
+        } else {
+            cp_async_commit();
+            cp_async_commit();
+        }
+
+        // A warpgroup whose rows all precede the tile's first key (causal) sees none of it.
+        const bool work = group_rows && !(causal && kv0 > qg0 + 63);
+        if (work) {
+            // S = Q K^T: Q rows [query][d] (A) and K rows [key][d] (B) are both K-major. Every
+            // k16 step runs, also over zero columns past head_dim: a branch between the wgmmas
+            // would make ptxas fence each one (C7519).
+            ad::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                const unsigned koff = (kk % KPP) * 32;  // bytes into the panel's rows
+                const unsigned qa = sQ + (kk / KPP) * (BQ * SW) + group * 64 * SW + koff;
+                const unsigned kb = sK + buf * KV_BYTES + (kk / KPP) * (BKV * SW) + koff;
+                const unsigned long long da = ad::smem_desc<SW>(qa, 16, 8 * SW);
+                const unsigned long long db = ad::smem_desc<SW>(kb, 16, 8 * SW);
+                if (kk == 0) {
+                    ad::SS<BKV>::template run<0>(s, da, db);
+                } else {
+                    ad::SS<BKV>::template run<1>(s, da, db);
+                }
+            }
+            ad::wgmma_commit();
+            ad::wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < NS; ++i) ad::fence_operand(s[i]);
+
+            // A warp whose rows all precede the tile (causal) or lie past seq_len gets P = 0.
+            const bool warp_work = warp_rows && !(causal && kv0 > q0 + 15);
+            if (warp_work) {
+                // s[4 j + 2 r + e]: row q0 + g + 8 r, key kv0 + 8 j + 2 t + e.
+#pragma unroll
+                for (int i = 0; i < NS; ++i) s[i] *= sl;
+                const bool edge =
+                    kv0 + BKV > kv_end || holes || (causal && kv0 + BKV - 1 > q0);
+                if (edge) {
+                    const int row0 = q0 + g, row1 = q0 + g + 8;
+#pragma unroll
+                    for (int j = 0; j < NS / 4; ++j) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int key = kv0 + 8 * j + 2 * t + e;
+                            bool ok = key < kv_end;
+                            if (ok && holes) ok = vrow[key] != 0;
+                            if (!ok || (causal && key > row0)) s[4 * j + e] = NEG_INF;
+                            if (!ok || (causal && key > row1)) s[4 * j + 2 + e] = NEG_INF;
+                        }
+                    }
+                }
+
+                // Online softmax: row max over the quad's 4 lanes, rescale, exponentiate.
+                float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+                for (int j = 0; j < NS / 4; ++j) {
+                    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+                    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+                }
+                float base[2], alpha[2];
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+                    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+                    const float m_new = fmaxf(m_run[r], mx[r]);
+                    // No visible key yet: subtract 0, so exp2(-inf) gives 0 and never NaN.
+                    base[r] = m_new == NEG_INF ? 0.0f : m_new;
+                    alpha[r] = exp2f(m_run[r] - base[r]);
+                    m_run[r] = m_new;
+                    l_run[r] *= alpha[r];
+                }
+#pragma unroll
+                for (int n = 0; n < NO / 4; ++n) {
+                    o[4 * n] *= alpha[0];
+                    o[4 * n + 1] *= alpha[0];
+                    o[4 * n + 2] *= alpha[1];
+                    o[4 * n + 3] *= alpha[1];
+                }
+#pragma unroll
+                for (int j = 0; j < NS / 4; ++j) {
+                    s[4 * j] = exp2f(s[4 * j] - base[0]);
+                    s[4 * j + 1] = exp2f(s[4 * j + 1] - base[0]);
+                    s[4 * j + 2] = exp2f(s[4 * j + 2] - base[1]);
+                    s[4 * j + 3] = exp2f(s[4 * j + 3] - base[1]);
+                    l_run[0] += s[4 * j] + s[4 * j + 1];
+                    l_run[1] += s[4 * j + 2] + s[4 * j + 3];
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < NS; ++i) s[i] = 0.0f;
+            }
+        }
+
+        // V of this tile (the next tile's K and V may still be in flight), visible to all.
+        cp_async_wait<2>();
+        ad::fence_proxy_async();
+        __syncthreads();
+
+        if (work) {
+            // O += P V. The accumulators of score columns 16 kk .. 16 kk + 15, s[8 kk .. 8 kk + 7],
+            // are in order the fp16 pairs of the register A fragment of k16 step kk (m16n8k16's
+            // A layout per warp: rows g, g + 8 x keys 2 t.., 2 t + 8..). V rows [key][d]: N-major.
+            unsigned p[KS][4];
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    p[kk][i] = pack_half2(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+                    ad::fence_operand(p[kk][i]);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < NO; ++i) ad::fence_operand(o[i]);
+            ad::wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+                const unsigned vb = sV + buf * KV_BYTES + kk * 16 * SW;
+                ad::RS<HP>::run(o, p[kk], ad::smem_desc<SW>(vb, BKV * SW, 8 * SW));
+            }
+            ad::wgmma_commit();
+            ad::wgmma_wait<0>();
+#pragma unroll
+            for (int i = 0; i < NO; ++i) ad::fence_operand(o[i]);
+#pragma unroll
+            for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) ad::fence_operand(p[kk][i]);
+            }
+        }
+    }
+    cp_async_wait<0>();  // nothing is left in flight (the last groups are empty)
+
+    // Normalise by the row sums (0 where no key was visible) and write hi/lo pairs.
+    if (!warp_rows) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int row = q0 + g + 8 * r;
+        if (row >= seq_len) continue;
+        const long long off = (row_base + row) * ctx_stride + (long long)h * head_dim + 2 * t;
+        __half* hi = ctx_hi + off;
+        __half* lo = ctx_lo + off;
+#pragma unroll
+        for (int n = 0; n < HP / 8; ++n) {
+            if (n * 8 >= head_dim) break;
+            __half h0, l0, h1, l1;
+            split_half(o[4 * n + 2 * r] * inv, h0, l0);
+            split_half(o[4 * n + 2 * r + 1] * inv, h1, l1);
+            *reinterpret_cast<__half2*>(hi + n * 8) = __halves2half2(h0, h1);
+            *reinterpret_cast<__half2*>(lo + n * 8) = __halves2half2(l0, l1);
+        }
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // wgmma needs sm_90a: compile this kernel for sm_90a
+#endif
+}
+
+}  // namespace lb
