@@ -4,6 +4,7 @@ over every head dim, full attention, masks, and the streamed batch."""
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 
 import pytest
@@ -28,18 +29,33 @@ def wmma_selected(pytestconfig):
         pytest.skip("wmma is not among the selected backends")
 
 
-@pytest.mark.parametrize("arch", build.ARCHES, ids=[f"sm{a}" for a in build.ARCHES])
-@pytest.mark.parametrize("source", CUDA_SOURCES)
-def test_source_compiles_without_warnings(source, arch, wmma_objects):
-    """nvcc compiles the source with the JIT build's flags, every warning (ptxas spills
-    included) an error; the object stays in wmma_objects for the SASS report."""
+@pytest.fixture(scope="session")
+def strict_compiles(wmma_objects):
+    """(source, arch) -> (command, return code, output) of every strict nvcc compile, one
+    process per CPU at a time; the objects stay in wmma_objects for the SASS report."""
     if build.nvcc_path() is None:
         pytest.skip(build.toolkit_missing())
-    command = build.nvcc_command(build.SOURCE_DIR / source, arch,
-                                 wmma_objects / f"{source}-sm{arch}.o", strict=True)
-    run = subprocess.run(command, capture_output=True, text=True)
-    output = run.stdout + run.stderr
-    assert run.returncode == 0, f"{' '.join(command)}\n{output}"
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compile_one(key):
+        source, arch = key
+        command = build.nvcc_command(build.SOURCE_DIR / source, arch,
+                                     wmma_objects / f"{source}-sm{arch}.o", strict=True)
+        run = subprocess.run(command, capture_output=True, text=True)
+        return command, run.returncode, run.stdout + run.stderr
+
+    keys = [(source, arch) for source in CUDA_SOURCES for arch in build.ARCHES]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(keys, pool.map(compile_one, keys)))
+
+
+@pytest.mark.parametrize("arch", build.ARCHES, ids=[f"sm{a}" for a in build.ARCHES])
+@pytest.mark.parametrize("source", CUDA_SOURCES)
+def test_source_compiles_without_warnings(source, arch, strict_compiles):
+    """nvcc compiles the source with the JIT build's flags, every warning (ptxas spills
+    included) an error."""
+    command, returncode, output = strict_compiles[(source, arch)]
+    assert returncode == 0, f"{' '.join(command)}\n{output}"
     assert "warning" not in output.lower(), output
 
 
