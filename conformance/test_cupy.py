@@ -192,7 +192,9 @@ def kernels(cupy_selected):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pytest.importorskip("cupy")
-    return ops.kernels_for(torch.device("cuda", torch.cuda.current_device()))
+    k = ops.kernels_for(torch.device("cuda", torch.cuda.current_device()))
+    assert k.wgmma_problem is None, k.wgmma_problem  # an sm_90 device gets real wgmma kernels
+    return k
 
 
 @needs_gpu

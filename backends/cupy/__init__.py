@@ -65,5 +65,7 @@ class CupyBackend(Backend):
         kernels = kernels_for(device)
         if self.wgmma and not kernels.has_wgmma:
             raise Unsupported(f"{self.name}: wgmma needs an sm_90 device, not sm_{kernels.arch}")
+        if self.wgmma and kernels.wgmma_problem:
+            raise Unsupported(f"{self.name}: {kernels.wgmma_problem}")
         return CupyLayer(self, config, state_dict, device, dtype, kernels, products,
                          wgmma=self.wgmma)

@@ -16,6 +16,7 @@ from . import build
 NORM_ROWS = 4  # rows per LayerNorm block (norm.cu NORM_WARPS)
 STAGES, BK_ROW = 3, 40  # linear.cu: pipeline stages, shared row length in halves
 NULL = np.uint64(0)
+MIN_WGMMA_REGISTERS = 32  # the real 64x64 Hopper GEMM holds 86; its trap body 4
 
 
 def linear_shared_bytes(bm: int, bn: int, products: int) -> int:
@@ -61,6 +62,16 @@ class Kernels:
         with cupy.cuda.Device(index):
             self.module = build.module_for(self.arch)
         self.functions: dict[str, object] = {}
+        self.wgmma_problem = self._wgmma_problem() if self.has_wgmma else None
+
+    def _wgmma_problem(self) -> str | None:
+        """Why the module's wgmma kernels cannot run, or None: compiled for plain sm_90 (if
+        NVRTC took CuPy's -arch over sm_90a) their bodies are traps of a few registers."""
+        probe = self.module.get_function(build.wgmma_name(build.WGMMA_TILES[1], 1, "half"))
+        if probe.num_regs < MIN_WGMMA_REGISTERS:
+            return (f"the wgmma kernels were not compiled for sm_90a ({probe.num_regs} "
+                    "registers: a trap body); this NVRTC took another target")
+        return None
 
     def function(self, name: str, shared: int):
         """The kernel of name expression name, allowed shared bytes of dynamic memory."""
