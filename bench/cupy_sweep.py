@@ -1,7 +1,7 @@
 """Whole-layer comparisons of the cupy backend on a GPU: two plans of one option built on the
 same inputs, both checked against one reference and timed in alternating rounds.
 
-    python bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1   # wgmma GEMMs on / off
+    python bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1   # wgmma kernels on / off
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,3  # out_proj and FFN
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a CUDA machine: install layerbench, run the conformance suite and the benchmark on the
-# official shapes, and write results/<gpu>/ (results.json, results.md, speedup.png) from every
+# On a CUDA machine: install layerbench, run the conformance suite (by default on its GPU
+# selection) and the benchmark (the official shapes), and write results/<gpu>/ (results.json, results.md, speedup.png) from every
 # run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
@@ -110,7 +110,7 @@ if [[ $stage == cutile ]]; then
         --out "$OUT/cutile-profile.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cupy ]]; then
-    # The cupy kernels: kernel tests against fp64, wgmma GEMMs on and off on whole layers,
+    # The cupy kernels: kernel tests, wgmma GEMMs and attention on and off on whole layers,
     # then GPU time per kernel.
     log="$OUT/cupy.log"
     python3 -m pytest conformance/test_cupy.py --backend cupy -q -p no:cacheprovider -rf \
@@ -122,10 +122,9 @@ if [[ $stage == cupy ]]; then
         --out "$OUT/cupy-profile.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cutile-jit ]]; then
-    # The JIT path where no registry is reachable: unpack whichever parts of
-    # bench/pack_tileiras.sh came with this call into .tileiras/ (kept on a warm machine
-    # between calls); once tileiras, ptxas and libnvvm are all there, install the cuda-tile
-    # wheel and run the AOT-against-JIT test.
+    # The JIT path where no package index is reachable: unpack whichever parts of
+    # bench/pack_tileiras.sh are present in .carry/ into .tileiras/; once tileiras, ptxas and
+    # libnvvm are all there, install the cuda-tile wheel and run the AOT-against-JIT test.
     mkdir -p .tileiras
     for part in .carry/tileiras-*.tar.xz; do
         [[ -f $part ]] && tar -C .tileiras -xJf "$part"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Packs what the cutile JIT needs on a GPU machine that reaches no package registry, where
+# Packs what the cutile JIT needs on a GPU machine that reaches no package index, where
 # cuda-tile[tileiras] is installed: the cuda-tile wheel for Python 3.12 and tileiras with the
-# ptxas and libnvvm of its release, in two xz parts (about 57 MiB in all, more than one call
-# can carry beside the tree). Both parts go to one warm machine in two calls:
+# ptxas and libnvvm of its release, in two xz parts (about 57 MiB in all). The cutile-jit
+# stage of bench/gpu_run.sh unpacks the parts present in .carry/ into .tileiras/ and runs
+# the test once all are there:
 #
 #   bash bench/pack_tileiras.sh
-#   carry .carry/tileiras-1.tar.xz:           bash bench/gpu_run.sh cutile-jit
-#   carry .carry/tileiras-2.tar.xz .carry/wheels build/cutile, within 30 s:
-#                                             bash bench/gpu_run.sh cutile-jit
+#   copy .carry/ (tileiras-1.tar.xz, tileiras-2.tar.xz, wheels/) and build/cutile there,
+#   then: bash bench/gpu_run.sh cutile-jit
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=.carry

@@ -1,7 +1,8 @@
 """cupy-specific cases: every kernel instantiation compiles with NVRTC for sm_80 and sm_90a
-(also without a GPU) to mma.sync and ldmatrix, or wgmma, without spills, the host packs exactly the
-parameters each compiled kernel takes, the toolkit headers are found or refused clearly, and
-(on a GPU) each kernel family against PyTorch in fp64."""
+(also without a GPU) to mma.sync and ldmatrix, or wgmma, without spills (attention at head
+dim 256 exempt), the host packs exactly the parameters each compiled kernel takes, the
+toolkit headers are found or refused clearly, and (on a GPU) LayerNorm and the GEMMs against
+fp64, attention against the fp32 oracle, and the layer eager and replayed."""
 from __future__ import annotations
 
 import itertools

@@ -28,10 +28,11 @@ class CutileBackend(Backend):
     kernel, its hidden rows kept on chip (4 launches per block; off: slower on 10 of the 11
     official shapes it applies to). lean_pairs: LayerNorm and GELU rows that only a
     one-product GEMM reads are written as one fp16 array, without the low half (on: 3%
-    faster at d_model 1024, no change where the FFN takes three products). pdl: each kernel is launched to start while the one before it
-    finishes (programmatic dependent launch); None (default) where the device has it (sm_90
-    on), True requires it. fuse_block: where sequences fit (specs.block_constants: up to 128
-    rows, d_model and ffn_dim up to 128, power-of-two heads), one kernel runs each whole
+    faster at d_model 1024, no change where the FFN takes three products). pdl: each kernel
+    is launched to start while the one before it finishes (programmatic dependent launch);
+    None (default) where the device has it (sm_90 on), True requires it. fuse_block: where
+    sequences fit (specs.block_constants: up to 128 rows, d_model and ffn_dim up to 128,
+    power-of-two head dims of at least 8), one kernel runs each whole
     block; None (default) where the launcher has that kernel, the separate kernels
     elsewhere; True refuses a build without the kernel for the config's own length.
     """
