@@ -2,6 +2,7 @@
 PTX-level tensor-core instructions (mma.sync, ldmatrix, cp.async)."""
 from __future__ import annotations
 
+from layerbench.common.cuda_host import capability_shortfall
 from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import MemoryPlan
@@ -45,13 +46,7 @@ class CupyBackend(Backend):
             build.cuda_include()
         except Unsupported as exc:
             return str(exc)
-        import torch
-
-        if device.type == "cuda" and torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(device)
-            if major < 8:
-                return f"needs compute capability 8.0 or newer, not {major}.{minor}"
-        return None
+        return capability_shortfall(device)
 
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""

@@ -173,16 +173,8 @@ flash_attention(const __half* __restrict__ qkv, long long qkv_stride,
             }
             float base[2], alpha[2];
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                const float m_new = fmaxf(m_run[r], mx[r]);
-                // No visible key yet: subtract 0, so exp2(-inf) gives 0 and never NaN.
-                base[r] = m_new == NEG_INF ? 0.0f : m_new;
-                alpha[r] = exp2f(m_run[r] - base[r]);
-                m_run[r] = m_new;
-                l_run[r] *= alpha[r];
-            }
+            for (int r = 0; r < 2; ++r)
+                alpha[r] = online_softmax_step(mx[r], m_run[r], l_run[r], base[r], NEG_INF);
 #pragma unroll
             for (int n = 0; n < NO; ++n) {
                 o[n][0] *= alpha[0]; o[n][1] *= alpha[0];

@@ -13,7 +13,7 @@ from layerbench.common.errors import Unsupported
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("norm.cu", "linear.cu", "linear_wgmma.cu", "attention.cu",
            "attention_wgmma.cu")  # one module, in this order
-HEADERS = ("common.cuh",)
+HEADERS = ("common.cuh", "wgmma.cuh")
 ARCHES = ("80", "90a")  # the CPU test compiles for both
 HOPPER = "90a"  # sm_90 devices run the module compiled for sm_90a, which has wgmma
 HEADER = "cuda_fp16.h"  # the one toolkit header the kernels include

@@ -68,4 +68,55 @@ __device__ __forceinline__ float gelu(float x) {
     return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
 }
 
+// GEMM epilogues (linear.cu, linear_wgmma.cu).
+enum Epilogue { HALF = 0, GELU_PAIR = 1, RESIDUAL = 2 };
+
+// Store the biased products x, y of columns o and o + 1 of an output row by epilogue EPI:
+// HALF: out_hi = fp16; GELU_PAIR: (out_hi, out_lo) = split(GELU), out_hi alone where out_lo
+// is null; RESIDUAL: out_f = res + (x, y) where keep, else res (zero_sum 0) or 0 (res may be
+// out_f: read before written).
+template <int EPI>
+__device__ __forceinline__ void store_pair(float x, float y, long long o, bool keep,
+                                           int zero_sum, __half* out_hi, __half* out_lo,
+                                           const float* res, float* out_f) {
+    if (EPI == HALF) {
+        *reinterpret_cast<__half2*>(out_hi + o) = __floats2half2_rn(x, y);
+    } else if (EPI == GELU_PAIR) {
+        x = gelu(x);
+        y = gelu(y);
+        __half xh, xl, yh, yl;
+        split_half(x, xh, xl);
+        split_half(y, yh, yl);
+        *reinterpret_cast<__half2*>(out_hi + o) = __halves2half2(xh, yh);
+        if (out_lo != nullptr)  // null: the hi half alone, for one product
+            *reinterpret_cast<__half2*>(out_lo + o) = __halves2half2(xl, yl);
+    } else {
+        float2 r = *reinterpret_cast<const float2*>(res + o);
+        float2 v;
+        if (keep) {
+            v = make_float2(r.x + x, r.y + y);
+        } else {
+            v = zero_sum ? make_float2(0.0f, 0.0f) : r;
+        }
+        *reinterpret_cast<float2*>(out_f + o) = v;
+    }
+}
+
+// One online-softmax step of a row held by the 4 lanes of a quad: mx, this lane's max of the
+// new (log2-domain) scores, becomes the row's; the running max m_run and this lane's running
+// sum l_run move to the new max. Returns the factor for the old sums and outputs, and in base
+// what to subtract from the new scores (0 while the row has no visible key, so that
+// exp2(-inf) gives 0, never NaN).
+__device__ __forceinline__ float online_softmax_step(float mx, float& m_run, float& l_run,
+                                                     float& base, float neg_inf) {
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m_run, mx);
+    base = m_new == neg_inf ? 0.0f : m_new;
+    const float alpha = exp2f(m_run - base);
+    m_run = m_new;
+    l_run *= alpha;
+    return alpha;
+}
+
 }  // namespace lb

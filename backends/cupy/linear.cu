@@ -4,8 +4,6 @@
 
 namespace lb {
 
-enum Epilogue { HALF = 0, GELU_PAIR = 1, RESIDUAL = 2 };
-
 constexpr int BK = 32;          // K columns per pipeline stage
 constexpr int ROW = BK + 8;     // shared row length in halves: 80 bytes, ldmatrix without conflicts
 constexpr int STAGES = 3;
@@ -136,32 +134,10 @@ linear(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo, long lo
             for (int j = 0; j < NI; ++j) {
                 int col = n0 + wn * TN + j * 8 + 2 * t;
                 if (col >= N) continue;
-                float x = acc[i][j][half_row * 2] + bias[col];
-                float y = acc[i][j][half_row * 2 + 1] + bias[col + 1];
-                if (EPI == HALF) {
-                    *reinterpret_cast<__half2*>(out_hi + (long long)row * out_stride + col) =
-                        __floats2half2_rn(x, y);
-                } else if (EPI == GELU_PAIR) {
-                    x = gelu(x);
-                    y = gelu(y);
-                    __half xh, xl, yh, yl;
-                    split_half(x, xh, xl);
-                    split_half(y, yh, yl);
-                    long long o = (long long)row * out_stride + col;
-                    *reinterpret_cast<__half2*>(out_hi + o) = __halves2half2(xh, yh);
-                    if (out_lo != nullptr)  // null: the hi half alone, for one product
-                        *reinterpret_cast<__half2*>(out_lo + o) = __halves2half2(xl, yl);
-                } else {
-                    long long o = (long long)row * out_stride + col;
-                    float2 r = *reinterpret_cast<const float2*>(res + o);
-                    float2 v;
-                    if (keep) {
-                        v = make_float2(r.x + x, r.y + y);
-                    } else {
-                        v = zero_sum ? make_float2(0.0f, 0.0f) : r;
-                    }
-                    *reinterpret_cast<float2*>(out_f + o) = v;
-                }
+                store_pair<EPI>(acc[i][j][half_row * 2] + bias[col],
+                                acc[i][j][half_row * 2 + 1] + bias[col + 1],
+                                (long long)row * out_stride + col, keep, zero_sum, out_hi,
+                                out_lo, res, out_f);
             }
         }
     }

@@ -12,16 +12,18 @@
 // lb::linear_wgmma_shared_bytes(BM, BN, PRODUCTS) bytes, above 48 KB only after the kernel's
 // max dynamic shared memory attribute has been raised to it.
 #include "common.cuh"
+#include "wgmma.cuh"
 
 namespace lb {
 
 namespace wgmma_detail {
 
+using namespace lb::wgmma;  // descriptors, fences and the wgmma instructions
+
 constexpr int BK = 64;        // K columns per stage: 128 bytes per tile row, one 128B-swizzle row
 constexpr int ROW_BYTES = BK * 2;
 constexpr int STAGES = 3;
 constexpr int ALIGN = 1024;   // a 128B-swizzle atom (8 rows x 128 bytes) starts at 1024 bytes
-constexpr int EPI_HALF = 0, EPI_GELU_PAIR = 1, EPI_RESIDUAL = 2;  // as lb::Epilogue
 
 // Copy rows [r0, r0 + ROWS) x columns [k0, k0 + BK) of a row-major fp16 matrix into the tile at
 // tile_ptr (1024-byte aligned), zero-filling rows past row_end and columns past k_end (a
@@ -45,80 +47,12 @@ __device__ __forceinline__ void load_tile(unsigned char* tile_ptr, const __half*
 }
 
 // wgmma shared-memory matrix descriptor of a K-major operand in the canonical 128B-swizzle
-// layout: start address >> 4 (bits 0-13), leading-dimension byte offset (bits 16-29; unused for
-// swizzled K-major layouts, 1 by convention), stride-dimension byte offset 1024 >> 4 = 64 (bits
-// 32-45: from one group of 8 rows to the next), base offset 0 (bits 49-51: atoms 1024-aligned),
-// swizzle mode 1 = 128B (bits 62-63).
-__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
-    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) | (1ull << 16) |
-           (64ull << 32) | (1ull << 62);
+// layout: leading-dimension byte offset unused for swizzled K-major layouts (16, 1 by
+// convention), stride-dimension byte offset 1024 (from one group of 8 rows to the next), base
+// offset 0 (atoms 1024-aligned).
+__device__ __forceinline__ unsigned long long operand_desc(unsigned addr) {
+    return smem_desc<128>(addr, 16, 1024);
 }
-
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// Keeps the compiler from moving accesses of an accumulator across wgmma issue and wait.
-__device__ __forceinline__ void fence_operand(float& x) {
-    asm volatile("" : "+f"(x)::"memory");
-}
-
-#define LB_WGMMA_D8(i)                                                                   \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),          \
-        "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-
-// d (64 x N fp32, the m64nNk16 fragment) += A (64 x 16, K-major, descriptor da) *
-// B (16 x N, K-major, i.e. rows of W, descriptor db); scale-d 1, no negation, no transpose.
-template <int N>
-struct Wgmma;
-
-template <>
-struct Wgmma<64> {
-    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da,
-                                               unsigned long long db) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "%32, %33, p, 1, 1, 0, 0;\n}\n"
-            : LB_WGMMA_D8(0), LB_WGMMA_D8(8), LB_WGMMA_D8(16), LB_WGMMA_D8(24)
-            : "l"(da), "l"(db), "n"(1));
-    }
-};
-
-template <>
-struct Wgmma<128> {
-    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da,
-                                               unsigned long long db) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-            "%64, %65, p, 1, 1, 0, 0;\n}\n"
-            : LB_WGMMA_D8(0), LB_WGMMA_D8(8), LB_WGMMA_D8(16), LB_WGMMA_D8(24),
-              LB_WGMMA_D8(32), LB_WGMMA_D8(40), LB_WGMMA_D8(48), LB_WGMMA_D8(56)
-            : "l"(da), "l"(db), "n"(1));
-    }
-};
-
-#undef LB_WGMMA_D8
 
 }  // namespace wgmma_detail
 
@@ -212,7 +146,7 @@ linear_wgmma(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
                 unsigned a = s + (part == 2 ? A_TILE + W_TILE : 0) + group * 64 * ROW_BYTES +
                              kk * 32;
                 unsigned w = s + A_TILE + (part == 1 ? A_TILE + W_TILE : 0) + kk * 32;
-                wd::Wgmma<BN>::run(acc, wd::smem_desc(a), wd::smem_desc(w));
+                wd::SS<BN>::template run<1>(acc, wd::operand_desc(a), wd::operand_desc(w));
             }
         }
         wd::wgmma_commit();
@@ -236,36 +170,14 @@ linear_wgmma(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
     for (int h = 0; h < 2; ++h) {
         int row = m0 + group * 64 + warp * 16 + g + h * 8;
         if (row >= M) continue;
-        bool keep = EPI != wd::EPI_RESIDUAL || valid == nullptr || valid[row] != 0;
+        bool keep = EPI != RESIDUAL || valid == nullptr || valid[row] != 0;
         long long o_row = (long long)row * out_stride;
 #pragma unroll
         for (int j = 0; j < BN / 8; ++j) {
             int col = n0 + j * 8 + 2 * t;
             if (col >= N) continue;
-            float x = acc[4 * j + 2 * h] + bias[col];
-            float y = acc[4 * j + 2 * h + 1] + bias[col + 1];
-            long long o = o_row + col;
-            if (EPI == wd::EPI_HALF) {
-                *reinterpret_cast<__half2*>(out_hi + o) = __floats2half2_rn(x, y);
-            } else if (EPI == wd::EPI_GELU_PAIR) {
-                x = gelu(x);
-                y = gelu(y);
-                __half xh, xl, yh, yl;
-                split_half(x, xh, xl);
-                split_half(y, yh, yl);
-                *reinterpret_cast<__half2*>(out_hi + o) = __halves2half2(xh, yh);
-                if (out_lo != nullptr)  // null: the hi half alone, for one product
-                    *reinterpret_cast<__half2*>(out_lo + o) = __halves2half2(xl, yl);
-            } else {
-                float2 r = *reinterpret_cast<const float2*>(res + o);
-                float2 v;
-                if (keep) {
-                    v = make_float2(r.x + x, r.y + y);
-                } else {
-                    v = zero_sum ? make_float2(0.0f, 0.0f) : r;
-                }
-                *reinterpret_cast<float2*>(out_f + o) = v;
-            }
+            store_pair<EPI>(acc[4 * j + 2 * h] + bias[col], acc[4 * j + 2 * h + 1] + bias[col + 1],
+                            o_row + col, keep, zero_sum, out_hi, out_lo, res, out_f);
         }
     }
 #elif defined(__CUDA_ARCH__)

@@ -1,0 +1,178 @@
+// wgmma building blocks shared by the Hopper kernels (linear_wgmma.cu, attention_wgmma.cu):
+// shared-memory matrix descriptors, the async-proxy and wgmma fences, commit and wait, operand
+// fences, and the m64nNk16 f32 += f16 x f16 instructions with A from shared memory (SS) or
+// from registers (RS). The instructions exist only on sm_90a; callers use them only there.
+#pragma once
+#include "common.cuh"
+
+namespace lb {
+namespace wgmma {
+
+// wgmma shared-memory matrix descriptor: start address >> 4 (bits 0-13), leading-dimension byte
+// offset >> 4 (bits 16-29), stride-dimension byte offset >> 4 (bits 32-45), base offset 0 (bits
+// 49-51: every swizzle pattern starts at a multiple of its size), swizzle mode (bits 62-63):
+// 1 = 128B, 2 = 64B.
+template <int SW>
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr, unsigned lbo,
+                                                        unsigned sbo) {
+    constexpr unsigned long long MODE = SW == 128 ? 1ull : 2ull;
+    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
+           (static_cast<unsigned long long>((lbo & 0x3FFFF) >> 4) << 16) |
+           (static_cast<unsigned long long>((sbo & 0x3FFFF) >> 4) << 32) | (MODE << 62);
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keep the compiler from moving accesses of a wgmma operand register across wgmma issue and wait.
+__device__ __forceinline__ void fence_operand(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+
+__device__ __forceinline__ void fence_operand(unsigned& x) {
+    asm volatile("" : "+r"(x)::"memory");
+}
+
+#define LB_AW_RW8(i)                                                                     \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]),          \
+        "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define LB_AW_W8(i)                                                                      \
+    "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]),          \
+        "=f"(d[i + 5]), "=f"(d[i + 6]), "=f"(d[i + 7])
+
+// SS<N>::run<SCALE_D>: d (64 x N fp32, the m64nNk16 accumulator fragment) = A * B + SCALE_D * d,
+// A (64 x 16) and B (16 x N) both K-major in shared memory (descriptors da, db): imm-trans-a and
+// imm-trans-b 0. With SCALE_D 0 d is only written (its old value is not an input).
+template <int N>
+struct SS;
+
+// RS<N>::run: d (64 x N fp32) += A * B, A (64 x 16 fp16) from registers (a[0..3], the fragment
+// of the m16n8k16 A operand for the warp's 16 rows), B (16 x N) N-major in shared memory
+// (descriptor db, imm-trans-b 1).
+template <int N>
+struct RS;
+
+template <>
+struct SS<64> {
+    template <int SCALE_D>
+    static __device__ __forceinline__ void run(float (&d)[32], unsigned long long da,
+                                               unsigned long long db) {
+        if constexpr (SCALE_D == 0) {
+            asm volatile(
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                : LB_AW_W8(0), LB_AW_W8(8), LB_AW_W8(16), LB_AW_W8(24)
+                : "l"(da), "l"(db), "n"(0));
+        } else {
+            asm volatile(
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24)
+                : "l"(da), "l"(db), "n"(1));
+        }
+    }
+};
+
+template <>
+struct SS<128> {
+    template <int SCALE_D>
+    static __device__ __forceinline__ void run(float (&d)[64], unsigned long long da,
+                                               unsigned long long db) {
+        if constexpr (SCALE_D == 0) {
+            asm volatile(
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
+                "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "
+                "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                : LB_AW_W8(0), LB_AW_W8(8), LB_AW_W8(16), LB_AW_W8(24), LB_AW_W8(32), LB_AW_W8(40),
+                  LB_AW_W8(48), LB_AW_W8(56)
+                : "l"(da), "l"(db), "n"(0));
+        } else {
+            asm volatile(
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
+                "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "
+                "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24), LB_AW_RW8(32),
+                  LB_AW_RW8(40), LB_AW_RW8(48), LB_AW_RW8(56)
+                : "l"(da), "l"(db), "n"(1));
+        }
+    }
+};
+
+template <>
+struct RS<32> {
+    static __device__ __forceinline__ void run(float (&d)[16], const unsigned (&a)[4],
+                                               unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+            "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
+            : LB_AW_RW8(0), LB_AW_RW8(8)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+    }
+};
+
+template <>
+struct RS<64> {
+    static __device__ __forceinline__ void run(float (&d)[32], const unsigned (&a)[4],
+                                               unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+            "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+            "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+            : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+    }
+};
+
+template <>
+struct RS<128> {
+    static __device__ __forceinline__ void run(float (&d)[64], const unsigned (&a)[4],
+                                               unsigned long long db) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
+            "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
+            "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, "
+            "%52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+            "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24), LB_AW_RW8(32),
+              LB_AW_RW8(40), LB_AW_RW8(48), LB_AW_RW8(56)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+    }
+};
+
+#undef LB_AW_RW8
+#undef LB_AW_W8
+
+}  // namespace wgmma
+}  // namespace lb
