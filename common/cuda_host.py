@@ -32,6 +32,17 @@ def max_shared_memory_per_block(device: torch.device) -> int | None:
                    None)
 
 
+def capability_shortfall(device: torch.device, minimum: tuple[int, int] = (8, 0)) -> str | None:
+    """Why a CUDA device is below compute capability minimum, or None (also where no CUDA
+    device is at hand: the device checks of the interface report that)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < minimum:
+            return (f"needs compute capability {minimum[0]}.{minimum[1]} or newer, not "
+                    f"{major}.{minor}")
+    return None
+
+
 def cuda_tool(name: str) -> str:
     """Path of a CUDA binary tool (cuobjdump, nvdisasm): the toolkit's on PATH, else the copy
     bundled with Triton, else the NVIDIA pip package's; the bare name if none is found."""
@@ -177,3 +188,22 @@ def run_in_chunks(x: torch.Tensor, out: torch.Tensor, chunk: int,
         tokens = (b1 - b0) * s
         run(b0, b1, x[b0:b1].view(-1, d), out[b0:b1].view(-1, d),
             {k: v[:tokens] for k, v in work.items()})
+
+
+def forward_in_chunks(x: torch.Tensor, valid_token_mask: torch.Tensor | None,
+                      out: torch.Tensor | None, chunks: ChunkPlan,
+                      workspace: dict[str, tuple[int, torch.dtype]],
+                      run: Callable) -> torch.Tensor:
+    """A layer's forward over chunks of sequences: the mask as uint8 bytes and its per-sequence
+    key extents (key_info) made once, then run(x2, (valid, info) or (None, None), out2,
+    sequences, seq_len, work) per chunk; out (a new tensor when None) is returned."""
+    b, s, _ = x.shape
+    valid = mask_bytes(valid_token_mask)
+    info = None if valid is None else key_info(valid)
+    out = torch.empty_like(x) if out is None else out
+
+    def run_chunk(b0, b1, x2, out2, work):
+        masks = (None, None) if valid is None else (valid[b0:b1], info[b0:b1])
+        run(x2, masks, out2, b1 - b0, s, work)
+    run_in_chunks(x, out, chunks(b, s), workspace, run_chunk)
+    return out

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from layerbench.common.cuda_host import (ChunkPlan, float_rows, key_info, mask_bytes, padded,
-                                         padded_vector, run_in_chunks, weight_pair)
+from layerbench.common.cuda_host import (ChunkPlan, float_rows, forward_in_chunks, padded,
+                                         padded_vector, weight_pair)
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
@@ -106,18 +106,9 @@ class CutileLayer(BuiltLayer):
         return self.graphed(x, valid_token_mask, out)
 
     def _forward(self, x, valid_token_mask, out=None):
-        b, s, _ = x.shape
-        valid = mask_bytes(valid_token_mask)
-        info = None if valid is None else key_info(valid)
-        out = torch.empty_like(x) if out is None else out
-
-        def run_chunk(b0, b1, x2, out2, work):
-            masks = (None, None) if valid is None else (valid[b0:b1], info[b0:b1])
-            self._run(x2, masks, out2, b1 - b0, s, work)
-        run_in_chunks(x, out, self.chunks(b, s),
-                      workspace(self.config, self.fuse_norms, self.fuse_ffn, self.fuse_block),
-                      run_chunk)
-        return out
+        return forward_in_chunks(
+            x, valid_token_mask, out, self.chunks,
+            workspace(self.config, self.fuse_norms, self.fuse_ffn, self.fuse_block), self._run)
 
     def _run(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk of sequences (x2, out2: [tokens, d_model] views)."""

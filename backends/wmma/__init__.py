@@ -2,9 +2,7 @@
 time (split fp16 linears, register-resident flash attention, fp32 LayerNorm/softmax/residual)."""
 from __future__ import annotations
 
-import torch
-
-from layerbench.common.cuda_host import max_shared_memory_per_block
+from layerbench.common.cuda_host import capability_shortfall, max_shared_memory_per_block
 from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import MemoryPlan
@@ -48,11 +46,7 @@ class WmmaBackend(Backend):
         """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
         if build.cuda_home() is None:
             return build.toolkit_missing()
-        if device.type == "cuda" and torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(device)
-            if major < 8:
-                return f"needs compute capability 8.0 or newer, not {major}.{minor}"
-        return None
+        return capability_shortfall(device)
 
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch; the largest plan's) plus the
