@@ -112,14 +112,16 @@ fi
 if [[ $stage == cupy ]]; then
     # The cupy kernels: kernel tests, wgmma GEMMs and attention on and off on whole layers,
     # then GPU time per kernel.
+    # Each part is time-limited, so a kernel that hangs costs one part, not the call.
     log="$OUT/cupy.log"
-    python3 -m pytest conformance/test_cupy.py --backend cupy -q -p no:cacheprovider -rf \
-        2>&1 | tail -25 | tee -a "$log"
-    status=$((status | ${PIPESTATUS[0]}))
-    python3 bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1 \
+    timeout "${CUPY_TEST_LIMIT:-300}" python3 -m pytest conformance/test_cupy.py --backend cupy \
+        -q -p no:cacheprovider -rf --maxfail 40${CUPY_TEST_ARGS:+ $CUPY_TEST_ARGS} >"$log" 2>&1
+    status=$((status | $?))
+    tail -40 "$log"
+    timeout 150 python3 bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1 \
         --out "$OUT/cupy-plans-wgmma.json" 2>&1 | tee -a "$log"
-    python3 bench/tile_sweep.py profile --backend cupy --shapes "${PROFILE_SHAPES:-2,8,13}" \
-        --out "$OUT/cupy-profile.json" 2>&1 | tee -a "$log"
+    timeout 150 python3 bench/tile_sweep.py profile --backend cupy \
+        --shapes "${PROFILE_SHAPES:-2,8,13}" --out "$OUT/cupy-profile.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cutile-jit ]]; then
     # The JIT path where no package index is reachable: unpack whichever parts of
