@@ -20,16 +20,17 @@ class CupyBackend(Backend):
 
     linear_products: fp16 products of out_proj and the FFN (1 or 3; default 1 from d_model
     512 on, 3 below). wgmma: the GEMMs and attention (head dims up to 128) on Hopper's
-    wgmma.mma_async (sm_90 only; off until timed on a GPU), else on mma.sync.
+    wgmma.mma_async; None (default) uses it wherever the device and compiled module allow
+    (sm_90), True requires it, False keeps mma.sync.
     """
 
     name = "cupy"
-    summary = "CuPy RawModule (NVRTC): mma.sync GEMMs and flash attention, CUDA graph"
+    summary = "CuPy RawModule (NVRTC): wgmma (sm_90) or mma.sync GEMMs and flash attention, CUDA graph"
     capabilities = Capabilities(
         devices=("cuda",), head_dims=HEAD_DIMS,
         notes="sm_80+; fp32 residual stream; kernels compiled at run time by NVRTC")
 
-    def __init__(self, linear_products: int | None = None, wgmma: bool = False):
+    def __init__(self, linear_products: int | None = None, wgmma: bool | None = None):
         if linear_products not in (None, 1, 3):
             raise ValueError(f"cupy linear_products must be 1 or 3, not {linear_products}")
         self.linear_products = linear_products
@@ -62,5 +63,8 @@ class CupyBackend(Backend):
             raise Unsupported(f"{self.name}: wgmma needs an sm_90 device, not sm_{kernels.arch}")
         if self.wgmma and kernels.wgmma_problem:
             raise Unsupported(f"{self.name}: {kernels.wgmma_problem}")
+        wgmma = self.wgmma
+        if wgmma is None:
+            wgmma = kernels.has_wgmma and not kernels.wgmma_problem
         return CupyLayer(self, config, state_dict, device, dtype, kernels, products,
-                         wgmma=self.wgmma)
+                         wgmma=wgmma)
