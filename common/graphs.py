@@ -1,6 +1,7 @@
 """CUDA-graph capture and replay of a built layer's forward, keyed by its input buffers."""
 from __future__ import annotations
 
+import gc
 import warnings
 from collections import OrderedDict
 from typing import Callable
@@ -63,7 +64,11 @@ class GraphedForward:
         try:
             graph, result = self._capture(x, mask, out)
         except RuntimeError as exc:  # capture refused: run these buffers eagerly from now on
-            warnings.warn(f"CUDA graph capture failed, running eagerly: {exc}")
+            first = exc
+            while first.__context__ is not None:  # the error that broke the capture comes first
+                first = first.__context__
+            cause = "" if first is exc else f" (first error: {first})"
+            warnings.warn(f"CUDA graph capture failed, running eagerly: {exc}{cause}")
             self.uncapturable.add(key)
             return self.forward(x, mask, out)
         if len(self.graphs) >= self.max_graphs:
@@ -78,7 +83,28 @@ class GraphedForward:
         with torch.cuda.stream(stream):
             self.forward(x, mask, out)  # warm-up: compile and autotune outside the capture
         torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            result = self.forward(x, mask, out)
+        # Dead layers (reference cycles) may hold graphs: free them now, not in mid-capture.
+        gc.collect()
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                result = self.forward(x, mask, out)
+        except RuntimeError:
+            _end_allocation_to_pool(x.device, pool)
+            raise
         return graph, result
+
+
+def _end_allocation_to_pool(device: torch.device, pool) -> None:
+    """Stop the caching allocator routing allocations to a failed capture's pool.
+
+    Some PyTorch releases skip this step when the capture fails; the allocator then believes
+    a capture is still under way and never frees cached memory to satisfy a later allocation,
+    so the process runs out of memory long after the failure."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    if end is None:
+        return
+    try:
+        end(device.index if device.index is not None else torch.cuda.current_device(), pool)
+    except RuntimeError:  # this release already ended it
+        pass

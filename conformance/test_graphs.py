@@ -1,5 +1,6 @@
 """CUDA-graph replay (common/graphs.py): a replay reads the caller's current buffers, writes
-into out when given, keeps earlier results, and evicts the least recently used graph."""
+into out when given, keeps earlier results, evicts the least recently used graph, and a failed capture leaves
+the caching allocator able to free memory."""
 from __future__ import annotations
 
 import pytest
@@ -75,3 +76,34 @@ def test_least_recently_used_graph_is_evicted():
     for _ in range(2):
         assert torch.equal(graphed(xs[2], mask), _expected(xs[2], mask))
     assert set(graphed.graphs) == {keys[0], keys[2]}
+
+
+@needs_gpu
+def test_failed_capture_leaves_cached_memory_releasable():
+    """A forward that cannot be captured runs eagerly, and afterwards the caching allocator
+    still frees cached blocks when an allocation needs their memory."""
+    def forward(x, mask, out=None):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not allowed while capturing: the capture fails
+        return x * 2
+
+    graphed = GraphedForward(forward)
+    x = torch.randn(4, device="cuda")
+    with pytest.warns(UserWarning, match="capture failed"):
+        for _ in range(2):
+            assert torch.equal(graphed(x, None), x * 2)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    gib = 1 << 30
+    total = torch.cuda.get_device_properties(x.device).total_memory
+    # Under this cap the second block fits only once the first one's cached memory is freed.
+    torch.cuda.set_per_process_memory_fraction(
+        (torch.cuda.memory_reserved() + gib * 3 // 2) / total)
+    try:
+        first = torch.empty(gib, dtype=torch.uint8, device="cuda")
+        del first
+        second = torch.empty(gib * 5 // 4, dtype=torch.uint8, device="cuda")
+        del second
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
