@@ -3,6 +3,8 @@ same inputs, both checked against one reference and timed in alternating rounds.
 
     python bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1   # wgmma kernels on / off
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,3  # out_proj and FFN
+    python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
+        # the mma.sync and wgmma attention kernels on one input: ms, TFLOP/s, error
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from layerbench.backends.cupy import CupyBackend
+from layerbench.backends.cupy import CupyBackend, build, ops
 from layerbench.common import runner
 
 
@@ -27,6 +29,8 @@ def sweep(args) -> list[dict] | None:
     if why:
         print(f"cupy: {why}", file=sys.stderr)
         return None
+    if args.what == "attention":
+        return sweep_attention(args, device)
     if args.what == "plans":
         return runner.compare_plans(
             args.shapes,
@@ -39,16 +43,40 @@ def sweep(args) -> list[dict] | None:
         rounds=args.rounds, device=device, label="products")
 
 
+def sweep_attention(args, device) -> list[dict]:
+    """The mma.sync attention kernel and, where the head dim has one, the wgmma kernel."""
+    kernels = ops.kernels_for(device)
+    shape = dict(batch=args.batch, seq_len=args.seq_len, num_heads=args.heads,
+                 head_dim=args.head_dim, causal=not args.full)
+
+    def kernel(wgmma: bool):
+        return lambda qkv, ctx: ops.attention(kernels, qkv, ctx, None, None, wgmma=wgmma,
+                                              **shape)
+    choices = {"mma.sync": kernel(False)}
+    wide = max(32, ops.head_pad(args.head_dim))
+    if kernels.has_wgmma and not kernels.wgmma_problem and wide in build.ATTENTION_WGMMA:
+        choices["wgmma"] = kernel(True)
+    return runner.compare_attention_kernels(
+        choices, batch=args.batch, seq_len=args.seq_len, heads=args.heads,
+        head_dim=args.head_dim, causal=not args.full, rounds=args.rounds, device=device,
+        label="cupy attention")
+
+
 def main() -> int:
     """Command line."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["plans", "products"])
+    parser.add_argument("what", choices=["plans", "products", "attention"])
     parser.add_argument("--shapes", default="1,2,7,8,13,6", help="official shape numbers")
     parser.add_argument("--plan", choices=["wgmma"], default="wgmma",
                         help="plans: the option compared on against off")
     parser.add_argument("--products", default="1,3", help="products: the two counts compared")
     parser.add_argument("--padding", type=float, default=0.0, help="padding ratio")
+    parser.add_argument("--batch", type=int, default=1, help="attention: sequences")
+    parser.add_argument("--seq-len", type=int, default=100000, help="attention: tokens each")
+    parser.add_argument("--heads", type=int, default=16, help="attention: heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="attention: head dim")
+    parser.add_argument("--full", action="store_true", help="attention: not causal")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", help="write the rows as JSON")
     args = parser.parse_args()

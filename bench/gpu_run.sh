@@ -11,7 +11,7 @@
 #   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels
 #   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
-#   bash bench/gpu_run.sh cupy        # cupy kernel tests, wgmma on/off, GPU time per kernel
+#   bash bench/gpu_run.sh cupy        # cupy kernel tests, an option on/off, attention, GPU time per kernel
 # The cutile backend needs its cubins: export them where cuda-tile is installed
 # (python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile)
 # and bring build/cutile along.
@@ -110,16 +110,21 @@ if [[ $stage == cutile ]]; then
         --out "$OUT/cutile-profile.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cupy ]]; then
-    # The cupy kernels: kernel tests, wgmma GEMMs and attention on and off on whole layers,
-    # then GPU time per kernel.
+    # The cupy kernels: kernel tests, one option on and off on whole layers (CUPY_PLAN,
+    # default wgmma), the attention kernels at shapes 14 (one sequence) and 13, then GPU time
+    # per kernel.
     # Each part is time-limited, so a kernel that hangs costs one part, not the call.
     log="$OUT/cupy.log"
     timeout "${CUPY_TEST_LIMIT:-300}" python3 -m pytest conformance/test_cupy.py --backend cupy \
         -q -p no:cacheprovider -rf --maxfail 40${CUPY_TEST_ARGS:+ $CUPY_TEST_ARGS} >"$log" 2>&1
     status=$((status | $?))
     tail -40 "$log"
-    timeout 150 python3 bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1 \
-        --out "$OUT/cupy-plans-wgmma.json" 2>&1 | tee -a "$log"
+    timeout 150 python3 bench/cupy_sweep.py plans --plan "${CUPY_PLAN:-wgmma}" \
+        --shapes "${CUPY_PLAN_SHAPES:-8,13,6,1}" --out "$OUT/cupy-plans.json" 2>&1 | tee -a "$log"
+    timeout 120 python3 bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 \
+        --head-dim 64 --rounds 5 --out "$OUT/cupy-attention-14.json" 2>&1 | tee -a "$log"
+    timeout 60 python3 bench/cupy_sweep.py attention --batch 64 --seq-len 1024 --heads 4 \
+        --head-dim 32 --out "$OUT/cupy-attention-13.json" 2>&1 | tee -a "$log"
     timeout 150 python3 bench/tile_sweep.py profile --backend cupy \
         --shapes "${PROFILE_SHAPES:-2,8,13}" --out "$OUT/cupy-profile.json" 2>&1 | tee -a "$log"
 fi

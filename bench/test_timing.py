@@ -28,3 +28,27 @@ def test_replayed_graph_holds_its_launches():
     replay()
     torch.cuda.synchronize()
     assert x.tolist() == [11.0] * 4
+
+
+def test_attention_comparison_checks_each_kernel():
+    """compare_attention_kernels reports a near-zero error for a kernel that computes
+    attention, a large one for a kernel that drops the causal mask, and TFLOP/s for both."""
+    from layerbench.common.runner import compare_attention_kernels
+    from layerbench.reference import packed_attention
+
+    batch, seq_len, heads, head_dim = 2, 24, 2, 8
+
+    def attention(causal):
+        def run(qkv, ctx):
+            out = packed_attention(qkv, None, batch=batch, seq_len=seq_len, heads=heads,
+                                   causal=causal)[0].reshape(batch * seq_len, -1)
+            ctx[0].copy_(out.half())
+            ctx[1].copy_((out - ctx[0].float()).half())
+        return run
+
+    rows = compare_attention_kernels({"right": attention(True), "full": attention(False)},
+                                     batch=batch, seq_len=seq_len, heads=heads,
+                                     head_dim=head_dim, causal=True, rounds=2, device="cpu")
+    assert [r["kernel"] for r in rows] == ["right", "full"]
+    assert rows[0]["max_abs"] < 1e-3 < rows[1]["max_abs"]
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in rows)

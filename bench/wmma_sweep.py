@@ -34,7 +34,6 @@ from layerbench.backends.wmma.tiles import GEMM_TILES
 from layerbench.common import runner
 from layerbench.common.shapes import resolve_shapes
 from layerbench.common.timing import alternating_medians_ms
-from layerbench.reference import packed_attention
 
 # (M, N, K, products, epilogue) of the linears of the official shapes.
 GEMM_CASES = (
@@ -207,40 +206,16 @@ def sweep_attention(batch, seq_len, heads, head_dim, causal, rounds):
     first sequence (or the whole batch when small)."""
     device = torch.device("cuda")
     ext = build.load(device)
-    d = heads * head_dim
-    gen = torch.Generator(device=device).manual_seed(seq_len + head_dim)
-    qkv = torch.randn(batch * seq_len, 3 * d, device=device, generator=gen).half()
     valid = torch.ones(batch, seq_len, dtype=torch.uint8, device=device)
-    kernels = wmma_attention.kernel_names(ext, device)
-    outputs, runs = {}, []
-    for name in kernels:
-        ctx = (torch.full((batch * seq_len, d), math.nan, device=device, dtype=torch.float16),
-               torch.full((batch * seq_len, d), math.nan, device=device, dtype=torch.float16))
-        outputs[name] = ctx
 
-        def run(name=name, ctx=ctx):
-            wmma_attention.attention(ext, qkv, ctx, valid, batch=batch, seq_len=seq_len,
-                                     num_heads=heads, causal=causal, block_n=None,
-                                     kernel=name)
-        runs.append(run)
-    for run in runs:
-        run()
-    torch.cuda.synchronize()
-    checked = min(seq_len, 8192)
-    expected = packed_attention(qkv[:checked].contiguous(), valid[:1, :checked], batch=1,
-                                seq_len=checked, heads=heads, causal=causal)[0]
-    expected = expected.reshape(checked, d)
-    medians = alternating_medians_ms(runs, device, rounds=rounds, max_seconds=20.0)
-    flop = 4.0 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
-    rows = []
-    for name, ms in zip(kernels, medians):
-        got = outputs[name][0][:checked].float() + outputs[name][1][:checked].float()
-        err = (got - expected).abs().nan_to_num(nan=math.inf).max().item()
-        rows.append({"kernel": name, "ms": ms, "tflops": flop / ms / 1e9, "max_abs": err})
-        print(f"attention B={batch} S={seq_len} H={heads} hd={head_dim} causal={causal} "
-              f"{name:28s} {ms:9.3f} ms {flop / ms / 1e9:6.1f} TFLOP/s max abs {err:.1e}",
-              flush=True)
-    return rows
+    def kernel(name):
+        return lambda qkv, ctx: wmma_attention.attention(
+            ext, qkv, ctx, valid, batch=batch, seq_len=seq_len, num_heads=heads,
+            causal=causal, block_n=None, kernel=name)
+    return runner.compare_attention_kernels(
+        {name: kernel(name) for name in wmma_attention.kernel_names(ext, device)},
+        batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim, causal=causal,
+        rounds=rounds, device=device)
 
 
 def precision(shapes, products_list, rounds, padding):

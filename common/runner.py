@@ -303,3 +303,45 @@ def compare_plans(shapes, build_plan, plans=(True, False), *, padding: float = 0
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
+
+
+def compare_attention_kernels(kernels: dict, *, batch: int, seq_len: int, heads: int,
+                              head_dim: int, causal: bool, rounds: int = 10,
+                              checked_tokens: int = 8192, device="cuda",
+                              label: str = "attention") -> list[dict]:
+    """Attention kernels on one packed Q/K/V input ([batch * seq_len, 3 * heads * head_dim]
+    fp16): kernels maps a name to run(qkv, ctx_pair), which writes the context as an fp16
+    (hi, lo) pair. Each is checked against fp32 attention of the first sequence's first
+    checked_tokens rows and timed in alternating rounds. One row per kernel: median ms,
+    TFLOP/s, largest absolute error."""
+    from layerbench.reference import packed_attention
+
+    device = torch.device(device)
+    d = heads * head_dim
+    gen = torch.Generator(device=device).manual_seed(seq_len + head_dim)
+    qkv = torch.randn(batch * seq_len, 3 * d, device=device, generator=gen).half()
+    outputs, runs = {}, []
+    for name, run in kernels.items():
+        ctx = tuple(torch.full((batch * seq_len, d), math.nan, device=device,
+                               dtype=torch.float16) for _ in range(2))
+        outputs[name] = ctx
+        runs.append(lambda run=run, ctx=ctx: run(qkv, ctx))
+    for run in runs:
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    checked = min(seq_len, checked_tokens)
+    everyone = torch.ones(1, checked, dtype=torch.uint8, device=device)
+    expected = packed_attention(qkv[:checked].contiguous(), everyone, batch=1, seq_len=checked,
+                                heads=heads, causal=causal)[0].reshape(checked, d)
+    medians = alternating_medians_ms(runs, device, rounds=rounds, max_seconds=20.0)
+    flop = 4.0 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
+    rows = []
+    for (name, (hi, lo)), ms in zip(outputs.items(), medians):
+        got = hi[:checked].float() + lo[:checked].float()
+        err = (got - expected).abs().nan_to_num(nan=math.inf).max().item()
+        rows.append({"kernel": name, "ms": ms, "tflops": flop / ms / 1e9, "max_abs": err})
+        print(f"{label} B={batch} S={seq_len} H={heads} hd={head_dim} causal={causal} "
+              f"{name:28s} {ms:9.3f} ms {flop / ms / 1e9:6.1f} TFLOP/s max abs {err:.1e}",
+              flush=True)
+    return rows

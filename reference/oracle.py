@@ -31,7 +31,7 @@ def packed_attention(qkv: torch.Tensor, valid: torch.Tensor | None, *, batch: in
                for t in qkv.split(d, dim=1))
     scores = q @ k.transpose(-1, -2) * head_dim ** -0.5
     visible = torch.ones(seq_len, seq_len, dtype=torch.bool, device=qkv.device)
-    visible = visible.tril() if causal else visible
+    visible = (visible.tril() if causal else visible)[None, None]  # [1, 1, S, S]
     if valid is not None:
         visible = visible & (valid != 0)[:, None, None, :]
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
