@@ -68,7 +68,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["plans", "products", "attention"])
     parser.add_argument("--shapes", default="1,2,7,8,13,6", help="official shape numbers")
-    parser.add_argument("--plan", choices=["wgmma"], default="wgmma",
+    parser.add_argument("--plan", choices=["wgmma", "fuse_norms"], default="wgmma",
                         help="plans: the option compared on against off")
     parser.add_argument("--products", default="1,3", help="products: the two counts compared")
     parser.add_argument("--padding", type=float, default=0.0, help="padding ratio")

@@ -32,3 +32,13 @@ def _residual(acc, res, valid, has_mask: int, zero_sum: int) -> torch.Tensor:
         return res + acc
     keep = valid[: res.shape[0]].bool()[:, None]
     return torch.where(keep, res + acc, 0.0) if zero_sum else res + torch.where(keep, acc, 0.0)
+
+
+def _norm_rows(y: torch.Tensor, w: torch.Tensor, b: torch.Tensor, hi: torch.Tensor,
+               lo: torch.Tensor | None) -> None:
+    """LayerNorm of y's rows as the fp16 pair (hi, lo), or as hi alone where lo is None."""
+    normed = _norm(y, w, b)
+    if lo is None:
+        hi.copy_(normed.half())
+    else:
+        _pair(normed, hi, lo)

@@ -1,8 +1,10 @@
 """cupy-specific cases: every kernel instantiation compiles with NVRTC for sm_80 and sm_90a
 (also without a GPU) to mma.sync and ldmatrix, or wgmma, without spills (attention at head
 dim 256 exempt), the host packs exactly the parameters each compiled kernel takes, the
-toolkit headers are found or refused clearly, and (on a GPU) LayerNorm and the GEMMs against
-fp64, attention against the fp32 oracle, and the layer eager and replayed."""
+toolkit headers are found or refused clearly, the layer's launch sequence (with and without
+fused norms) computes the layer through PyTorch stand-ins, and (on a GPU) LayerNorm and the
+GEMMs (the residual_norm epilogue too) against fp64, attention against the fp32 oracle, and
+the layer eager and replayed."""
 from __future__ import annotations
 
 import itertools
@@ -22,7 +24,7 @@ from layerbench.common.inputs import make_inputs
 from layerbench.common.selection import selected_backends
 from layerbench.reference import make_reference, packed_attention, reference_forward
 
-from standins import _norm, _pair, _products, _residual
+from standins import _norm, _norm_rows, _pair, _products, _residual
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -143,6 +145,10 @@ def _launches():
                        wgmma=True)
             ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", products,
                        res=x, out=x, valid_rows=None, tile=tile, wgmma=True)
+        for tile, norm_out in itertools.product(build.NORM_TILES, (pair, (pair[0], None))):
+            ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual_norm", products,
+                       res=x, out=x, valid_rows=valid, zero_sum=True, norm=(w, b),
+                       norm_out=norm_out, tile=tile, wgmma=True)
     for head_dim in (8, 32, 64, 128, 256):
         d = heads * head_dim
         qkv = torch.zeros(m, 3 * d, dtype=torch.float16)
@@ -168,6 +174,33 @@ def test_parameters_match_the_compiled_kernels(cupy_selected, compiled):
         seen.add(name)
     assert seen >= {n for n in build.name_expressions(build.HOPPER)
                     if not n.startswith("lb::flash_attention<")}
+
+
+def test_residual_norm_tile_and_refusals(cupy_selected, monkeypatch):
+    """residual_norm takes 128 columns a block and 128 rows where that grid has a block per
+    multiprocessor, else 64; it refuses rows wider than 128 and the mma.sync GEMMs."""
+    monkeypatch.setattr(ops, "multiprocessor_count", lambda device: 132)
+    m, d = 132 * 128, 64
+    pair = (torch.zeros(m, d, dtype=torch.float16), torch.zeros(m, d, dtype=torch.float16))
+    x, w, b = torch.zeros(m, d), torch.zeros(d), torch.zeros(d)
+    norm = {"norm": (w, b), "norm_out": pair}
+    for rows, tile in ((m, (128, 128)), (m - 128, (64, 128)), (1, (64, 128))):
+        k = Recorder()
+        a = tuple(t[:rows] for t in pair)
+        ops.linear(k, a, weight_pair(torch.zeros(d, d)), b, "residual_norm", 3, res=x[:rows],
+                   out=x[:rows], norm=(w, b), norm_out=a, wgmma=True)
+        assert k.calls[0][0] == build.wgmma_name(tile, 3, "residual_norm")
+        assert k.calls[0][1][1] == 1  # one block along N: each block holds whole rows
+    wide = weight_pair(torch.zeros(136, d))
+    with pytest.raises(ValueError, match="at most 128"):
+        ops.linear(Recorder(), pair, wide, torch.zeros(136), "residual_norm", 3, res=x, out=x,
+                   wgmma=True, **norm)
+    with pytest.raises(ValueError, match="wgmma"):
+        ops.linear(Recorder(), pair, weight_pair(torch.zeros(d, d)), b, "residual_norm", 3,
+                   res=x, out=x, **norm)
+    with pytest.raises(ValueError, match="tiles"):
+        ops.linear(Recorder(), pair, weight_pair(torch.zeros(d, d)), b, "residual_norm", 3,
+                   res=x, out=x, tile=(64, 64), wgmma=True, **norm)
 
 
 def test_headers_are_found_or_refused(cupy_selected, monkeypatch, tmp_path):
@@ -270,6 +303,74 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
 
 
 @needs_gpu
+@pytest.mark.parametrize("m", [1, 77, 300])
+@pytest.mark.parametrize("n", [8, 40, 128])
+@pytest.mark.parametrize("k", [8, 136])
+def test_linear_residual_norm_kernel(kernels, m, n, k):
+    """The wgmma residual_norm epilogue against fp64 (the residual, then LayerNorm of the new
+    rows): both tiles, one and three products, with and without a mask, invalid rows kept or
+    zeroed, the norm as a pair or its hi half alone; in place, and nothing written past the
+    M x N rows of either output."""
+    if not kernels.has_wgmma:
+        pytest.skip(f"no wgmma on sm_{kernels.arch}")
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
+    bias = torch.randn(n, device="cuda", generator=g)
+    norm_w, norm_b = (torch.randn(n, device="cuda", generator=g) for _ in range(2))
+    res = torch.randn(m, n, device="cuda", generator=g)
+    a_pair, w_pair = split_fp16(a), weight_pair(w)
+    # three products against A @ W^T, one against the product of the fp16 operands it reads
+    exact = {3: a.double() @ w.double().t() + bias.double(),
+             1: a_pair[0].double() @ w_pair[0].double().t() + bias.double()}
+    mask = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
+
+    def rel_err(got, want):
+        err = (got - want).abs() / want.abs().clamp_min(1.0)
+        return err.nan_to_num(nan=math.inf).max().item()
+    cases = itertools.product(build.GEMM_PRODUCTS, build.NORM_TILES, (None, mask), (0, 1),
+                              ("pair", "hi"))
+    for products, tile, valid, zero_sum, form in cases:
+        case = f"{products} products {tile} mask={valid is not None} zero_sum={zero_sum} {form}"
+        # Padded buffers: one row and 8 columns more than written, NaN outside the M x N view
+        buffer = torch.full((m + 1, n), math.nan, device="cuda")
+        out = buffer[:m]
+        out.copy_(res)  # in place, as the layer runs it
+        normed = [torch.full((m + 1, n + 8), math.nan, device="cuda", dtype=torch.float16)
+                  for _ in range(2)]
+        norm_out = (normed[0][:m, :n], normed[1][:m, :n] if form == "pair" else None)
+        ops.linear(kernels, a_pair, w_pair, bias, "residual_norm", products, res=out, out=out,
+                   valid_rows=valid, zero_sum=bool(zero_sum), norm=(norm_w, norm_b),
+                   norm_out=norm_out, tile=tile, wgmma=True)
+        keep = (torch.ones(m, 1, dtype=torch.bool, device="cuda") if valid is None
+                else valid.bool()[:, None])
+        acc = exact[products]
+        want = (torch.where(keep, res.double() + acc, 0) if zero_sum
+                else res.double() + torch.where(keep, acc, 0))
+        err = rel_err(out.double(), want)
+        assert err < 1e-4, f"residual {case}: {err}"
+        got = normed[0][:m, :n].double()
+        if form == "pair":
+            got = got + normed[1][:m, :n].double()
+        rounding = 1e-5 if form == "pair" else 6e-4  # the pair to ~22 bits, hi alone to 11
+        # the norm of the kernel's own rows: LayerNorm's arithmetic alone
+        own = torch.nn.functional.layer_norm(out.double(), (n,), norm_w.double(),
+                                             norm_b.double(), 1e-5)
+        err = rel_err(got, own)
+        assert err < rounding, f"norm of the written rows {case}: {err}"
+        # the norm of the fp64 residual: the GEMM's error through LayerNorm too
+        ideal = torch.nn.functional.layer_norm(want, (n,), norm_w.double(), norm_b.double(),
+                                               1e-5)
+        err = rel_err(got, ideal)
+        assert err < 5e-4 + rounding, f"norm against fp64 {case}: {err}"
+        assert buffer[m].isnan().all(), f"out past row M {case}"
+        for t in normed if form == "pair" else normed[:1]:
+            assert t[m].isnan().all() and t[:, n:].isnan().all(), f"norm past M x N {case}"
+        if form == "hi":
+            assert normed[1].isnan().all(), f"lo written with hi alone {case}"
+
+
+@needs_gpu
 @pytest.mark.parametrize("head_dim", [8, 24, 32, 64, 72, 128, 136, 256])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("mask", ["none", "prefix", "holes"])
@@ -311,10 +412,13 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, wgmma):
 
 class StandIns:
     """PyTorch stand-ins for ops.layer_norm, ops.linear and ops.attention, computing what
-    each kernel promises from the operands it reads (one product reads only hi halves)."""
+    each kernel promises from the operands it reads (one product reads only hi halves).
+    mutation breaks residual_norm on purpose: "pre_residual" norms the rows before the
+    update, "skip_next_norm1" leaves ffn_out's norm rows (the next block's norm1) unwritten."""
 
-    def __init__(self):
+    def __init__(self, mutation: str | None = None):
         self.calls = []
+        self.mutation = mutation
 
     def layer_norm(self, k, x, weight, bias, *, pair=None, half=None, out=None,
                    valid_rows=None, eps=1e-5):
@@ -329,8 +433,10 @@ class StandIns:
             out.copy_(y if valid_rows is None else torch.where(valid_rows.bool()[:, None], y, 0))
 
     def linear(self, k, a, weight, bias, epilogue, products, *, out_pair=None, out_half=None,
-               res=None, out=None, valid_rows=None, zero_sum=False, tile=None, wgmma=False):
-        """The GEMM and its epilogue over products fp16 products."""
+               res=None, out=None, valid_rows=None, zero_sum=False, norm=None, norm_out=None,
+               eps=1e-5, tile=None, wgmma=False):
+        """The GEMM and its epilogue over products fp16 products (residual_norm: then the
+        LayerNorm of the new rows, on the wgmma GEMMs and rows up to 128 wide)."""
         self.calls.append(f"linear:{epilogue}:{products}")
         n = weight[0].shape[0]
         acc = _products(a[0], a[1], weight[0], weight[1], n, products) + bias
@@ -340,8 +446,15 @@ class StandIns:
             out_pair[0].copy_(torch.nn.functional.gelu(acc).half())
         elif epilogue == "gelu_pair":
             _pair(torch.nn.functional.gelu(acc), *out_pair)
-        else:
+        elif epilogue == "residual":
             out.copy_(_residual(acc, res, valid_rows, valid_rows is not None, int(zero_sum)))
+        else:
+            assert epilogue == "residual_norm" and wgmma and n <= build.MAX_NORM_WIDTH
+            before = res.clone()
+            out.copy_(_residual(acc, res, valid_rows, valid_rows is not None, int(zero_sum)))
+            if self.mutation == "skip_next_norm1" and zero_sum:
+                return
+            _norm_rows(before if self.mutation == "pre_residual" else out, *norm, *norm_out)
 
     def attention(self, k, qkv, ctx, valid, info, *, batch, seq_len, num_heads, head_dim,
                   causal, wgmma=False):
@@ -353,61 +466,103 @@ class StandIns:
         _pair(got.reshape(batch * seq_len, -1), *ctx)
 
 
-@pytest.mark.parametrize("cfg", [LayerConfig(3, 24, 32, 4, 36, 2), LayerConfig(2, 17, 64, 2, 64, 1),
-                                 LayerConfig(2, 12, 512, 4, 64, 1)],
-                         ids=["d32-f36", "one-layer", "d512-one-product"])
-@pytest.mark.parametrize("padding", [0.0, 0.4])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_launch_sequence_computes_the_layer(cupy_selected, cfg, padding, dtype, monkeypatch):
-    """The layer's launches, run by stand-ins on CPU with a NaN-poisoned workspace, keep the
-    contract: seven per block and the final norm, no read of a half left unwritten, staged
-    fp16 input and output, one product from d_model 512."""
+def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=False):
+    """The cupy layer's forward on CPU, its kernels replaced by stand (fuse_norms as on the
+    wgmma GEMMs), with a NaN-poisoned workspace; returns the layer and its output."""
     from layerbench.backends.cupy.layer import CupyLayer
 
     model = make_reference(cfg, seed=5)
-    x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
-    expected = reference_forward(model, x, mask)
-    stand = StandIns()
     for name in ("layer_norm", "linear", "attention"):
         monkeypatch.setattr(ops, name, getattr(stand, name))
     layer = CupyLayer(None, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
-                      None, linear_products_for(cfg.d_model))
+                      None, products or linear_products_for(cfg.d_model), wgmma=fuse_norms,
+                      fuse_norms=fuse_norms)
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
         t = empty(*args, **kwargs)
         return t.fill_(math.nan) if t.is_floating_point() else t
-    monkeypatch.setattr(torch, "empty", poisoned)
-    with torch.no_grad():
-        got = layer._forward(x.to(dtype), mask)
+    with monkeypatch.context() as patch, torch.no_grad():
+        patch.setattr(torch, "empty", poisoned)
+        return layer, layer._forward(x, mask)
+
+
+@pytest.mark.parametrize("cfg, products", [(LayerConfig(3, 24, 32, 4, 36, 2), None),
+                                           (LayerConfig(2, 17, 64, 2, 64, 1), None),
+                                           (LayerConfig(2, 20, 64, 2, 64, 3), 1),
+                                           (LayerConfig(2, 12, 512, 4, 64, 1), None)],
+                         ids=["d32-f36", "one-layer", "d64-one-product", "d512-one-product"])
+@pytest.mark.parametrize("padding", [0.0, 0.4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fuse_norms", [False, True], ids=["norms", "fused-norms"])
+def test_launch_sequence_computes_the_layer(cupy_selected, cfg, products, padding, dtype,
+                                            fuse_norms, monkeypatch):
+    """The layer's launches, run by stand-ins on CPU with a NaN-poisoned workspace, keep the
+    contract: seven per block and the final norm, no read of a half left unwritten, staged
+    fp16 input and output, one product from d_model 512; with fuse_norms where rows are at
+    most 128 wide, five per block (norm2 and the next block's norm1 in the residual GEMMs),
+    the first norm1 and the final norm."""
+    model = make_reference(cfg, seed=5)
+    x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
+    expected = reference_forward(model, x, mask)
+    stand = StandIns()
+    layer, got = _run_stand_ins(cfg, stand, x.to(dtype), mask, monkeypatch, products,
+                                fuse_norms)
     assert got.dtype == dtype
     if dtype == torch.float32:
         report = compare(got, expected)
         assert report.passed, report.summary()
     else:  # staged in and out: the fp16 input's own rounding is beyond the contract here
         assert torch.isfinite(got).all()
-    assert len(stand.calls) == 7 * cfg.num_layers + 1, stand.calls
-    products = linear_products_for(cfg.d_model)
-    assert stand.calls.count(f"linear:residual:{products}") == 2 * cfg.num_layers
+    blocks, products = cfg.num_layers, products or linear_products_for(cfg.d_model)
+    assert layer.fuse_norms == (fuse_norms and cfg.d_model <= 128)
+    if layer.fuse_norms:
+        assert len(stand.calls) == 5 * blocks + 2, stand.calls
+        assert stand.calls.count("layer_norm") == 2, stand.calls
+        assert stand.calls.count(f"linear:residual_norm:{products}") == 2 * blocks - 1
+        assert stand.calls.count(f"linear:residual:{products}") == 1
+    else:
+        assert len(stand.calls) == 7 * blocks + 1, stand.calls
+        assert stand.calls.count(f"linear:residual:{products}") == 2 * blocks
+
+
+@pytest.mark.parametrize("mutation", ["pre_residual", "skip_next_norm1"])
+def test_fused_norms_mutations_fail(cupy_selected, mutation, monkeypatch):
+    """The fused-norm launch sequence misses the contract when residual_norm norms the rows
+    before the residual update, or leaves the next block's norm1 rows unwritten."""
+    cfg = LayerConfig(2, 20, 32, 2, 48, 3)
+    model = make_reference(cfg, seed=5)
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=6)
+    expected = reference_forward(model, x, mask)
+    _, good = _run_stand_ins(cfg, StandIns(), x, mask, monkeypatch, fuse_norms=True)
+    assert compare(good, expected).passed
+    _, bad = _run_stand_ins(cfg, StandIns(mutation), x, mask, monkeypatch, fuse_norms=True)
+    assert not compare(bad, expected).passed
 
 
 @needs_gpu
+@pytest.mark.parametrize("fuse_norms", [False, True], ids=["norms", "fused-norms"])
 @pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
 @pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
-def test_layer_keeps_the_contract_and_replays(kernels, number, wgmma):
+def test_layer_keeps_the_contract_and_replays(kernels, number, wgmma, fuse_norms):
     """The layer keeps the contract eager, captured and replayed (the launches go on
     PyTorch's stream, so a CUDA graph captures them), with either GEMM family (wgmma where
-    the device has it)."""
+    the device has it), and with the LayerNorms fused where that applies (wgmma, d_model up
+    to 128)."""
     from layerbench.backends.cupy import CupyBackend
     from layerbench.common.shapes import CI
 
     if wgmma and not kernels.has_wgmma:
         pytest.skip(f"no wgmma on sm_{kernels.arch}")
+    if fuse_norms and not wgmma:
+        pytest.skip("fuse_norms applies on the wgmma GEMMs only")
     cfg = CI[number].config
     model = make_reference(cfg, seed=41)
     x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
     expected = reference_forward(model.cuda(), x, mask)
-    layer = CupyBackend(wgmma=wgmma).build(cfg, model.state_dict(), device="cuda")
+    layer = CupyBackend(wgmma=wgmma, fuse_norms=fuse_norms).build(cfg, model.state_dict(),
+                                                                  device="cuda")
+    assert layer.fuse_norms == (fuse_norms and cfg.d_model <= 128)
     with torch.no_grad():
         for _ in range(3):  # eager, captured, replayed
             report = compare(layer(x, mask), expected)

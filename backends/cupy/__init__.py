@@ -21,7 +21,10 @@ class CupyBackend(Backend):
     linear_products: fp16 products of out_proj and the FFN (1 or 3; default 1 from d_model
     512 on, 3 below). wgmma: the GEMMs and attention (head dims up to 128) on Hopper's
     wgmma.mma_async; None (default) uses it wherever the device and compiled module allow
-    (sm_90), True requires it, False keeps mma.sync.
+    (sm_90), True requires it, False keeps mma.sync. fuse_norms: the LayerNorms in the
+    residual GEMMs' epilogues (out_proj writes norm2's rows, ffn_out the next block's norm1
+    rows: five launches per block instead of seven) where the wgmma GEMMs run and d_model is
+    at most 128; elsewhere the plan is unchanged. Off by default until timed on a GPU.
     """
 
     name = "cupy"
@@ -30,11 +33,13 @@ class CupyBackend(Backend):
         devices=("cuda",), head_dims=HEAD_DIMS,
         notes="sm_80+; fp32 residual stream; kernels compiled at run time by NVRTC")
 
-    def __init__(self, linear_products: int | None = None, wgmma: bool | None = None):
+    def __init__(self, linear_products: int | None = None, wgmma: bool | None = None,
+                 fuse_norms: bool = False):
         if linear_products not in (None, 1, 3):
             raise ValueError(f"cupy linear_products must be 1 or 3, not {linear_products}")
         self.linear_products = linear_products
         self.wgmma = wgmma
+        self.fuse_norms = fuse_norms
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -67,4 +72,4 @@ class CupyBackend(Backend):
         if wgmma is None:
             wgmma = kernels.has_wgmma and not kernels.wgmma_problem
         return CupyLayer(self, config, state_dict, device, dtype, kernels, products,
-                         wgmma=wgmma)
+                         wgmma=wgmma, fuse_norms=self.fuse_norms)

@@ -20,10 +20,13 @@ HEADER = "cuda_fp16.h"  # the one toolkit header the kernels include
 
 # Template instantiations the backend launches, as NVRTC name expressions.
 NORM_OUTPUTS = {"pair": 0, "half": 1, "float": 2}
-EPILOGUES = {"half": 0, "gelu_pair": 1, "residual": 2}
+EPILOGUES = {"half": 0, "gelu_pair": 1, "residual": 2, "residual_norm": 3}
+NORM_EPILOGUE = "residual_norm"  # linear_wgmma only, on NORM_TILES
 GEMM_TILES = ((128, 128, 2, 4), (64, 64, 2, 2))  # (BM, BN, warps along M, warps along N)
 GEMM_PRODUCTS = (1, 3)
 WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads
+NORM_TILES = ((128, 128), (64, 128))  # (BM, BN) of linear_wgmma's residual_norm: rows <= BN
+MAX_NORM_WIDTH = 128  # the widest row residual_norm norms (one block holds it)
 ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
                    128: ((64, 64),), 256: ((64, 32),)}  # padded head dim -> (BQ, BKV)
 # flash_attention_wgmma (sm_90a): padded head dim -> (BQ, BKV), 2 BQ threads; head dims up to
@@ -63,12 +66,14 @@ def nvrtc_arch(device_arch: str) -> str:
 
 def name_expressions(arch: str) -> list[str]:
     """Every kernel instantiation of the module compiled for arch (the wgmma GEMMs on sm_90a
-    only)."""
+    only; residual_norm on the wgmma NORM_TILES only)."""
+    tiled = [e for e in EPILOGUES if e != NORM_EPILOGUE]
     names = [norm_name(o) for o in NORM_OUTPUTS]
-    names += [gemm_name(t, p, e) for t in GEMM_TILES for p in GEMM_PRODUCTS for e in EPILOGUES]
+    names += [gemm_name(t, p, e) for t in GEMM_TILES for p in GEMM_PRODUCTS for e in tiled]
     if arch == HOPPER:
         names += [wgmma_name(t, p, e) for t in WGMMA_TILES for p in GEMM_PRODUCTS
-                  for e in EPILOGUES]
+                  for e in tiled]
+        names += [wgmma_name(t, p, NORM_EPILOGUE) for t in NORM_TILES for p in GEMM_PRODUCTS]
         names += [attention_name(hp, bq, bkv, wgmma=True)
                   for hp, (bq, bkv) in ATTENTION_WGMMA.items()]
     names += [attention_name(hp, bq, bkv) for hp, tiles in ATTENTION_TILES.items()

@@ -68,8 +68,23 @@ __device__ __forceinline__ float gelu(float x) {
     return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));
 }
 
-// GEMM epilogues (linear.cu, linear_wgmma.cu).
-enum Epilogue { HALF = 0, GELU_PAIR = 1, RESIDUAL = 2 };
+// GEMM epilogues (linear.cu, linear_wgmma.cu; RESIDUAL_NORM in linear_wgmma.cu only).
+enum Epilogue { HALF = 0, GELU_PAIR = 1, RESIDUAL = 2, RESIDUAL_NORM = 3 };
+
+// The residual update of columns o and o + 1 of a row: res + (x, y) where keep, else res
+// (zero_sum 0) or 0, stored to out_f and returned (res may be out_f: read before written).
+__device__ __forceinline__ float2 residual_pair(float x, float y, long long o, bool keep,
+                                                int zero_sum, const float* res, float* out_f) {
+    float2 r = *reinterpret_cast<const float2*>(res + o);
+    float2 v;
+    if (keep) {
+        v = make_float2(r.x + x, r.y + y);
+    } else {
+        v = zero_sum ? make_float2(0.0f, 0.0f) : r;
+    }
+    *reinterpret_cast<float2*>(out_f + o) = v;
+    return v;
+}
 
 // Store the biased products x, y of columns o and o + 1 of an output row by epilogue EPI:
 // HALF: out_hi = fp16; GELU_PAIR: (out_hi, out_lo) = split(GELU), out_hi alone where out_lo
@@ -79,6 +94,7 @@ template <int EPI>
 __device__ __forceinline__ void store_pair(float x, float y, long long o, bool keep,
                                            int zero_sum, __half* out_hi, __half* out_lo,
                                            const float* res, float* out_f) {
+    static_assert(EPI != RESIDUAL_NORM, "RESIDUAL_NORM stores whole rows (linear_wgmma.cu)");
     if (EPI == HALF) {
         *reinterpret_cast<__half2*>(out_hi + o) = __floats2half2_rn(x, y);
     } else if (EPI == GELU_PAIR) {
@@ -91,14 +107,7 @@ __device__ __forceinline__ void store_pair(float x, float y, long long o, bool k
         if (out_lo != nullptr)  // null: the hi half alone, for one product
             *reinterpret_cast<__half2*>(out_lo + o) = __halves2half2(xl, yl);
     } else {
-        float2 r = *reinterpret_cast<const float2*>(res + o);
-        float2 v;
-        if (keep) {
-            v = make_float2(r.x + x, r.y + y);
-        } else {
-            v = zero_sum ? make_float2(0.0f, 0.0f) : r;
-        }
-        *reinterpret_cast<float2*>(out_f + o) = v;
+        residual_pair(x, y, o, keep, zero_sum, res, out_f);
     }
 }
 

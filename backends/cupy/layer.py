@@ -1,5 +1,6 @@
 """The cupy layer: packs the weights as fp16 pairs, plans the workspace, streams the batch in
-chunks and launches seven kernels per block, replayed from a CUDA graph where it can."""
+chunks and launches seven kernels per block (five where the LayerNorms run in the residual
+GEMMs' epilogues), replayed from a CUDA graph where it can."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +11,7 @@ from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
 
-from . import ops
+from . import build, ops
 
 MAX_GRID_Y = 65535  # attention blocks: sequences x heads in grid dimension y
 WEIGHTS = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
@@ -21,6 +22,12 @@ def linear_products_for(d_model: int) -> int:
     512 on, where the GEMMs are bound by the tensor cores; 3 (activations and weights split)
     below, where one product costs more of the contract's margin."""
     return 1 if d_model >= 512 else 3
+
+
+def fuses_norms(config, fuse_norms: bool, wgmma: bool) -> bool:
+    """Whether the LayerNorms run in the residual GEMMs' epilogues: asked for, on the wgmma
+    GEMMs, and rows one block holds (d_model up to 128)."""
+    return fuse_norms and wgmma and config.d_model <= build.MAX_NORM_WIDTH
 
 
 def workspace(config) -> dict[str, tuple[int, torch.dtype]]:
@@ -44,14 +51,17 @@ class CupyLayer(BuiltLayer):
     """Per block: norm1 (fp16, read by one product), Q/K/V, attention, out_proj + residual,
     norm2, ffn_in + GELU, ffn_out + residual (one or three fp16 products each); the final
     norm into the output. With wgmma, the GEMMs and attention (head dims up to 128) run on
-    Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu)."""
+    Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu). With fuse_norms (wgmma, d_model up
+    to 128), out_proj's epilogue writes norm2's rows and ffn_out's the next block's norm1
+    rows: five launches per block; the first norm1 and the final norm stay separate."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
-                 wgmma: bool = False):
+                 wgmma: bool = False, fuse_norms: bool = False):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
         self.wgmma = wgmma
+        self.fuse_norms = fuses_norms(config, fuse_norms, wgmma)
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [{n: weight_pair(getattr(p, n)) for n in WEIGHTS}
                         for p in self.params.layers]
@@ -80,24 +90,43 @@ class CupyLayer(BuiltLayer):
         res, qkv = work["residual"], work["qkv"]
         rows = (work["rows_hi"], work["rows_lo"])
         hidden = (work["hidden_hi"], work["hidden_lo"])
+        # norm2's rows: the pair at three products, the hi half alone at one (ffn_in's only)
+        normed = rows if products > 1 else (rows[0], None)
         src, target = float_rows(x2, out2, work["staging"])
-        for p, w, ffn_in_bias in zip(self.params.layers, self.weights, self.ffn_in_biases):
-            ops.layer_norm(k, src, p.norm1_weight, p.norm1_bias, half=rows[0])
+        layers = list(zip(self.params.layers, self.weights, self.ffn_in_biases))
+        for i, (p, w, ffn_in_bias) in enumerate(layers):
+            if i == 0 or not self.fuse_norms:
+                ops.layer_norm(k, src, p.norm1_weight, p.norm1_bias, half=rows[0])
             ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv, **gemm)
             ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
                           num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal,
                           **gemm)
-            ops.linear(k, rows, w["out_weight"], p.out_bias, "residual", products, res=src,
-                       out=res, valid_rows=valid_rows, zero_sum=False, **gemm)
-            if products == 1:
-                ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, half=rows[0])
+            if self.fuse_norms:
+                # norm2's rows over the context out_proj reads: safe, as each block holds
+                # whole rows (one block along N) and writes them after its last read of A
+                ops.linear(k, rows, w["out_weight"], p.out_bias, "residual_norm", products,
+                           res=src, out=res, valid_rows=valid_rows, zero_sum=False,
+                           norm=(p.norm2_weight, p.norm2_bias), norm_out=normed, **gemm)
             else:
-                ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, pair=rows)
+                ops.linear(k, rows, w["out_weight"], p.out_bias, "residual", products,
+                           res=src, out=res, valid_rows=valid_rows, zero_sum=False, **gemm)
+                if products == 1:
+                    ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, half=rows[0])
+                else:
+                    ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, pair=rows)
             # at one product ffn_out reads the hi half alone: the lo half is not written
             ops.linear(k, rows, w["ffn_in_weight"], ffn_in_bias, "gelu_pair", products,
                        out_pair=hidden if products > 1 else (hidden[0], None), **gemm)
-            ops.linear(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, "residual", products,
-                       res=res, out=res, valid_rows=valid_rows, zero_sum=True, **gemm)
+            if self.fuse_norms and i + 1 < len(layers):
+                following = layers[i + 1][0]  # its norm1 rows, read by Q/K/V: the hi half
+                ops.linear(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, "residual_norm",
+                           products, res=res, out=res, valid_rows=valid_rows, zero_sum=True,
+                           norm=(following.norm1_weight, following.norm1_bias),
+                           norm_out=(rows[0], None), **gemm)
+            else:
+                ops.linear(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, "residual",
+                           products, res=res, out=res, valid_rows=valid_rows, zero_sum=True,
+                           **gemm)
             src = res
         ops.layer_norm(k, src, self.params.final_weight, self.params.final_bias, out=target,
                        valid_rows=valid_rows)

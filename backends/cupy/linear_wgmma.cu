@@ -8,7 +8,8 @@
 // so that this file can share a module with the sm_80 kernels, but their body is a trap.
 //
 // Launch: block BM * 2 threads (one warpgroup of 128 threads per 64 rows of the tile), grid
-// (ceil(M / BM), ceil(N / BN)) as lb::linear, dynamic shared memory
+// (ceil(M / BM), ceil(N / BN)) as lb::linear (RESIDUAL_NORM: N <= BN, one block along N),
+// dynamic shared memory
 // lb::linear_wgmma_shared_bytes(BM, BN, PRODUCTS) bytes, above 48 KB only after the kernel's
 // max dynamic shared memory attribute has been raised to it.
 #include "common.cuh"
@@ -58,8 +59,8 @@ __device__ __forceinline__ unsigned long long operand_desc(unsigned addr) {
 
 // Dynamic shared bytes of one block of lb::linear_wgmma<bm, bn, products, *>: STAGES x (A and W
 // tiles of 64 K columns, hi and, past one product, lo) plus 1024 bytes of slack for aligning the
-// first tile to 1024 bytes. <128, 128, 1>: 99328, <128, 128, 3>: 197632, <64, 64, 1>: 50176,
-// <64, 64, 3>: 99328.
+// first tile to 1024 bytes. <128, 128, 1>: 99328, <128, 128, 3>: 197632, <64, 128, 1>: 74752,
+// <64, 128, 3>: 148480, <64, 64, 1>: 50176, <64, 64, 3>: 99328.
 __host__ __device__ constexpr int linear_wgmma_shared_bytes(int bm, int bn, int products) {
     return wgmma_detail::STAGES * (products > 1 ? 2 : 1) * (bm + bn) * wgmma_detail::ROW_BYTES +
            wgmma_detail::ALIGN;
@@ -71,16 +72,23 @@ __host__ __device__ constexpr int linear_wgmma_shared_bytes(int bm, int bn, int 
 // or out_hi alone where out_lo is null.
 // RESIDUAL: out_f = res + acc + bias on rows whose valid byte is set (all rows when valid is
 // null); other rows get res (zero_sum 0) or 0 (zero_sum 1). res may be out_f (in place).
-// M is any size; N and K are multiples of 8 (zero-padded weights and activations).
+// RESIDUAL_NORM: RESIDUAL, then LayerNorm of each new fp32 row over its N columns, as
+// layer_norm (norm.cu): y = (x - mean) / sqrt(var + eps) * norm_w + norm_b, the variance from
+// a second pass; (norm_hi, norm_lo) = split(y), or norm_hi alone where norm_lo is null. Needs
+// N <= BN and one block along N. The norm rows may be the A operand's own rows (in place):
+// they are written after the block's last copy of A has landed (the last K tile's barrier),
+// and no other block reads them (each block reads only its own BM rows of A).
+// M is any size; N and K are multiples of 8 (zero-padded weights and activations). The norm
+// arguments are ignored by the other epilogues.
 template <int BM, int BN, int PRODUCTS, int EPI>
 __global__ void __launch_bounds__(BM * 2, 1)
-linear_wgmma(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
-             long long a_stride, const __half* __restrict__ w_hi,
-             const __half* __restrict__ w_lo, long long w_stride,
-             const float* __restrict__ bias, int M, int N, int K,
+linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
+             const __half* __restrict__ w_hi, const __half* __restrict__ w_lo,
+             long long w_stride, const float* __restrict__ bias, int M, int N, int K,
              __half* __restrict__ out_hi, __half* __restrict__ out_lo, long long out_stride,
              const float* res, float* out_f, const unsigned char* __restrict__ valid,
-             int zero_sum) {
+             int zero_sum, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
+             float eps, __half* norm_hi, __half* norm_lo, long long norm_stride) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     // Qualified names only: linear.cu's lb::BK, lb::STAGES, lb::load_tile may share the module.
     namespace wd = wgmma_detail;
@@ -166,18 +174,77 @@ linear_wgmma(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo,
     // acc[4 j + 2 h + e] is row 16 w + g + 8 h, column 8 j + 2 t + e of the warpgroup's 64 x BN.
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
+    if constexpr (EPI == RESIDUAL_NORM) {
+        // A row's N columns lie in the 4 lanes of one quad (n0 = 0): each lane sums its own
+        // over j, two shuffles within the quad give the row's sum. Rows past M take part in
+        // the shuffles with zeros and store nothing.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        int row = m0 + group * 64 + warp * 16 + g + h * 8;
-        if (row >= M) continue;
-        bool keep = EPI != RESIDUAL || valid == nullptr || valid[row] != 0;
-        long long o_row = (long long)row * out_stride;
+        for (int h = 0; h < 2; ++h) {
+            const int row = m0 + group * 64 + warp * 16 + g + h * 8;
+            const bool in_rows = row < M;
+            const bool keep = valid == nullptr || (in_rows && valid[row] != 0);
+            const long long o_row = (long long)row * out_stride;
+            float sum = 0.0f;
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            int col = n0 + j * 8 + 2 * t;
-            if (col >= N) continue;
-            store_pair<EPI>(acc[4 * j + 2 * h] + bias[col], acc[4 * j + 2 * h + 1] + bias[col + 1],
-                            o_row + col, keep, zero_sum, out_hi, out_lo, res, out_f);
+            for (int j = 0; j < BN / 8; ++j) {
+                const int col = j * 8 + 2 * t;
+                float2 v = make_float2(0.0f, 0.0f);
+                if (in_rows && col < N)
+                    v = residual_pair(acc[4 * j + 2 * h] + bias[col],
+                                      acc[4 * j + 2 * h + 1] + bias[col + 1], o_row + col, keep,
+                                      zero_sum, res, out_f);
+                acc[4 * j + 2 * h] = v.x;  // the row's new values, normed below
+                acc[4 * j + 2 * h + 1] = v.y;
+                sum += v.x + v.y;
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float mean = sum / N;
+
+            float sq = 0.0f;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                if (j * 8 + 2 * t >= N) continue;
+                const float a = acc[4 * j + 2 * h] - mean, b = acc[4 * j + 2 * h + 1] - mean;
+                sq += a * a + b * b;
+            }
+            sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+            sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+            const float rstd = rsqrtf(sq / N + eps);
+
+            if (!in_rows) continue;
+            const long long n_row = (long long)row * norm_stride;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int col = j * 8 + 2 * t;
+                if (col >= N) continue;
+                const float2 w = *reinterpret_cast<const float2*>(norm_w + col);
+                const float2 b = *reinterpret_cast<const float2*>(norm_b + col);
+                const float y0 = (acc[4 * j + 2 * h] - mean) * rstd * w.x + b.x;
+                const float y1 = (acc[4 * j + 2 * h + 1] - mean) * rstd * w.y + b.y;
+                __half h0, l0, h1, l1;
+                split_half(y0, h0, l0);
+                split_half(y1, h1, l1);
+                *reinterpret_cast<__half2*>(norm_hi + n_row + col) = __halves2half2(h0, h1);
+                if (norm_lo != nullptr)  // null: the hi half alone, for one product
+                    *reinterpret_cast<__half2*>(norm_lo + n_row + col) = __halves2half2(l0, l1);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int row = m0 + group * 64 + warp * 16 + g + h * 8;
+            if (row >= M) continue;
+            bool keep = EPI != RESIDUAL || valid == nullptr || valid[row] != 0;
+            long long o_row = (long long)row * out_stride;
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                int col = n0 + j * 8 + 2 * t;
+                if (col >= N) continue;
+                store_pair<EPI>(acc[4 * j + 2 * h] + bias[col],
+                                acc[4 * j + 2 * h + 1] + bias[col + 1], o_row + col, keep,
+                                zero_sum, out_hi, out_lo, res, out_f);
+            }
         }
     }
 #elif defined(__CUDA_ARCH__)

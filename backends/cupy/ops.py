@@ -120,10 +120,12 @@ def layer_norm(k: Kernels, x, weight, bias, *, pair=None, half=None, out=None,
               np.float32(eps), hi, lo, np.int64(stride), out, valid_rows))
 
 
-def gemm_tile(m: int, n: int, device: torch.device, products: int = 1, wgmma: bool = False):
-    """(BM, BN, WM, WN), or (BM, BN) with wgmma: the large tile where that grid has at least
-    one block per multiprocessor and its shared memory fits the device, else the small."""
-    tiles = build.WGMMA_TILES if wgmma else build.GEMM_TILES
+def gemm_tile(m: int, n: int, device: torch.device, products: int = 1, wgmma: bool = False,
+              norm: bool = False):
+    """(BM, BN, WM, WN), or (BM, BN) with wgmma (norm: of the residual_norm epilogue, BN 128):
+    the large tile where that grid has at least one block per multiprocessor and its shared
+    memory fits the device, else the small."""
+    tiles = build.NORM_TILES if norm else build.WGMMA_TILES if wgmma else build.GEMM_TILES
     need = (wgmma_shared_bytes if wgmma else linear_shared_bytes)(tiles[0][0], tiles[0][1],
                                                                   products)
     limit = max_shared_memory_per_block(device)
@@ -135,28 +137,47 @@ def gemm_tile(m: int, n: int, device: torch.device, products: int = 1, wgmma: bo
 
 def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pair=None,
            out_half=None, res=None, out=None, valid_rows=None, zero_sum: bool = False,
-           tile=None, wgmma: bool = False) -> None:
+           norm=None, norm_out=None, eps: float = LN_EPS, tile=None,
+           wgmma: bool = False) -> None:
     """out = epilogue(a @ weight^T + bias) with a and weight as fp16 (hi, lo) pairs; "half"
     writes out_half, "gelu_pair" out_pair (its lo half may be None: hi alone), "residual"
-    out = res + ... (see linear.cu); wgmma: the Hopper kernel (linear_wgmma.cu)."""
+    out = res + ... (see linear.cu); wgmma: the Hopper kernel (linear_wgmma.cu), which also
+    has "residual_norm": the residual, then LayerNorm (norm = (weight, bias)) of out's rows
+    into norm_out (an fp16 pair, or (hi, None) for hi alone); rows up to 128 wide."""
     m, kdim = a[0].shape
     n = weight[0].shape[0]
-    tile = tile or gemm_tile(m, n, a[0].device, products, wgmma)
+    fused_norm = epilogue == build.NORM_EPILOGUE
+    if fused_norm:
+        if not wgmma:
+            raise ValueError("cupy residual_norm runs on the wgmma GEMMs only")
+        if n > build.MAX_NORM_WIDTH:
+            raise ValueError(f"cupy residual_norm needs rows of at most "
+                             f"{build.MAX_NORM_WIDTH} columns, not {n}")
+        if norm is None or norm_out is None:
+            raise ValueError("cupy residual_norm needs norm and norm_out")
+        if tile is not None and tile not in build.NORM_TILES:
+            raise ValueError(f"cupy residual_norm runs on the tiles {build.NORM_TILES}, "
+                             f"not {tile}")
+    tile = tile or gemm_tile(m, n, a[0].device, products, wgmma, norm=fused_norm)
     hi = out_half if epilogue == "half" else (out_pair[0] if out_pair is not None else None)
     lo = out_pair[1] if out_pair is not None else None
     stride = (hi if hi is not None else out).stride(0)
+    args = (a[0], a[1], np.int64(a[0].stride(0)), weight[0], weight[1],
+            np.int64(weight[0].stride(0)), bias, np.int32(m), np.int32(n), np.int32(kdim),
+            hi, lo, np.int64(stride), res, out, valid_rows, np.int32(int(zero_sum)))
     if wgmma:
         bm, bn = tile
         name, threads = build.wgmma_name(tile, products, epilogue), 2 * bm
         shared = wgmma_shared_bytes(bm, bn, products)
+        norm_w, norm_b = norm if fused_norm else (None, None)
+        norm_hi, norm_lo = norm_out if fused_norm else (None, None)
+        args += (norm_w, norm_b, np.float32(eps), norm_hi, norm_lo,
+                 np.int64(norm_hi.stride(0) if fused_norm else 0))
     else:
         bm, bn, wm, wn = tile
         name, threads = build.gemm_name(tile, products, epilogue), wm * wn * 32
         shared = linear_shared_bytes(bm, bn, products)
-    k.launch(name, (cdiv(m, bm), cdiv(n, bn), 1), threads, shared,
-             (a[0], a[1], np.int64(a[0].stride(0)), weight[0], weight[1],
-              np.int64(weight[0].stride(0)), bias, np.int32(m), np.int32(n), np.int32(kdim),
-              hi, lo, np.int64(stride), res, out, valid_rows, np.int32(int(zero_sum))))
+    k.launch(name, (cdiv(m, bm), cdiv(n, bn), 1), threads, shared, args)
 
 
 def attention_tile(head_padded: int, blocks: int, device: torch.device):
