@@ -4,7 +4,8 @@ same inputs, both checked against one reference and timed in alternating rounds.
     python bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1   # wgmma kernels on / off
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
-        # the mma.sync and wgmma attention kernels on one input: ms, TFLOP/s, error
+        # the mma.sync attention kernel and every wgmma variant of the head dim on one input:
+        # ms, TFLOP/s, error
 """
 from __future__ import annotations
 
@@ -44,18 +45,20 @@ def sweep(args) -> list[dict] | None:
 
 
 def sweep_attention(args, device) -> list[dict]:
-    """The mma.sync attention kernel and, where the head dim has one, the wgmma kernel."""
+    """The mma.sync attention kernel and, where the head dim has the wgmma kernel, each of its
+    variants (build.ATTENTION_WGMMA, by name)."""
     kernels = ops.kernels_for(device)
     shape = dict(batch=args.batch, seq_len=args.seq_len, num_heads=args.heads,
                  head_dim=args.head_dim, causal=not args.full)
 
-    def kernel(wgmma: bool):
+    def kernel(wgmma: bool, variant: str | None = None):
         return lambda qkv, ctx: ops.attention(kernels, qkv, ctx, None, None, wgmma=wgmma,
-                                              **shape)
+                                              variant=variant, **shape)
     choices = {"mma.sync": kernel(False)}
-    wide = max(32, ops.head_pad(args.head_dim))
-    if kernels.has_wgmma and not kernels.wgmma_problem and wide in build.ATTENTION_WGMMA:
-        choices["wgmma"] = kernel(True)
+    wide = ops.wgmma_attention_pad(args.head_dim)
+    if kernels.has_wgmma and not kernels.wgmma_problem and wide:
+        for v in build.ATTENTION_WGMMA[wide]:
+            choices[v.name] = kernel(True, v.name)
     return runner.compare_attention_kernels(
         choices, batch=args.batch, seq_len=args.seq_len, heads=args.heads,
         head_dim=args.head_dim, causal=not args.full, rounds=args.rounds, device=device,

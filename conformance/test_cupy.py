@@ -1,14 +1,17 @@
 """cupy-specific cases: every kernel instantiation compiles with NVRTC for sm_80 and sm_90a
 (also without a GPU) to mma.sync and ldmatrix, or wgmma, without spills (attention at head
-dim 256 exempt), the host packs exactly the parameters each compiled kernel takes, the
-toolkit headers are found or refused clearly, the layer's launch sequence (with and without
-fused norms) computes the layer through PyTorch stand-ins, and (on a GPU) LayerNorm and the
-GEMMs (the residual_norm epilogue too) against fp64, attention against the fp32 oracle, and
-the layer eager and replayed."""
+dim 256 exempt) and within its blocks-per-SM register budget, the host packs exactly the
+parameters each compiled kernel takes, the toolkit headers are found or refused clearly, the
+wgmma attention variants are chosen by name and their buffer schedules (a model of the plain
+and pipelined kernels) never overwrite a buffer a pending wgmma may read, the layer's launch
+sequence (with and without fused norms) computes the layer through PyTorch stand-ins, and (on
+a GPU) LayerNorm and the GEMMs (the residual_norm epilogue too) against fp64, attention (every
+wgmma variant) against the fp32 oracle, and the layer eager and replayed."""
 from __future__ import annotations
 
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -79,10 +82,21 @@ def test_every_kernel_compiles(cupy_selected, compiled, arch):
     assert set(lowered.values()) <= symbols
 
 
+def register_budget(name: str) -> int:
+    """The most registers a thread of kernel name may hold: 255, or for a wgmma attention
+    variant of two blocks an SM, 65536 / (2 blocks x 2 BQ threads)."""
+    for hp, variants in build.ATTENTION_WGMMA.items():
+        for v in variants:
+            if name == build.attention_wgmma_name(hp, v):
+                return min(255, 65536 // (v.min_blocks * 2 * v.bq))
+    return 255
+
+
 def test_sm90_sass(cupy_selected, compiled):
-    """sm_90a SASS: HGMMA (wgmma) in every Hopper GEMM, HMMA (mma.sync) and LDSM (ldmatrix)
-    in every other GEMM and attention kernel, no local memory in any but attention at head
-    dim 256, no 2-byte global loads."""
+    """sm_90a SASS: HGMMA (wgmma) in every Hopper GEMM and attention variant, HMMA (mma.sync)
+    and LDSM (ldmatrix) in every other GEMM and attention kernel, no local memory in any but
+    attention at head dim 256, no 2-byte global loads, registers within 255 and, for two
+    blocks an SM, within 128 a thread."""
     from bench.sass import kernels as sass_kernels
 
     path, lowered = compiled[build.HOPPER]
@@ -90,6 +104,7 @@ def test_sm90_sass(cupy_selected, compiled):
     for name, symbol in lowered.items():
         row = rows[symbol]
         assert row["load16"] == 0, (name, row)
+        assert row["registers"] <= register_budget(name), (name, row)
         if "flash_attention<256" not in name:
             assert row["spill_stores"] == 0 and row["stack_bytes"] == 0, (name, row)
         if "wgmma" in name:
@@ -154,16 +169,20 @@ def _launches():
         qkv = torch.zeros(m, 3 * d, dtype=torch.float16)
         ctx = (torch.zeros(m, d, dtype=torch.float16),) * 2
         mask = torch.ones(2, m // 2, dtype=torch.uint8)
-        for wgmma in (False, True):
+        wide = ops.wgmma_attention_pad(head_dim)
+        variants = [v.name for v in build.ATTENTION_WGMMA[wide]] if wide else [None]
+        for wgmma, variant in [(False, None)] + [(True, v) for v in variants]:
             ops.attention(k, qkv, ctx, mask, key_info(mask), batch=2, seq_len=m // 2,
-                          num_heads=heads, head_dim=head_dim, causal=True, wgmma=wgmma)
+                          num_heads=heads, head_dim=head_dim, causal=True, wgmma=wgmma,
+                          variant=variant)
     return k.calls
 
 
 def test_parameters_match_the_compiled_kernels(cupy_selected, compiled):
-    """Each launch the host makes passes as many arguments as its kernel takes, each of the
-    size the cubin records (8 for an address or 64-bit integer, 4 for int32 or float), within
-    the kernel's shared-memory limit (227 KiB on sm_90) and a whole number of warps."""
+    """Each launch the host makes (every wgmma attention variant too) passes as many
+    arguments as its kernel takes, each of the size the cubin records (8 for an address or
+    64-bit integer, 4 for int32 or float), within the kernel's shared-memory limit (227 KiB on
+    sm_90) and a whole number of warps."""
     path, lowered = compiled[build.HOPPER]
     info = cubin_kernels(path)
     seen = set()
@@ -218,6 +237,218 @@ def test_headers_are_found_or_refused(cupy_selected, monkeypatch, tmp_path):
             build.cuda_include()
     finally:
         build.cuda_include.cache_clear()
+
+
+def test_attention_variants(cupy_selected, monkeypatch):
+    """Every wgmma attention variant: compiled for sm_90a, the default (first) still the plain
+    128x128 kernel, two blocks' shared memory fit an SM where it asks for two; ops.attention
+    launches the named one (None: the default) and refuses a variant the head dim lacks or
+    the mma.sync kernel; CupyBackend refuses unknown names, and where the wgmma attention does
+    not run or lacks the variant at the config's head dim; the layer passes it to attention."""
+    from layerbench.backends.cupy import CupyBackend
+
+    sm_shared = 228 * 1024  # per SM on sm_90, 1 KiB of it reserved per block
+    names = build.name_expressions(build.HOPPER)
+    for hp, variants in build.ATTENTION_WGMMA.items():
+        assert variants[0] == build.WGMMA_PLAIN
+        assert len({v.name for v in variants}) == len(variants)
+        for v in variants:
+            assert build.attention_wgmma_name(hp, v) in names
+            shared = ops.attention_wgmma_shared_bytes(hp, v.bq, v.bkv, v.pipelined)
+            assert v.min_blocks * (shared + 1024) <= sm_shared, (hp, v)
+    heads, seq_len = 2, 20
+    for head_dim, wide in ((24, 32), (64, 64), (128, 128)):
+        d = heads * head_dim
+        qkv = torch.zeros(seq_len, 3 * d, dtype=torch.float16)
+        ctx = (torch.zeros(seq_len, d, dtype=torch.float16),) * 2
+        shape = dict(batch=1, seq_len=seq_len, num_heads=heads, head_dim=head_dim, causal=True)
+        for variant in [None] + [v.name for v in build.ATTENTION_WGMMA[wide]]:
+            k = Recorder()
+            ops.attention(k, qkv, ctx, None, None, wgmma=True, variant=variant, **shape)
+            v = build.attention_variant(wide, variant)
+            assert k.calls[0][0] == build.attention_wgmma_name(wide, v)
+            assert k.calls[0][2] == 2 * v.bq
+        with pytest.raises(ValueError, match="has no variant"):
+            ops.attention(Recorder(), qkv, ctx, None, None, wgmma=True, variant="wgmma 1x1",
+                          **shape)
+        with pytest.raises(ValueError, match="needs the wgmma kernel"):
+            ops.attention(Recorder(), qkv, ctx, None, None, variant=build.WGMMA_PLAIN.name,
+                          **shape)
+    with pytest.raises(ValueError, match="attention_variant"):
+        CupyBackend(attention_variant="wgmma 1x1")
+
+    class Hopper:  # stands in for ops.Kernels on an sm_90 device
+        has_wgmma, wgmma_problem, arch = True, None, "90"
+    monkeypatch.setattr(ops, "kernels_for", lambda device: Hopper())
+    cpu, two = torch.device("cpu"), build.WGMMA_TWO_PER_SM.name
+    for cfg, variant, ok in ((LayerConfig(2, 12, 128, 2, 64, 1), two, True),
+                             (LayerConfig(2, 12, 256, 2, 64, 1), two, False),  # head dim 128
+                             (LayerConfig(2, 12, 512, 2, 64, 1), two, False)):  # head dim 256
+        sd = make_reference(cfg, seed=3).state_dict()
+        backend = CupyBackend(attention_variant=variant)
+        if ok:
+            assert backend._build(cfg, sd, cpu, torch.float32).attention_variant == variant
+        else:
+            with pytest.raises(Unsupported, match="attention_variant|no variant"):
+                backend._build(cfg, sd, cpu, torch.float32)
+    Hopper.has_wgmma = False  # not sm_90: no wgmma attention to pick a variant of
+    cfg = LayerConfig(2, 12, 128, 2, 64, 1)
+    with pytest.raises(Unsupported, match="needs the wgmma"):
+        CupyBackend(attention_variant=two)._build(cfg, make_reference(cfg, seed=3).state_dict(),
+                                                  cpu, torch.float32)
+    cfg = LayerConfig(2, 12, 64, 2, 64, 1)
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=6)
+    stand = StandIns()
+    _run_stand_ins(cfg, stand, x, mask, monkeypatch, fuse_norms=True,
+                   attention_variant=build.WGMMA_PIPELINED.name)
+    assert stand.variants == [build.WGMMA_PIPELINED.name] * cfg.num_layers
+
+
+# A model of the wgmma attention kernels' schedules (attention_wgmma.cu), in the order every
+# thread runs its events: ("copy", buffer, tile) a cp.async of a tile into a buffer
+# (("K", 1) is K buffer 1), ("commit",) / ("cp_wait", n) its groups, ("barrier",), ("mma",
+# name, registers, buffers read) a wgmma, ("mma_commit",) / ("mma_wait", n) its groups,
+# ("touch", registers) other instructions using registers (scores, o, p). Every warpgroup
+# runs the same events (warpgroups that skip a tile only read less).
+def _cu_constants() -> dict[str, int]:
+    """The buffer counts attention_wgmma.cu declares."""
+    text = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
+    return {n: int(v) for n, v in
+            re.findall(r"constexpr int (K_BUFFERS|V_BUFFERS|PIPELINED_V_BUFFERS) = (\d+);", text)}
+
+
+def plain_schedule(n_tiles: int, k_buffers: int, v_buffers: int) -> list[tuple]:
+    """PIPELINE 0: per tile, S waited for, then P V waited for; two barriers."""
+    ev = []
+    if n_tiles:
+        ev += [("copy", ("Q", 0), 0), ("copy", ("K", 0), 0), ("commit",),
+               ("copy", ("V", 0), 0), ("commit",)]
+    for it in range(n_tiles):
+        ev += [("cp_wait", 1), ("barrier",)]
+        if it + 1 < n_tiles:
+            ev += [("copy", ("K", (it + 1) % k_buffers), it + 1), ("commit",),
+                   ("copy", ("V", (it + 1) % v_buffers), it + 1), ("commit",)]
+        else:
+            ev += [("commit",), ("commit",)]
+        ev += [("mma", f"S{it}", {"s0"}, {(("Q", 0), 0), (("K", it % k_buffers), it)}),
+               ("mma_commit",), ("mma_wait", 0), ("touch", {"s0", "o"}),
+               ("cp_wait", 2), ("barrier",), ("touch", {"s0", "p", "o"}),
+               ("mma", f"PV{it}", {"o", "p"}, {(("V", it % v_buffers), it)}),
+               ("mma_commit",), ("mma_wait", 0)]
+    return ev + [("cp_wait", 0)]
+
+
+def pipelined_schedule(n_tiles: int, k_buffers: int, v_buffers: int, top_wait: int = 0,
+                       last_wait: int = 0) -> list[tuple]:
+    """PIPELINE 1, steps 1-7 of the kernel's comment: S[it + 1] issued before the softmax of
+    tile it, P V of it left pending into iteration it + 1 (top_wait, last_wait: the cp.async
+    wait of step 1 and the wgmma waits of the last tile, varied by the failing cases)."""
+    def scores(j):
+        return [("mma", f"S{j}", {f"s{j % 2}"}, {(("Q", 0), 0), (("K", j % k_buffers), j)}),
+                ("mma_commit",)]
+    if not n_tiles:
+        return [("cp_wait", 0)]
+    ev = [("copy", ("Q", 0), 0), ("copy", ("K", 0), 0), ("commit",)]
+    ev += [("copy", ("K", 1 % k_buffers), 1)] if n_tiles > 1 else []
+    ev += [("copy", ("V", 0), 0), ("commit",), ("cp_wait", 1), ("barrier",)]
+    ev += scores(0) + [("mma_wait", 0)]
+    for it in range(n_tiles):
+        last = it == n_tiles - 1
+        ev += [("cp_wait", top_wait), ("barrier",)]  # 1
+        if it + 2 < n_tiles:  # 2
+            ev.append(("copy", ("K", (it + 2) % k_buffers), it + 2))
+        if it + 1 < n_tiles:
+            ev.append(("copy", ("V", (it + 1) % v_buffers), it + 1))
+        ev.append(("commit",))
+        ev += [] if last else scores(it + 1)  # 3
+        wait = last_wait if last else 1
+        ev += [("touch", {f"s{it % 2}"}), ("mma_wait", wait),  # 4, 5
+               ("touch", {f"s{it % 2}", "o", "p"}),  # 6
+               ("mma", f"PV{it}", {"o", "p"}, {(("V", it % v_buffers), it)}),
+               ("mma_commit",), ("mma_wait", wait)]  # 7
+    return ev + [("cp_wait", 0)]
+
+
+def check_schedule(events: list[tuple], n_tiles: int) -> None:
+    """Replay events and assert: a wgmma reads a buffer only once it holds the right tile,
+    copied, waited for and then past a barrier; no copy lands in a buffer while a wgmma of
+    any warpgroup may still read it (retired before the copy's barrier phase: warpgroups are
+    not ordered between two barriers); no instruction touches registers of a pending wgmma;
+    every S and P V runs once; nothing is left pending."""
+    phase = 0
+    holds = {}  # buffer -> (tile, phase its copy was waited for, or None while in flight)
+    retired_read = {}  # buffer -> last barrier phase in which a wgmma reading it retired
+    cp_open, cp_groups = [], []
+    mma_open, mma_groups = [], []
+    issued = []
+    for e in events:
+        kind = e[0]
+        if kind == "copy":
+            _, buf, tile = e
+            pending = [m for g in mma_groups + [mma_open] for m in g if buf in m[2]]
+            assert not pending, f"{buf} copied while {pending[0][0]} may read it"
+            assert retired_read.get(buf, -1) < phase, \
+                f"{buf} copied in the barrier phase a wgmma reading it retired"
+            holds[buf] = (tile, None)
+            cp_open.append(buf)
+        elif kind == "commit":
+            cp_groups.append(cp_open)
+            cp_open = []
+        elif kind == "cp_wait":
+            done = cp_groups[:len(cp_groups) - e[1]] if e[1] else cp_groups
+            for buf in (b for g in done for b in g):
+                holds[buf] = (holds[buf][0], phase)
+            cp_groups = cp_groups[len(done):]
+        elif kind == "barrier":
+            phase += 1
+        elif kind == "mma":
+            _, name, regs, reads = e
+            for buf, tile in reads:
+                held, landed = holds.get(buf, (None, None))
+                assert held == tile and landed is not None and landed < phase, \
+                    f"{name} reads {buf}: holds tile {held}, waited for in phase {landed}"
+            busy = [m for g in mma_groups for m in g if m[1] & regs]
+            assert not busy, f"{name} issued on registers of pending {busy[0][0]}"
+            mma_open.append((name, regs, {buf for buf, _ in reads}))
+            issued.append(name)
+        elif kind == "mma_commit":
+            mma_groups.append(mma_open)
+            mma_open = []
+        elif kind == "mma_wait":
+            done = mma_groups[:len(mma_groups) - e[1]] if e[1] else mma_groups
+            for _, _, bufs in (m for g in done for m in g):
+                for buf in bufs:
+                    retired_read[buf] = phase
+            mma_groups = mma_groups[len(done):]
+        elif kind == "touch":
+            busy = [m for g in mma_groups for m in g if m[1] & e[1]]
+            assert not busy, f"registers {sorted(e[1])} touched while {busy[0][0]} is pending"
+    assert not cp_open and not cp_groups, "cp.async groups left in flight"
+    assert not mma_open and not mma_groups, f"wgmma left pending: {mma_open + mma_groups}"
+    assert sorted(issued) == sorted([f"S{j}" for j in range(n_tiles)] +
+                                    [f"PV{j}" for j in range(n_tiles)])
+
+
+def test_attention_schedules_keep_buffers_safe(cupy_selected):
+    """The buffer counts of attention_wgmma.cu are those the host sizes shared memory by, and
+    with them both schedules pass check_schedule for 0 to 9 key tiles."""
+    assert _cu_constants() == {"K_BUFFERS": ops.K_BUFFERS, "V_BUFFERS": ops.V_BUFFERS,
+                               "PIPELINED_V_BUFFERS": ops.PIPELINED_V_BUFFERS}
+    for n in range(10):
+        check_schedule(plain_schedule(n, ops.K_BUFFERS, ops.V_BUFFERS), n)
+        check_schedule(pipelined_schedule(n, ops.K_BUFFERS, ops.PIPELINED_V_BUFFERS), n)
+
+
+@pytest.mark.parametrize("mistake", [dict(v_buffers=2), dict(top_wait=1), dict(last_wait=1)],
+                         ids=["two-V-buffers", "cp-wait-1", "last-wgmma-wait-1"])
+def test_attention_schedule_model_catches_mistakes(cupy_selected, mistake):
+    """check_schedule fails the pipelined schedule with two V buffers (a copy over the V a
+    pending P V reads), a cp.async wait that leaves a needed tile in flight, or a wgmma wait
+    on the last tile that leaves P V of the tile before pending."""
+    args = dict(k_buffers=ops.K_BUFFERS, v_buffers=ops.PIPELINED_V_BUFFERS) | mistake
+    with pytest.raises(AssertionError):
+        for n in range(1, 6):
+            check_schedule(pipelined_schedule(n, **args), n)
 
 
 @pytest.fixture
@@ -375,17 +606,21 @@ def test_linear_residual_norm_kernel(kernels, m, n, k):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("mask", ["none", "prefix", "holes"])
 @pytest.mark.parametrize("batch", [3, 400], ids=["few", "many"])
+@pytest.mark.parametrize("seq_len", [200, 700])
 @pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
-def test_attention_kernel(kernels, head_dim, causal, mask, batch, wgmma):
+def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma):
     """Flash attention at odd lengths against the fp32 oracle: every padded head dim, causal
     or full, no mask, prefix masks (one sequence empty) and holed masks, on both tiles where
     two are compiled ("many": enough blocks for 128 queries a block), and on the wgmma kernel
-    where the device has it."""
+    where the device has it, every variant of the head dim (build.ATTENTION_WGMMA), variants
+    of one BKV bit-identical (the same arithmetic, issued in another order). 200 tokens: the
+    last block's second warpgroup has 8 rows; 700: 11 key tiles of 64, and the last block's
+    second warpgroup has none."""
     if wgmma and not kernels.has_wgmma:
         pytest.skip(f"no wgmma on sm_{kernels.arch}")
-    seq_len, heads = 200, 2
+    heads = 2
     d = heads * head_dim
-    g = torch.Generator(device="cuda").manual_seed(head_dim + batch)
+    g = torch.Generator(device="cuda").manual_seed(head_dim + batch + seq_len)
     qkv = torch.randn(batch * seq_len, 3 * d, device="cuda", generator=g).half()
     valid = None
     if mask != "none":
@@ -398,16 +633,24 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, wgmma):
     everyone = torch.ones(batch, seq_len, dtype=torch.uint8, device="cuda")
     want, blind = packed_attention(qkv, everyone if valid is None else valid, batch=batch,
                                    seq_len=seq_len, heads=heads, causal=causal)
-    ctx = tuple(torch.full((batch * seq_len, d), math.nan, device="cuda", dtype=torch.float16)
-                for _ in range(2))
-    ops.attention(kernels, qkv, ctx, valid, None if valid is None else key_info(valid),
-                  batch=batch, seq_len=seq_len, num_heads=heads, head_dim=head_dim,
-                  causal=causal, wgmma=wgmma)
-    got = (ctx[0].float() + ctx[1].float()).view(batch, seq_len, d)
-    assert torch.isfinite(got).all()
-    err = (got - want).abs().max().item()
-    assert err < 2e-2, f"max error {err:.3g}"
-    assert torch.equal(got[blind], torch.zeros_like(got[blind]))
+    wide = ops.wgmma_attention_pad(head_dim)
+    variants = build.ATTENTION_WGMMA[wide] if wgmma and wide else (None,)
+    by_bkv = {}  # BKV -> (variant name, output) of the first variant with that BKV
+    for variant in variants:
+        name = variant.name if variant else None
+        ctx = tuple(torch.full((batch * seq_len, d), math.nan, device="cuda",
+                               dtype=torch.float16) for _ in range(2))
+        ops.attention(kernels, qkv, ctx, valid, None if valid is None else key_info(valid),
+                      batch=batch, seq_len=seq_len, num_heads=heads, head_dim=head_dim,
+                      causal=causal, wgmma=wgmma, variant=name)
+        got = (ctx[0].float() + ctx[1].float()).view(batch, seq_len, d)
+        assert torch.isfinite(got).all(), name
+        err = (got - want).abs().max().item()
+        assert err < 2e-2, f"{name}: max error {err:.3g}"
+        assert torch.equal(got[blind], torch.zeros_like(got[blind])), name
+        if variant:
+            first, same = by_bkv.setdefault(variant.bkv, (name, got))
+            assert torch.equal(got, same), f"{name} differs from {first}"
 
 
 class StandIns:
@@ -418,6 +661,7 @@ class StandIns:
 
     def __init__(self, mutation: str | None = None):
         self.calls = []
+        self.variants = []
         self.mutation = mutation
 
     def layer_norm(self, k, x, weight, bias, *, pair=None, half=None, out=None,
@@ -457,16 +701,18 @@ class StandIns:
             _norm_rows(before if self.mutation == "pre_residual" else out, *norm, *norm_out)
 
     def attention(self, k, qkv, ctx, valid, info, *, batch, seq_len, num_heads, head_dim,
-                  causal, wgmma=False):
-        """The fp32 attention oracle, as an fp16 pair."""
+                  causal, wgmma=False, variant=None):
+        """The fp32 attention oracle, as an fp16 pair (variant recorded)."""
         self.calls.append("attention")
+        self.variants.append(variant)
         everyone = torch.ones(batch, seq_len, dtype=torch.uint8)
         got, _ = packed_attention(qkv, everyone if valid is None else valid, batch=batch,
                                   seq_len=seq_len, heads=num_heads, causal=causal)
         _pair(got.reshape(batch * seq_len, -1), *ctx)
 
 
-def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=False):
+def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=False,
+                   attention_variant=None):
     """The cupy layer's forward on CPU, its kernels replaced by stand (fuse_norms as on the
     wgmma GEMMs), with a NaN-poisoned workspace; returns the layer and its output."""
     from layerbench.backends.cupy.layer import CupyLayer
@@ -476,7 +722,7 @@ def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=F
         monkeypatch.setattr(ops, name, getattr(stand, name))
     layer = CupyLayer(None, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
                       None, products or linear_products_for(cfg.d_model), wgmma=fuse_norms,
-                      fuse_norms=fuse_norms)
+                      fuse_norms=fuse_norms, attention_variant=attention_variant)
     empty = torch.empty
 
     def poisoned(*args, **kwargs):

@@ -34,12 +34,17 @@ class CupyBackend(Backend):
         notes="sm_80+; fp32 residual stream; kernels compiled at run time by NVRTC")
 
     def __init__(self, linear_products: int | None = None, wgmma: bool | None = None,
-                 fuse_norms: bool = False):
+                 fuse_norms: bool = False, attention_variant: str | None = None):
         if linear_products not in (None, 1, 3):
             raise ValueError(f"cupy linear_products must be 1 or 3, not {linear_products}")
+        names = build.attention_variant_names()
+        if attention_variant is not None and attention_variant not in names:
+            raise ValueError(f"cupy attention_variant must be one of {names}, not "
+                             f"{attention_variant!r}")
         self.linear_products = linear_products
         self.wgmma = wgmma
         self.fuse_norms = fuse_norms
+        self.attention_variant = attention_variant
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -60,7 +65,7 @@ class CupyBackend(Backend):
                            "parameters": param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):
-        from .ops import kernels_for
+        from .ops import kernels_for, wgmma_attention_pad
 
         products = self.linear_products or linear_products_for(config.d_model)
         kernels = kernels_for(device)
@@ -71,5 +76,15 @@ class CupyBackend(Backend):
         wgmma = self.wgmma
         if wgmma is None:
             wgmma = kernels.has_wgmma and not kernels.wgmma_problem
+        variant = self.attention_variant
+        if variant is not None:
+            wide = wgmma_attention_pad(config.head_dim)
+            if not (wgmma and wide):
+                raise Unsupported(f"{self.name}: attention_variant {variant!r} needs the wgmma "
+                                  f"attention kernel (sm_90, head dim up to 128)")
+            try:
+                build.attention_variant(wide, variant)
+            except ValueError as exc:
+                raise Unsupported(f"{self.name}: {exc}") from exc
         return CupyLayer(self, config, state_dict, device, dtype, kernels, products,
-                         wgmma=wgmma, fuse_norms=self.fuse_norms)
+                         wgmma=wgmma, fuse_norms=self.fuse_norms, attention_variant=variant)

@@ -10,8 +10,9 @@
 //
 // Launch: block BQ * 2 threads (one warpgroup of 128 threads per 64 query rows), grid
 // (ceil(seq_len / BQ), batch * num_heads) as lb::flash_attention, dynamic shared memory
-// lb::attention_wgmma_shared_bytes(HP, BQ, BKV) bytes, above 48 KB only after the kernel's max
-// dynamic shared memory attribute has been raised to it.
+// lb::attention_wgmma_shared_bytes(HP, BQ, BKV, PIPELINE) bytes, above 48 KB only after the
+// kernel's max dynamic shared memory attribute has been raised to it. Variants
+// (template parameters): MINB blocks an SM, and the plain or the pipelined schedule (below).
 //
 // Shared tiles. A tile of ROWS rows x HP halves is stored as HP * 2 / SW panels, SW (the swizzle
 // width) = 128 bytes, or 64 bytes at HP 32; panel p holds columns [p SW/2, (p+1) SW/2) of every
@@ -42,6 +43,12 @@ constexpr int ALIGN = 1024;  // a 128B-swizzle pattern repeats every 1024 bytes 
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
+// A count as a type, so that a lambda can take it as a compile-time constant.
+template <int N>
+struct Count {
+    static constexpr int value = N;
+};
 
 // Swizzle width in bytes (one row of a panel) for the padded head dim hp.
 __host__ __device__ constexpr int swizzle_bytes(int hp) { return hp * 2 >= 128 ? 128 : 64; }
@@ -80,25 +87,61 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const __half* src
     }
 }
 
+// Shared buffers of each kind: the plain schedule double-buffers K and V; the pipelined one
+// keeps V three deep, as a pending P V may still read tile it - 1 while tile it + 1 is loaded.
+// (ops.py sizes shared memory by them; conformance/test_cupy.py models both schedules with them.)
+constexpr int K_BUFFERS = 2;
+constexpr int V_BUFFERS = 2;
+constexpr int PIPELINED_V_BUFFERS = 3;
+
 }  // namespace attn_wgmma_detail
 
-// Dynamic shared bytes of one block of lb::flash_attention_wgmma<hp, bq, bkv>: Q (bq rows), two
-// K and two V buffers (bkv rows each) of hp halves a row, plus 1024 bytes of slack for aligning
-// the first tile to 1024 bytes. <32, 128, 128>: 41984, <64, 128, 128>: 82944,
-// <64, 128, 64>: 50176, <128, 128, 128>: 164864, <128, 128, 64>: 99328.
-__host__ __device__ constexpr int attention_wgmma_shared_bytes(int hp, int bq, int bkv) {
-    return (bq + 4 * bkv) * hp * 2 + attn_wgmma_detail::ALIGN;
+// Dynamic shared bytes of one block of lb::flash_attention_wgmma<hp, bq, bkv, *, pipelined>: Q
+// (bq rows), the K and V buffers (bkv rows each) of hp halves a row, plus 1024 bytes of slack
+// for aligning the first tile to 1024 bytes. Plain <32, 128, 128>: 41984, <64, 128, 128>: 82944,
+// <64, 128, 64>: 50176, <128, 128, 128>: 164864; pipelined <64, 128, 64>: 58368.
+__host__ __device__ constexpr int attention_wgmma_shared_bytes(int hp, int bq, int bkv,
+                                                               int pipelined) {
+    namespace ad = attn_wgmma_detail;
+    const int v_buffers = pipelined ? ad::PIPELINED_V_BUFFERS : ad::V_BUFFERS;
+    return (bq + (ad::K_BUFFERS + v_buffers) * bkv) * hp * 2 + ad::ALIGN;
 }
 
 // Grid (ceil(seq_len / BQ), batch * num_heads), BQ / 64 warpgroups of 64 query rows each; the
-// same semantics as lb::flash_attention in every detail (see attention.cu).
-// Per key tile: wait for its K (and, on the first, Q), start the copies of the next tile's K and
-// V into the other buffers, S = Q K^T (wgmma, waited for), online softmax in registers, wait for
-// this tile's V, O += P V (wgmma, waited for). Both barriers of a tile are reached by every
-// thread, also by a warpgroup that skips the tile (causal, or no query row).
-// shared bytes: (BQ + 4 * BKV) * HP * 2 + 1024
-template <int HP, int BQ, int BKV>
-__global__ void __launch_bounds__(BQ * 2, 1)
+// same semantics as lb::flash_attention in every detail (see attention.cu). MINB: the blocks an
+// SM should hold (__launch_bounds__; 2 caps a thread at 65536 / (2 * 2 BQ) registers, so that
+// one block's softmax overlaps the other's wgmma). Shared bytes:
+// lb::attention_wgmma_shared_bytes(HP, BQ, BKV, PIPELINE).
+//
+// PIPELINE 0, per key tile: wait for its K (and, on the first, Q), start the copies of the next
+// tile's K and V into the other buffers, S = Q K^T (wgmma, waited for), online softmax in
+// registers, wait for this tile's V, O += P V (wgmma, waited for). Both barriers of a tile are
+// reached by every thread, also by a warpgroup that skips the tile (causal, or no query row).
+//
+// PIPELINE 1 (FlashAttention-3's intra-warpgroup overlap): the softmax of tile it runs while
+// the tensor cores compute S of tile it + 1 and O += P V of tile it - 1. K[j] lives in K buffer
+// j % 2, V[j] in V buffer j % 3 (P V of it - 1 may still read V[it - 1] while V[it + 1] lands);
+// one cp.async group and one barrier per tile; two score register sets (even and odd tiles).
+// Every warpgroup computes every tile of the block, P = 0 where a warp sees none of it: a
+// branch around a pending wgmma makes ptxas serialise them all (C7518). Order of events:
+//   Prologue: copy Q and K[0] (cp.async group), K[1] and V[0] (group); cp.async wait 1; proxy
+//     fence; barrier; wgmma fence; S[0] = Q K[0]^T into the even set; commit; wgmma wait 0.
+//   Iteration it (all threads run all n_tiles of them):
+//   1. cp.async wait 0 (K[it + 1] and V[it] have landed); proxy fence; barrier. Past it every
+//      warpgroup has finished iteration it - 1: S[it] (read K buffer it % 2) and P V of it - 2
+//      (read V buffer (it + 1) % 3) are complete.
+//   2. Copy K[it + 2] into K buffer it % 2 and V[it + 1] into V buffer (it + 1) % 3 (those
+//      that exist); commit (maybe an empty group).
+//   3. Unless it is the last tile: wgmma fence; S[it + 1] = Q K[it + 1]^T into the other set;
+//      commit. Pending now: P V of it - 1 (reads p and V buffer (it - 1) % 3, writes o) and
+//      S[it + 1] (reads K buffer (it + 1) % 2, writes the other set).
+//   4. Mask and online softmax of S[it]: row max, alpha, exp2, row sums (o untouched).
+//   5. wgmma wait 1 (last tile: 0): P V of it - 1 is complete; o and p are free.
+//   6. o *= alpha; p = fp16(P[it]); wgmma fence; O += P V[it] (V buffer it % 3); commit.
+//   7. wgmma wait 1: S[it + 1] is complete, P V of it runs on into iteration it + 1. Last tile:
+//      wait 0, nothing is left pending.
+template <int HP, int BQ, int BKV, int MINB, int PIPELINE>
+__global__ void __launch_bounds__(BQ * 2, MINB)
 flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
                       __half* __restrict__ ctx_hi, __half* __restrict__ ctx_lo,
                       long long ctx_stride, const unsigned char* __restrict__ valid,
@@ -110,6 +153,8 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
     static_assert(HP == 32 || HP == 64 || HP == 128, "padded head dim 32, 64 or 128");
     static_assert(BQ == 64 || BQ == 128, "one or two warpgroups of 64 rows");
     static_assert(BKV == 64 || BKV == 128, "wgmma n64 or n128 score tiles");
+    static_assert(MINB == 1 || MINB == 2, "one or two blocks an SM");
+    static_assert(PIPELINE == 0 || PIPELINE == 1, "plain or pipelined schedule");
     constexpr int THREADS = BQ * 2;
     constexpr int SW = ad::swizzle_bytes(HP);  // bytes per panel row
     constexpr int Q_BYTES = BQ * HP * 2;       // multiples of 1024: every tile 1024-aligned
@@ -126,8 +171,8 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
     const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(attn_wgmma_shared));
     const unsigned sbase = (raw + ad::ALIGN - 1) & ~static_cast<unsigned>(ad::ALIGN - 1);
     unsigned char* smem = attn_wgmma_shared + (sbase - raw);
-    // Layout: Q, K buffer 0, K buffer 1, V buffer 0, V buffer 1.
-    const unsigned sQ = sbase, sK = sbase + Q_BYTES, sV = sK + 2 * KV_BYTES;
+    // Layout: Q, the K buffers, the V buffers.
+    const unsigned sQ = sbase, sK = sbase + Q_BYTES, sV = sK + ad::K_BUFFERS * KV_BYTES;
 
     const int group = threadIdx.x / 128;  // warpgroup: rows 64 group .. 64 group + 63
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -164,157 +209,284 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
     float o[NO];
 #pragma unroll
     for (int i = 0; i < NO; ++i) o[i] = 0.0f;
-    float s[NS];
     float m_run[2] = {NEG_INF, NEG_INF};  // running max (log2 domain) of rows g and g + 8
     float l_run[2] = {0.0f, 0.0f};        // this lane's part of the running row sums
 
-    // One commit group per K tile and per V tile (Q joins the first K): the counts of the waits
-    // below hold for every tile, empty groups included.
-    auto load_kv = [&](int buf, int kv0) {
-        ad::load_tile<HP, BKV, THREADS>(smem + Q_BYTES + buf * KV_BYTES, gk, qkv_stride, kv0,
-                                        kv_end, vrow, head_dim, qkv);
-        cp_async_commit();
-        ad::load_tile<HP, BKV, THREADS>(smem + Q_BYTES + (2 + buf) * KV_BYTES, gv, qkv_stride,
-                                        kv0, kv_end, vrow, head_dim, qkv);
-        cp_async_commit();
-    };
-
-    if (n_tiles > 0) {
+    // Copies of one tile (no commit): Q rows, K rows into K buffer buf, V rows into V buffer buf.
+    auto load_q = [&]() {
         ad::load_tile<HP, BQ, THREADS>(smem, gq, qkv_stride, qb0, seq_len, nullptr, head_dim,
                                        qkv);
-        load_kv(0, 0);
-    }
+    };
+    auto load_k = [&](int buf, int kv0) {
+        ad::load_tile<HP, BKV, THREADS>(smem + Q_BYTES + buf * KV_BYTES, gk, qkv_stride, kv0,
+                                        kv_end, vrow, head_dim, qkv);
+    };
+    auto load_v = [&](int buf, int kv0) {
+        ad::load_tile<HP, BKV, THREADS>(smem + Q_BYTES + (ad::K_BUFFERS + buf) * KV_BYTES, gv,
+                                        qkv_stride, kv0, kv_end, vrow, head_dim, qkv);
+    };
 
-    for (int it = 0; it < n_tiles; ++it) {
-        const int kv0 = it * BKV, buf = it & 1;
-        // In flight: K and V of this tile. Wait for K (and Q), make this thread's copies visible
-        // to the async proxy (the tensor cores), then to every thread; past the barrier every
-        // warpgroup has also finished (wgmma waited for) reading the other buffers, tile it - 1.
-        cp_async_wait<1>();
-        ad::fence_proxy_async();
-        __syncthreads();
-        if (it + 1 < n_tiles) {
-            load_kv(buf ^ 1, kv0 + BKV);
-        } else {
-            cp_async_commit();
-            cp_async_commit();
-        }
-
-        // A warpgroup whose rows all precede the tile's first key (causal) sees none of it.
-        const bool work = group_rows && !(causal && kv0 > qg0 + 63);
-        if (work) {
-            // S = Q K^T: Q rows [query][d] (A) and K rows [key][d] (B) are both K-major. Every
-            // k16 step runs, also over zero columns past head_dim: a branch between the wgmmas
-            // would make ptxas fence each one (C7519).
-            ad::wgmma_fence();
+    // Issue S = Q K^T of the warpgroup's rows against K buffer buf (no fence, commit or wait):
+    // Q rows [query][d] (A) and K rows [key][d] (B) are both K-major. Every k16 step runs, also
+    // over zero columns past head_dim: a branch between the wgmmas would make ptxas fence each
+    // one (C7519).
+    auto issue_scores = [&](float (&s)[NS], int buf) {
 #pragma unroll
-            for (int kk = 0; kk < KD; ++kk) {
-                const unsigned koff = (kk % KPP) * 32;  // bytes into the panel's rows
-                const unsigned qa = sQ + (kk / KPP) * (BQ * SW) + group * 64 * SW + koff;
-                const unsigned kb = sK + buf * KV_BYTES + (kk / KPP) * (BKV * SW) + koff;
-                const unsigned long long da = ad::smem_desc<SW>(qa, 16, 8 * SW);
-                const unsigned long long db = ad::smem_desc<SW>(kb, 16, 8 * SW);
-                if (kk == 0) {
-                    ad::SS<BKV>::template run<0>(s, da, db);
-                } else {
-                    ad::SS<BKV>::template run<1>(s, da, db);
-                }
-            }
-            ad::wgmma_commit();
-            ad::wgmma_wait<0>();
-#pragma unroll
-            for (int i = 0; i < NS; ++i) ad::fence_operand(s[i]);
-
-            // A warp whose rows all precede the tile (causal) or lie past seq_len gets P = 0.
-            const bool warp_work = warp_rows && !(causal && kv0 > q0 + 15);
-            if (warp_work) {
-                // s[4 j + 2 r + e]: row q0 + g + 8 r, key kv0 + 8 j + 2 t + e.
-#pragma unroll
-                for (int i = 0; i < NS; ++i) s[i] *= sl;
-                const bool edge =
-                    kv0 + BKV > kv_end || holes || (causal && kv0 + BKV - 1 > q0);
-                if (edge) {
-                    const int row0 = q0 + g, row1 = q0 + g + 8;
-#pragma unroll
-                    for (int j = 0; j < NS / 4; ++j) {
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int key = kv0 + 8 * j + 2 * t + e;
-                            bool ok = key < kv_end;
-                            if (ok && holes) ok = vrow[key] != 0;
-                            if (!ok || (causal && key > row0)) s[4 * j + e] = NEG_INF;
-                            if (!ok || (causal && key > row1)) s[4 * j + 2 + e] = NEG_INF;
-                        }
-                    }
-                }
-
-                // Online softmax: row max over the quad's 4 lanes, rescale, exponentiate.
-                float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-                for (int j = 0; j < NS / 4; ++j) {
-                    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
-                    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-                }
-                float base[2], alpha[2];
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    alpha[r] = online_softmax_step(mx[r], m_run[r], l_run[r], base[r], NEG_INF);
-#pragma unroll
-                for (int n = 0; n < NO / 4; ++n) {
-                    o[4 * n] *= alpha[0];
-                    o[4 * n + 1] *= alpha[0];
-                    o[4 * n + 2] *= alpha[1];
-                    o[4 * n + 3] *= alpha[1];
-                }
-#pragma unroll
-                for (int j = 0; j < NS / 4; ++j) {
-                    s[4 * j] = exp2f(s[4 * j] - base[0]);
-                    s[4 * j + 1] = exp2f(s[4 * j + 1] - base[0]);
-                    s[4 * j + 2] = exp2f(s[4 * j + 2] - base[1]);
-                    s[4 * j + 3] = exp2f(s[4 * j + 3] - base[1]);
-                    l_run[0] += s[4 * j] + s[4 * j + 1];
-                    l_run[1] += s[4 * j + 2] + s[4 * j + 3];
-                }
+        for (int kk = 0; kk < KD; ++kk) {
+            const unsigned koff = (kk % KPP) * 32;  // bytes into the panel's rows
+            const unsigned qa = sQ + (kk / KPP) * (BQ * SW) + group * 64 * SW + koff;
+            const unsigned kb = sK + buf * KV_BYTES + (kk / KPP) * (BKV * SW) + koff;
+            const unsigned long long da = ad::smem_desc<SW>(qa, 16, 8 * SW);
+            const unsigned long long db = ad::smem_desc<SW>(kb, 16, 8 * SW);
+            if (kk == 0) {
+                ad::SS<BKV>::template run<0>(s, da, db);
             } else {
+                ad::SS<BKV>::template run<1>(s, da, db);
+            }
+        }
+    };
+
+    // o *= alpha, rows g (alpha[0]) and g + 8 (alpha[1]).
+    auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
-                for (int i = 0; i < NS; ++i) s[i] = 0.0f;
+        for (int n = 0; n < NO / 4; ++n) {
+            o[4 * n] *= alpha[0];
+            o[4 * n + 1] *= alpha[0];
+            o[4 * n + 2] *= alpha[1];
+            o[4 * n + 3] *= alpha[1];
+        }
+    };
+
+    // Scores of the tile at kv0 -> probabilities, in place: mask, online softmax step (m_run,
+    // l_run), exp2. Returns whether the warp has rows that see the tile, with the factor for
+    // the old outputs in alpha; a warp whose rows all precede the tile (causal) or lie past
+    // seq_len gets P = 0 and keeps its outputs. rescale_here (a Count): 1 rescales the outputs
+    // here, between the step and exp2 (the plain schedule), 0 leaves that to the caller (the
+    // pipelined one: a pending P V still writes them). One basic block from the step to the
+    // sums, so that l_run * alpha + (p0 + p1) contracts to the same fma in every schedule.
+    auto softmax = [&](auto rescale_here, float (&s)[NS], int kv0,
+                       float (&alpha)[2]) -> bool {
+        if (!(warp_rows && !(causal && kv0 > q0 + 15))) {
+#pragma unroll
+            for (int i = 0; i < NS; ++i) s[i] = 0.0f;
+            return false;
+        }
+        // s[4 j + 2 r + e]: row q0 + g + 8 r, key kv0 + 8 j + 2 t + e.
+#pragma unroll
+        for (int i = 0; i < NS; ++i) s[i] *= sl;
+        const bool edge = kv0 + BKV > kv_end || holes || (causal && kv0 + BKV - 1 > q0);
+        if (edge) {
+            const int row0 = q0 + g, row1 = q0 + g + 8;
+#pragma unroll
+            for (int j = 0; j < NS / 4; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = kv0 + 8 * j + 2 * t + e;
+                    bool ok = key < kv_end;
+                    if (ok && holes) ok = vrow[key] != 0;
+                    if (!ok || (causal && key > row0)) s[4 * j + e] = NEG_INF;
+                    if (!ok || (causal && key > row1)) s[4 * j + 2 + e] = NEG_INF;
+                }
             }
         }
 
-        // V of this tile (the next tile's K and V may still be in flight), visible to all.
-        cp_async_wait<2>();
-        ad::fence_proxy_async();
-        __syncthreads();
+        // Online softmax: row max over the quad's 4 lanes, rescale factor, exponentiate.
+        float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int j = 0; j < NS / 4; ++j) {
+            mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+            mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        }
+        float base[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            alpha[r] = online_softmax_step(mx[r], m_run[r], l_run[r], base[r], NEG_INF);
+        if constexpr (decltype(rescale_here)::value == 1) rescale(alpha);
+#pragma unroll
+        for (int j = 0; j < NS / 4; ++j) {
+            s[4 * j] = exp2f(s[4 * j] - base[0]);
+            s[4 * j + 1] = exp2f(s[4 * j + 1] - base[0]);
+            s[4 * j + 2] = exp2f(s[4 * j + 2] - base[1]);
+            s[4 * j + 3] = exp2f(s[4 * j + 3] - base[1]);
+            l_run[0] += s[4 * j] + s[4 * j + 1];
+            l_run[1] += s[4 * j + 2] + s[4 * j + 3];
+        }
+        return true;
+    };
 
-        if (work) {
-            // O += P V. The accumulators of score columns 16 kk .. 16 kk + 15, s[8 kk .. 8 kk + 7],
-            // are in order the fp16 pairs of the register A fragment of k16 step kk (m16n8k16's
-            // A layout per warp: rows g, g + 8 x keys 2 t.., 2 t + 8..). V rows [key][d]: N-major.
-            unsigned p[KS][4];
+    // The accumulators of score columns 16 kk .. 16 kk + 15, s[8 kk .. 8 kk + 7], are in order
+    // the fp16 pairs of the register A fragment of k16 step kk (m16n8k16's A layout per warp:
+    // rows g, g + 8 x keys 2 t.., 2 t + 8..).
+    auto pack = [&](unsigned (&p)[KS][4], const float (&s)[NS]) {
 #pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
+        for (int kk = 0; kk < KS; ++kk) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    p[kk][i] = pack_half2(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-                    ad::fence_operand(p[kk][i]);
-                }
+            for (int i = 0; i < 4; ++i) {
+                p[kk][i] = pack_half2(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+                ad::fence_operand(p[kk][i]);
             }
+        }
+    };
+
+    // Issue O += P V with V rows [key][d] of V buffer buf, N-major (no fence, commit or wait).
+    auto issue_pv = [&](const unsigned (&p)[KS][4], int buf) {
 #pragma unroll
-            for (int i = 0; i < NO; ++i) ad::fence_operand(o[i]);
+        for (int kk = 0; kk < KS; ++kk) {
+            const unsigned vb = sV + buf * KV_BYTES + kk * 16 * SW;
+            ad::RS<HP>::run(o, p[kk], ad::smem_desc<SW>(vb, BKV * SW, 8 * SW));
+        }
+    };
+
+    // Keep the compiler from moving accesses of wgmma operands across their issue and wait.
+    auto fence_scores = [&](float (&s)[NS]) {
+#pragma unroll
+        for (int i = 0; i < NS; ++i) ad::fence_operand(s[i]);
+    };
+    auto fence_outputs = [&]() {
+#pragma unroll
+        for (int i = 0; i < NO; ++i) ad::fence_operand(o[i]);
+    };
+    auto fence_probs = [&](unsigned (&p)[KS][4]) {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) ad::fence_operand(p[kk][i]);
+        }
+    };
+
+    if constexpr (PIPELINE == 0) {
+        float s[NS];
+        unsigned p[KS][4];
+        // One commit group per K tile and per V tile (Q joins the first K): the counts of the
+        // waits below hold for every tile, empty groups included.
+        auto load_kv = [&](int buf, int kv0) {
+            load_k(buf, kv0);
+            cp_async_commit();
+            load_v(buf, kv0);
+            cp_async_commit();
+        };
+        if (n_tiles > 0) {
+            load_q();
+            load_kv(0, 0);
+        }
+        for (int it = 0; it < n_tiles; ++it) {
+            const int kv0 = it * BKV, buf = it & 1;
+            // In flight: K and V of this tile. Wait for K (and Q), make this thread's copies
+            // visible to the async proxy (the tensor cores), then to every thread; past the
+            // barrier every warpgroup has also finished (wgmma waited for) reading the other
+            // buffers, tile it - 1.
+            cp_async_wait<1>();
+            ad::fence_proxy_async();
+            __syncthreads();
+            if (it + 1 < n_tiles) {
+                load_kv(buf ^ 1, kv0 + BKV);
+            } else {
+                cp_async_commit();
+                cp_async_commit();
+            }
+
+            // A warpgroup whose rows all precede the tile's first key (causal) sees none of it.
+            const bool work = group_rows && !(causal && kv0 > qg0 + 63);
+            if (work) {
+                ad::wgmma_fence();
+                issue_scores(s, buf);
+                ad::wgmma_commit();
+                ad::wgmma_wait<0>();
+                fence_scores(s);
+                float alpha[2];
+                softmax(ad::Count<1>{}, s, kv0, alpha);
+            }
+
+            // V of this tile (the next tile's K and V may still be in flight), visible to all.
+            cp_async_wait<2>();
+            ad::fence_proxy_async();
+            __syncthreads();
+
+            if (work) {
+                pack(p, s);
+                fence_outputs();
+                ad::wgmma_fence();
+                issue_pv(p, buf);
+                ad::wgmma_commit();
+                ad::wgmma_wait<0>();
+                fence_outputs();
+                fence_probs(p);
+            }
+        }
+    } else {
+        constexpr int KB = ad::K_BUFFERS, VB = ad::PIPELINED_V_BUFFERS;
+        float s_even[NS], s_odd[NS];  // scores of even and odd tiles
+        unsigned p[KS][4];            // P of the tile whose P V may be pending
+        // Steps 1-2 of iteration it.
+        auto top = [&](int it) {
+            cp_async_wait<0>();
+            ad::fence_proxy_async();
+            __syncthreads();
+            if (it + 2 < n_tiles) load_k((it + 2) % KB, (it + 2) * BKV);
+            if (it + 1 < n_tiles) load_v((it + 1) % VB, (it + 1) * BKV);
+            cp_async_commit();
+        };
+        // Steps 4-7 of iteration it, cur holding S[it]; AHEAD (a Count): 1 where step 3 issued
+        // S[it + 1], 0 on the last tile.
+        auto finish = [&](auto ahead, int it, float (&cur)[NS]) {
+            constexpr int AHEAD = decltype(ahead)::value;
+            float alpha[2];
+            const bool rows = softmax(ad::Count<0>{}, cur, it * BKV, alpha);
+            ad::wgmma_wait<AHEAD>();  // retires P V of it - 1
+            fence_outputs();
+            fence_probs(p);
+            if (rows) rescale(alpha);
+            pack(p, cur);
+            fence_outputs();
             ad::wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-                const unsigned vb = sV + buf * KV_BYTES + kk * 16 * SW;
-                ad::RS<HP>::run(o, p[kk], ad::smem_desc<SW>(vb, BKV * SW, 8 * SW));
+            issue_pv(p, it % VB);
+            ad::wgmma_commit();
+            ad::wgmma_wait<AHEAD>();  // retires S[it + 1], or on the last tile P V of it
+            if constexpr (AHEAD == 0) {
+                fence_outputs();
+                fence_probs(p);
             }
+        };
+        // Iteration it < n_tiles - 1, S[it + 1] into next.
+        auto step = [&](int it, float (&cur)[NS], float (&next)[NS]) {
+            top(it);
+            ad::wgmma_fence();
+            issue_scores(next, (it + 1) % KB);
+            ad::wgmma_commit();
+            finish(ad::Count<1>{}, it, cur);
+            fence_scores(next);
+        };
+        // The last iteration, it = n_tiles - 1.
+        auto last = [&](int it, float (&cur)[NS]) {
+            top(it);
+            finish(ad::Count<0>{}, it, cur);
+        };
+        if (n_tiles > 0) {
+            load_q();
+            load_k(0, 0);
+            cp_async_commit();
+            if (1 < n_tiles) load_k(1 % KB, BKV);
+            load_v(0, 0);
+            cp_async_commit();
+            cp_async_wait<1>();
+            ad::fence_proxy_async();
+            __syncthreads();
+            ad::wgmma_fence();
+            issue_scores(s_even, 0);
             ad::wgmma_commit();
             ad::wgmma_wait<0>();
-#pragma unroll
-            for (int i = 0; i < NO; ++i) ad::fence_operand(o[i]);
-#pragma unroll
-            for (int kk = 0; kk < KS; ++kk) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) ad::fence_operand(p[kk][i]);
+            fence_scores(s_even);
+            // Two tiles a trip, so that the score sets alternate without copies.
+            int it = 0;
+            for (; it + 2 < n_tiles; it += 2) {
+                step(it, s_even, s_odd);
+                step(it + 1, s_odd, s_even);
+            }
+            if (it + 1 < n_tiles) {
+                step(it, s_even, s_odd);
+                last(it + 1, s_odd);
+            } else {
+                last(it, s_even);
             }
         }
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from layerbench.common.errors import Unsupported
@@ -29,9 +30,32 @@ NORM_TILES = ((128, 128), (64, 128))  # (BM, BN) of linear_wgmma's residual_norm
 MAX_NORM_WIDTH = 128  # the widest row residual_norm norms (one block holds it)
 ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
                    128: ((64, 64),), 256: ((64, 32),)}  # padded head dim -> (BQ, BKV)
-# flash_attention_wgmma (sm_90a): padded head dim -> (BQ, BKV), 2 BQ threads; head dims up to
-# 32 run at 32, and 256 has none (the mma.sync kernel runs it).
-ATTENTION_WGMMA = {32: (128, 128), 64: (128, 128), 128: (128, 128)}
+
+
+@dataclass(frozen=True)
+class AttentionVariant:
+    """One instantiation of flash_attention_wgmma (attention_wgmma.cu): the name sweeps and
+    CupyBackend(attention_variant=...) use, BQ queries (2 BQ threads) and BKV keys a tile,
+    the blocks an SM should hold (__launch_bounds__) and the plain or pipelined schedule."""
+
+    name: str
+    bq: int
+    bkv: int
+    min_blocks: int = 1
+    pipelined: bool = False
+
+
+WGMMA_PLAIN = AttentionVariant("wgmma 128x128", 128, 128)
+WGMMA_TWO_PER_SM = AttentionVariant("wgmma 128x64 2/SM", 128, 64, min_blocks=2)
+WGMMA_PIPELINED = AttentionVariant("wgmma 128x64 pipelined", 128, 64, pipelined=True)
+# flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (the one
+# timed on the H200; the others stay off the default until a GPU run times them). Head dims
+# up to 32 run at 32; 256 has none (the mma.sync kernel runs it). At 128, two blocks an SM
+# (128 registers a thread) spill, and the pipelined schedule at BKV 128 spills at every head
+# dim (two score sets of 64 registers), so it runs BKV 64.
+ATTENTION_WGMMA = {32: (WGMMA_PLAIN, WGMMA_TWO_PER_SM, WGMMA_PIPELINED),
+                   64: (WGMMA_PLAIN, WGMMA_TWO_PER_SM, WGMMA_PIPELINED),
+                   128: (WGMMA_PLAIN, WGMMA_PIPELINED)}
 
 
 def norm_name(output: str) -> str:
@@ -51,11 +75,35 @@ def wgmma_name(tile, products: int, epilogue: str) -> str:
     return f"lb::linear_wgmma<{bm}, {bn}, {products}, {EPILOGUES[epilogue]}>"
 
 
-def attention_name(head_pad: int, bq: int, bkv: int, wgmma: bool = False) -> str:
-    """Name expression of flash attention at a padded head dim with BQ queries, BKV keys (on
-    wgmma: the sm_90a kernel)."""
-    kernel = "flash_attention_wgmma" if wgmma else "flash_attention"
-    return f"lb::{kernel}<{head_pad}, {bq}, {bkv}>"
+def attention_name(head_pad: int, bq: int, bkv: int) -> str:
+    """Name expression of mma.sync flash attention at a padded head dim with BQ queries, BKV
+    keys."""
+    return f"lb::flash_attention<{head_pad}, {bq}, {bkv}>"
+
+
+def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
+    """Name expression of the sm_90a flash attention kernel of variant at a padded head dim."""
+    v = variant
+    return (f"lb::flash_attention_wgmma<{head_pad}, {v.bq}, {v.bkv}, {v.min_blocks}, "
+            f"{int(v.pipelined)}>")
+
+
+def attention_variant_names() -> list[str]:
+    """Every wgmma attention variant's name, in table order."""
+    return list(dict.fromkeys(v.name for vs in ATTENTION_WGMMA.values() for v in vs))
+
+
+def attention_variant(head_pad: int, name: str | None = None) -> AttentionVariant:
+    """The wgmma attention variant called name at a padded head dim (32, 64 or 128), or its
+    default where name is None; ValueError naming those it has otherwise."""
+    variants = ATTENTION_WGMMA[head_pad]
+    if name is None:
+        return variants[0]
+    for v in variants:
+        if v.name == name:
+            return v
+    raise ValueError(f"cupy attention at padded head dim {head_pad} has no variant {name!r}; "
+                     f"it has {', '.join(repr(v.name) for v in variants)}")
 
 
 def nvrtc_arch(device_arch: str) -> str:
@@ -74,8 +122,7 @@ def name_expressions(arch: str) -> list[str]:
         names += [wgmma_name(t, p, e) for t in WGMMA_TILES for p in GEMM_PRODUCTS
                   for e in tiled]
         names += [wgmma_name(t, p, NORM_EPILOGUE) for t in NORM_TILES for p in GEMM_PRODUCTS]
-        names += [attention_name(hp, bq, bkv, wgmma=True)
-                  for hp, (bq, bkv) in ATTENTION_WGMMA.items()]
+        names += [attention_wgmma_name(hp, v) for hp, vs in ATTENTION_WGMMA.items() for v in vs]
     names += [attention_name(hp, bq, bkv) for hp, tiles in ATTENTION_TILES.items()
               for bq, bkv in tiles]
     return names

@@ -51,16 +51,19 @@ class CupyLayer(BuiltLayer):
     """Per block: norm1 (fp16, read by one product), Q/K/V, attention, out_proj + residual,
     norm2, ffn_in + GELU, ffn_out + residual (one or three fp16 products each); the final
     norm into the output. With wgmma, the GEMMs and attention (head dims up to 128) run on
-    Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu). With fuse_norms (wgmma, d_model up
-    to 128), out_proj's epilogue writes norm2's rows and ffn_out's the next block's norm1
-    rows: five launches per block; the first norm1 and the final norm stay separate."""
+    Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu; attention_variant names the
+    attention kernel's variant, None its default). With fuse_norms (wgmma, d_model up to 128),
+    out_proj's epilogue writes norm2's rows and ffn_out's the next block's norm1 rows: five
+    launches per block; the first norm1 and the final norm stay separate."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
-                 wgmma: bool = False, fuse_norms: bool = False):
+                 wgmma: bool = False, fuse_norms: bool = False,
+                 attention_variant: str | None = None):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
         self.wgmma = wgmma
+        self.attention_variant = attention_variant
         self.fuse_norms = fuses_norms(config, fuse_norms, wgmma)
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [{n: weight_pair(getattr(p, n)) for n in WEIGHTS}
@@ -100,7 +103,7 @@ class CupyLayer(BuiltLayer):
             ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv, **gemm)
             ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
                           num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal,
-                          **gemm)
+                          variant=self.attention_variant, **gemm)
             if self.fuse_norms:
                 # norm2's rows over the context out_proj reads: safe, as each block holds
                 # whole rows (one block along N) and writes them after its last read of A

@@ -15,6 +15,8 @@ from . import build
 
 NORM_ROWS = 4  # rows per LayerNorm block (norm.cu NORM_WARPS)
 STAGES, BK_ROW = 3, 40  # linear.cu: pipeline stages, shared row length in halves
+# attention_wgmma.cu: K and V buffers of the plain schedule, V buffers of the pipelined one
+K_BUFFERS, V_BUFFERS, PIPELINED_V_BUFFERS = 2, 2, 3
 NULL = np.uint64(0)
 MIN_WGMMA_REGISTERS = 32  # the real 64x64 Hopper GEMM holds 86; its trap body 4
 
@@ -36,10 +38,12 @@ def attention_shared_bytes(head_pad: int, bq: int, bkv: int) -> int:
     return (bq + 2 * bkv) * (head_pad + 8) * 2
 
 
-def attention_wgmma_shared_bytes(head_pad: int, bq: int, bkv: int) -> int:
-    """Dynamic shared memory of a Hopper attention block (attention_wgmma.cu: Q, two K and two
-    V tiles, 1 KiB to align them)."""
-    return (bq + 4 * bkv) * head_pad * 2 + 1024
+def attention_wgmma_shared_bytes(head_pad: int, bq: int, bkv: int,
+                                 pipelined: bool = False) -> int:
+    """Dynamic shared memory of a Hopper attention block (attention_wgmma.cu: Q, two K tiles
+    and two V tiles, three when pipelined, 1 KiB to align them)."""
+    v_buffers = PIPELINED_V_BUFFERS if pipelined else V_BUFFERS
+    return (bq + (K_BUFFERS + v_buffers) * bkv) * head_pad * 2 + 1024
 
 
 def head_pad(head_dim: int) -> int:
@@ -190,16 +194,30 @@ def attention_tile(head_padded: int, blocks: int, device: torch.device):
     return tiles[0]
 
 
+def wgmma_attention_pad(head_dim: int) -> int | None:
+    """The padded head dim the wgmma attention kernel runs head_dim at, or None where it has
+    none (head dims above 128)."""
+    wide = max(32, head_pad(head_dim))
+    return wide if wide in build.ATTENTION_WGMMA else None
+
+
 def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, num_heads: int,
-              head_dim: int, causal: bool, wgmma: bool = False) -> None:
+              head_dim: int, causal: bool, wgmma: bool = False,
+              variant: str | None = None) -> None:
     """ctx (an fp16 pair of [tokens, H * hd] rows) = attention of qkv ([tokens, 3 H hd]);
-    wgmma: the Hopper kernel where it has the head dim (attention_wgmma.cu)."""
+    wgmma: the Hopper kernel where it has the head dim (attention_wgmma.cu), variant: one of
+    build.ATTENTION_WGMMA's by name (None: the default); ValueError for a variant where the
+    wgmma kernel does not run or has no such variant."""
     hp = head_pad(head_dim)
-    wide = max(32, hp)
-    if wgmma and wide in build.ATTENTION_WGMMA:
-        bq, bkv = build.ATTENTION_WGMMA[wide]
-        name, threads = build.attention_name(wide, bq, bkv, wgmma=True), 2 * bq
-        shared = attention_wgmma_shared_bytes(wide, bq, bkv)
+    wide = wgmma_attention_pad(head_dim)
+    if variant is not None and not (wgmma and wide):
+        raise ValueError(f"cupy attention variant {variant!r} needs the wgmma kernel "
+                         f"(wgmma=True, head dim up to 128), not wgmma={wgmma} at {head_dim}")
+    if wgmma and wide:
+        v = build.attention_variant(wide, variant)
+        bq, threads = v.bq, 2 * v.bq
+        name = build.attention_wgmma_name(wide, v)
+        shared = attention_wgmma_shared_bytes(wide, v.bq, v.bkv, v.pipelined)
     else:
         bq, bkv = attention_tile(hp, cdiv(seq_len, 64) * batch * num_heads, qkv.device)
         name, threads = build.attention_name(hp, bq, bkv), bq // 16 * 32
