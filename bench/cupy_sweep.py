@@ -6,11 +6,15 @@ same inputs, both checked against one reference and timed in alternating rounds.
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
         # the mma.sync attention kernel and every wgmma variant of the head dim on one input:
         # ms, TFLOP/s, error
+    python bench/cupy_sweep.py gemm --epilogue half
+        # every wgmma GEMM variant (and torch's fp16 matmul) on the GEMM sizes of shapes 8 and
+        # 14 at one product: ms, TFLOP/s, max relative error against an fp32 matmul
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -18,6 +22,11 @@ import torch
 
 from layerbench.backends.cupy import CupyBackend, build, ops
 from layerbench.common import runner
+from layerbench.common.timing import alternating_medians_ms, replayed
+
+# M x N x K of shape 8's GEMMs (8192 tokens: Q/K/V, then out_proj and the FFN at d_model =
+# ffn = 1024) and of one 100000-token sequence of shape 14 (Q/K/V)
+GEMM_SIZES = "8192x3072x1024,8192x1024x1024,100000x3072x1024"
 
 
 def sweep(args) -> list[dict] | None:
@@ -32,6 +41,8 @@ def sweep(args) -> list[dict] | None:
         return None
     if args.what == "attention":
         return sweep_attention(args, device)
+    if args.what == "gemm":
+        return sweep_gemm(args, device)
     if args.what == "plans":
         return runner.compare_plans(
             args.shapes,
@@ -65,11 +76,72 @@ def sweep_attention(args, device) -> list[dict]:
         label="cupy attention")
 
 
+def sweep_gemm(args, device) -> list[dict]:
+    """Every wgmma GEMM variant (build.GEMM_VARIANTS, the first the kernel the layer runs now)
+    and torch's fp16 matmul (cuBLAS, bias in fp16) on each M x N x K of args.sizes at one
+    product with
+    epilogue args.epilogue, each replayed args.repeats times from a CUDA graph and timed in
+    alternating rounds; error: the largest |got - want| / max(|want|, 1) against torch's fp32
+    matmul of the same fp16 operands, through the epilogue in fp32."""
+    kernels = ops.kernels_for(device)
+    if not kernels.has_wgmma or kernels.wgmma_problem:
+        print(f"cupy gemm: no wgmma GEMMs here ({kernels.wgmma_problem or kernels.arch})",
+              file=sys.stderr)
+        return []
+    epilogue, rows = args.epilogue, []
+    for size in args.sizes.split(","):
+        m, n, k = (int(x) for x in size.split("x"))
+        gen = torch.Generator(device=device).manual_seed(m + n + k)
+        a = torch.randn(m, k, device=device, generator=gen).half()
+        w = (torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)).half()
+        bias = torch.randn(n, device=device, generator=gen)
+        res = None
+        matmul = torch.backends.cuda.matmul
+        tf32, matmul.allow_tf32 = matmul.allow_tf32, False
+        want = a.float() @ w.float().t() + bias  # full fp32, not TF32
+        matmul.allow_tf32 = tf32
+        if epilogue == "gelu_pair":
+            want = torch.nn.functional.gelu(want)
+        elif epilogue == "residual":
+            res = torch.randn(m, n, device=device, generator=gen)
+            want += res
+
+        def variant_run(name: str):
+            """(output, a run of the wgmma GEMM of variant name writing it)."""
+            if epilogue == "residual":  # out = res + ..., out of place: every run the same
+                out = torch.empty(m, n, device=device)
+                kw = {"res": res, "out": out}
+            else:
+                out = torch.empty(m, n, device=device, dtype=torch.float16)
+                kw = {"out_half": out} if epilogue == "half" else {"out_pair": (out, None)}
+            return out, lambda: ops.linear(kernels, (a, None), (w, None), bias, epilogue, 1,
+                                           wgmma=True, gemm_variant=name, **kw)
+        choices = {v.name: variant_run(v.name) for v in build.GEMM_VARIANTS}
+        if epilogue == "half":
+            out16, bias16 = torch.empty(m, n, device=device, dtype=torch.float16), bias.half()
+            choices["torch fp16 (cuBLAS)"] = (
+                out16, lambda: torch.addmm(bias16, a, w.t(), out=out16))
+        runs = [replayed(run, args.repeats, device) for _, run in choices.values()]
+        medians = alternating_medians_ms(runs, device, rounds=args.rounds)
+        flop = 2.0 * m * n * k
+        for (name, (out, _)), total in zip(choices.items(), medians):
+            ms = total / args.repeats
+            err = ((out.float() - want).abs() / want.abs().clamp_min(1.0))
+            err = err.nan_to_num(nan=math.inf).max().item()
+            rows.append({"size": size, "epilogue": epilogue, "kernel": name, "ms": ms,
+                         "tflops": flop / ms / 1e9, "max_rel": err})
+            print(f"cupy gemm {size:18s} {epilogue:9s} {name:28s} {ms:8.4f} ms "
+                  f"{flop / ms / 1e9:6.1f} TFLOP/s max rel {err:.1e}", flush=True)
+        del choices, runs, a, w, res, want
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     """Command line."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["plans", "products", "attention"])
+    parser.add_argument("what", choices=["plans", "products", "attention", "gemm"])
     parser.add_argument("--shapes", default="1,2,7,8,13,6", help="official shape numbers")
     parser.add_argument("--plan", choices=["wgmma", "fuse_norms"], default="wgmma",
                         help="plans: the option compared on against off")
@@ -80,6 +152,11 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=16, help="attention: heads")
     parser.add_argument("--head-dim", type=int, default=64, help="attention: head dim")
     parser.add_argument("--full", action="store_true", help="attention: not causal")
+    parser.add_argument("--sizes", default=GEMM_SIZES, help="gemm: MxNxK, comma-separated")
+    parser.add_argument("--epilogue", choices=list(build.GEMM_VARIANT_EPILOGUES),
+                        default="half", help="gemm: the epilogue timed")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="gemm: launches per CUDA-graph replay")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", help="write the rows as JSON")
     args = parser.parse_args()

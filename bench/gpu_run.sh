@@ -111,11 +111,11 @@ if [[ $stage == cutile ]]; then
 fi
 if [[ $stage == cupy ]]; then
     # The cupy kernels: kernel tests, one option on and off on whole layers (CUPY_PLAN,
-    # default wgmma), the attention kernels at shapes 14 (one sequence) and 13, then GPU time
-    # per kernel.
+    # default wgmma), the attention kernels at shapes 14 (one sequence) and 13, the GEMM
+    # variants on shape 8's and 14's GEMM sizes, then GPU time per kernel.
     # Each part is time-limited, so a kernel that hangs costs one part, not the call.
     log="$OUT/cupy.log"
-    timeout "${CUPY_TEST_LIMIT:-300}" python3 -m pytest conformance/test_cupy.py --backend cupy \
+    timeout "${CUPY_TEST_LIMIT:-420}" python3 -m pytest conformance/test_cupy.py --backend cupy \
         -q -p no:cacheprovider -rf --maxfail 40${CUPY_TEST_ARGS:+ $CUPY_TEST_ARGS} >"$log" 2>&1
     status=$((status | $?))
     tail -40 "$log"
@@ -125,6 +125,7 @@ if [[ $stage == cupy ]]; then
         --head-dim 64 --rounds 5 --out "$OUT/cupy-attention-14.json" 2>&1 | tee -a "$log"
     timeout 60 python3 bench/cupy_sweep.py attention --batch 64 --seq-len 1024 --heads 4 \
         --head-dim 32 --out "$OUT/cupy-attention-13.json" 2>&1 | tee -a "$log"
+    timeout 120 python3 bench/cupy_sweep.py gemm --out "$OUT/cupy-gemm.json" 2>&1 | tee -a "$log"
     timeout 150 python3 bench/tile_sweep.py profile --backend cupy \
         --shapes "${PROFILE_SHAPES:-2,8,13}" --out "$OUT/cupy-profile.json" 2>&1 | tee -a "$log"
 fi

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .registry import resolve_backends
-from .shapes import NONCAUSAL, Shape, resolve_shapes
+from .shapes import HUGE_SHAPES, NONCAUSAL, Shape, resolve_shapes
 
 # What the conformance suite runs when --shapes is not given.
 CONFORMANCE_DEFAULT = {"cuda": "official,noncausal,headdims", "cpu": "ci,ci-noncausal,headdims"}
@@ -49,7 +49,7 @@ def selected_cases(config) -> list[tuple[str, float]]:
 def shape_cases(shape: Shape, config) -> tuple[list[tuple[str, float]], str]:
     """The (dtype, padding) cases the options select for shape, and why there are none if so.
 
-    Huge shapes run the float32 cases only; head-dim shapes and the non-causal CI shapes
+    Huge shapes and their CI variants run the float32 cases only; head-dim shapes and the non-causal CI shapes
     (which keep the CPU suite short; the official non-causal shapes run every case) run
     float32 at padding 0.25 only.
     """
@@ -60,7 +60,7 @@ def shape_cases(shape: Shape, config) -> tuple[list[tuple[str, float]], str]:
             return [SMALL_SHAPE_CASE], ""
         return [], (f"{shape.id}: head-dim and non-causal CI shapes run float32 at padding "
                     f"{SMALL_SHAPE_CASE[1]:g} only, and --dtype selected {dtypes}")
-    if shape.huge:
+    if shape.huge or (shape.table == "ci" and shape.number in HUGE_SHAPES):
         kept = [c for c in cases if c[0] == "float32"]
         if not kept:
             return [], (f"{shape.id} runs float32 cases only (half-precision cases are left "

@@ -2,16 +2,18 @@
 (also without a GPU) to mma.sync and ldmatrix, or wgmma, without spills (attention at head
 dim 256 exempt) and within its blocks-per-SM register budget, the host packs exactly the
 parameters each compiled kernel takes, the toolkit headers are found or refused clearly, the
-wgmma attention variants are chosen by name and their buffer schedules (a model of the plain
-and pipelined kernels) never overwrite a buffer a pending wgmma may read, the layer's launch
-sequence (with and without fused norms) computes the layer through PyTorch stand-ins, and (on
-a GPU) LayerNorm and the GEMMs (the residual_norm epilogue too) against fp64, attention (every
-wgmma variant) against the fp32 oracle, and the layer eager and replayed."""
+wgmma attention and GEMM variants are chosen by name and their schedules (models of the
+attention kernels' buffers and of the GEMM's K-tile stages) never overwrite a buffer a pending
+wgmma may read, the layer's launch sequence (with and without fused norms, with a GEMM
+variant) computes the layer through PyTorch stand-ins, and (on a GPU) LayerNorm and the GEMMs
+(every GEMM variant, the residual_norm epilogue too) against fp64, attention (every wgmma
+variant) against the fp32 oracle, and the layer eager and replayed."""
 from __future__ import annotations
 
 import itertools
 import math
 import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -113,6 +115,30 @@ def test_sm90_sass(cupy_selected, compiled):
             assert row["HMMA"] > 0 and row["LDSM"] > 0, (name, row)
 
 
+def test_gemm_variants_sass(cupy_selected, compiled):
+    """sm_90a SASS of every wgmma GEMM variant's kernels: wgmma of the tile's width
+    (HGMMA.64xBNx16), one wgmma fence (WARPGROUP.ARRIVE) per K tile as written, and the
+    waits the source has, no more: wait<PENDING> in the loop, wait 0 after it where PENDING
+    (ptxas serialising the wgmmas would add fences and waits of 0)."""
+    from layerbench.common.cuda_host import cuda_tool
+
+    path, lowered = compiled[build.HOPPER]
+    sass = subprocess.run([cuda_tool("cuobjdump"), "-sass", str(path)], check=True,
+                          capture_output=True, text=True).stdout
+    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass,
+                             flags=re.S))
+    for v in build.GEMM_VARIANTS:
+        for epilogue in build.GEMM_VARIANT_EPILOGUES:
+            body = bodies[lowered[build.gemm_variant_name(v, 1, epilogue)]]
+            name = f"{v.name} {epilogue}"
+            hgmma = re.findall(r"\bHGMMA\.(\d+)x(\d+)x16\.F32\b", body)
+            assert hgmma and set(hgmma) == {("64", str(v.bn))}, (name, set(hgmma))
+            assert len(hgmma) == 4, (name, len(hgmma))  # BK / 16 k16 steps, one loop body
+            assert len(re.findall(r"WARPGROUP\.ARRIVE", body)) == 1, name
+            waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", body)
+            assert waits == ([f"0x{v.pending}", "0x0"] if v.pending else ["0x0"]), (name, waits)
+
+
 class Recorder:
     """Stands in for ops.Kernels: records each launch."""
 
@@ -164,6 +190,15 @@ def _launches():
             ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual_norm", products,
                        res=x, out=x, valid_rows=valid, zero_sum=True, norm=(w, b),
                        norm_out=norm_out, tile=tile, wgmma=True)
+    for v in build.GEMM_VARIANTS:  # one product, as the layer runs them
+        variant = {"wgmma": True, "gemm_variant": v.name}
+        wp = weight_pair(torch.zeros(f, d))
+        ops.linear(k, pair, wp, torch.zeros(f), "half", 1,
+                   out_half=torch.zeros(m, f, dtype=torch.float16), **variant)
+        ops.linear(k, pair, wp, torch.zeros(f), "gelu_pair", 1,
+                   out_pair=(torch.zeros(m, f, dtype=torch.float16), None), **variant)
+        ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", 1, res=x, out=x,
+                   valid_rows=valid, zero_sum=True, **variant)
     for head_dim in (8, 32, 64, 128, 256):
         d = heads * head_dim
         qkv = torch.zeros(m, 3 * d, dtype=torch.float16)
@@ -179,7 +214,7 @@ def _launches():
 
 
 def test_parameters_match_the_compiled_kernels(cupy_selected, compiled):
-    """Each launch the host makes (every wgmma attention variant too) passes as many
+    """Each launch the host makes (every wgmma attention and GEMM variant too) passes as many
     arguments as its kernel takes, each of the size the cubin records (8 for an address or
     64-bit integer, 4 for int32 or float), within the kernel's shared-memory limit (227 KiB on
     sm_90) and a whole number of warps."""
@@ -304,6 +339,91 @@ def test_attention_variants(cupy_selected, monkeypatch):
     assert stand.variants == [build.WGMMA_PIPELINED.name] * cfg.num_layers
 
 
+def test_gemm_variants(cupy_selected, monkeypatch):
+    """The wgmma GEMM variants: the default first, the plain schedule on the large wgmma
+    tile; unique names; every variant's stages fit a block's 227 KiB at one product (the
+    others' would not at three, so they have no three-product kernels); ops.linear launches
+    the named variant's kernel (2 BM threads, its shared bytes, a grid of its tiles), the
+    default's where none is named, and refuses unknown names, the mma.sync GEMMs, epilogues
+    and product counts a variant is not compiled for, and another tile; CupyBackend refuses
+    unknown names, and a variant where the wgmma GEMMs do not run; the layer passes the
+    variant to each GEMM it fits and None to the others."""
+    from layerbench.backends.cupy import CupyBackend
+    from layerbench.common.cuda_host import cdiv
+
+    limit = 227 * 1024
+    assert build.GEMM_VARIANTS[0] == build.GEMM_PLAIN
+    assert build.GEMM_PLAIN.tile == build.WGMMA_TILES[0]
+    assert (build.GEMM_PLAIN.stages, build.GEMM_PLAIN.pending) == (3, 0)
+    assert len(set(build.gemm_variant_names())) == len(build.GEMM_VARIANTS)
+    for v in build.GEMM_VARIANTS:
+        assert ops.wgmma_shared_bytes(v.bm, v.bn, 1, v.stages) <= limit, v
+        if v != build.GEMM_PLAIN:
+            assert ops.wgmma_shared_bytes(v.bm, v.bn, 3, v.stages) > limit, v
+    m, n, d = 300, 264, 136
+    pair = (torch.zeros(m, d, dtype=torch.float16), None)
+    wp = weight_pair(torch.zeros(n, d))
+    bias, out = torch.zeros(n), torch.zeros(m, n, dtype=torch.float16)
+    x = torch.zeros(m, n)
+    outputs = {"half": {"out_half": out}, "gelu_pair": {"out_pair": (out, None)},
+               "residual": {"res": x, "out": x}}
+    for v, epilogue in itertools.product(build.GEMM_VARIANTS, build.GEMM_VARIANT_EPILOGUES):
+        k = Recorder()
+        ops.linear(k, pair, wp, bias, epilogue, 1, wgmma=True, gemm_variant=v.name,
+                   **outputs[epilogue])
+        name, grid, block, shared, _ = k.calls[0]
+        assert name == build.gemm_variant_name(v, 1, epilogue)
+        assert grid == (cdiv(m, v.bm), cdiv(n, v.bn), 1) and block == 2 * v.bm
+        assert shared == ops.wgmma_shared_bytes(v.bm, v.bn, 1, v.stages)
+    k = Recorder()
+    ops.linear(k, pair, wp, bias, "half", 1, wgmma=True, out_half=out, tile=(64, 64))
+    assert k.calls[0][0] == build.wgmma_name((64, 64), 1, "half")  # none named: the default
+    assert k.calls[0][0].endswith(", 3, 0>")
+    wait1 = build.GEMM_WAIT1.name
+    for kwargs, match in ((dict(gemm_variant="wgmma 1x1"), "no GEMM variant"),
+                          (dict(gemm_variant=wait1, wgmma=False), "needs the wgmma"),
+                          (dict(gemm_variant=wait1, products=3), "compiled for"),
+                          (dict(gemm_variant=wait1, tile=(64, 64)), "runs tile")):
+        args = dict(wgmma=True, products=1) | kwargs
+        with pytest.raises(ValueError, match=match):
+            ops.linear(Recorder(), pair, wp, bias, "half", args.pop("products"), out_half=out,
+                       **args)
+    with pytest.raises(ValueError, match="compiled for"):
+        ops.linear(Recorder(), pair, weight_pair(torch.zeros(d, d)), torch.zeros(d),
+                   "residual_norm", 1, res=x[:, :d], out=x[:, :d], norm=(bias, bias),
+                   norm_out=(out, None), wgmma=True, gemm_variant=wait1)
+    with pytest.raises(ValueError, match="gemm_variant"):
+        CupyBackend(gemm_variant="wgmma 1x1")
+
+    class Hopper:  # stands in for ops.Kernels on an sm_90 device
+        has_wgmma, wgmma_problem, arch = True, None, "90"
+    monkeypatch.setattr(ops, "kernels_for", lambda device: Hopper())
+    cpu, wide = torch.device("cpu"), build.GEMM_WIDE
+    cfg = LayerConfig(2, 12, 512, 4, 64, 1)
+    sd = make_reference(cfg, seed=3).state_dict()
+    layer = CupyBackend(gemm_variant=wide.name)._build(cfg, sd, cpu, torch.float32)
+    assert layer.gemm_variant == wide
+    with pytest.raises(Unsupported, match="gemm_variant"):
+        CupyBackend(wgmma=False, gemm_variant=wide.name)._build(cfg, sd, cpu, torch.float32)
+    # d_model 512 (one product): all but ffn_in (64 columns, narrower than 256) take it
+    x_in, mask = make_inputs(cfg, padding_ratio=0.25, seed=6)
+    stand = StandIns()
+    _, got = _run_stand_ins(cfg, stand, x_in, mask, monkeypatch, gemm_variant=wide.name)
+    assert compare(got, reference_forward(make_reference(cfg, seed=5), x_in, mask)).passed
+    assert stand.gemm_variants == [("half", 1, 1536, wide.name), ("residual", 1, 512, wide.name),
+                                   ("gelu_pair", 1, 64, None), ("residual", 1, 512, wide.name)]
+    # d_model 64, three products, fused norms: Q/K/V (one product, 192 columns) alone
+    cfg = LayerConfig(2, 20, 64, 2, 64, 2)
+    x_in, mask = make_inputs(cfg, padding_ratio=0.25, seed=6)
+    stand = StandIns()
+    _run_stand_ins(cfg, stand, x_in, mask, monkeypatch, fuse_norms=True, gemm_variant=wait1)
+    taken = [(e, v) for e, _, _, v in stand.gemm_variants if v is not None]
+    assert taken == [("half", wait1)] * cfg.num_layers, stand.gemm_variants
+    stand = StandIns()
+    _run_stand_ins(cfg, stand, x_in, mask, monkeypatch, gemm_variant=wide.name)
+    assert all(v is None for *_, v in stand.gemm_variants), stand.gemm_variants
+
+
 # A model of the wgmma attention kernels' schedules (attention_wgmma.cu), in the order every
 # thread runs its events: ("copy", buffer, tile) a cp.async of a tile into a buffer
 # (("K", 1) is K buffer 1), ("commit",) / ("cp_wait", n) its groups, ("barrier",), ("mma",
@@ -369,12 +489,15 @@ def pipelined_schedule(n_tiles: int, k_buffers: int, v_buffers: int, top_wait: i
     return ev + [("cp_wait", 0)]
 
 
-def check_schedule(events: list[tuple], n_tiles: int) -> None:
+def check_schedule(events: list[tuple], n_tiles: int, expected: list[str] | None = None,
+                   chained: frozenset = frozenset()) -> None:
     """Replay events and assert: a wgmma reads a buffer only once it holds the right tile,
     copied, waited for and then past a barrier; no copy lands in a buffer while a wgmma of
     any warpgroup may still read it (retired before the copy's barrier phase: warpgroups are
-    not ordered between two barriers); no instruction touches registers of a pending wgmma;
-    every S and P V runs once; nothing is left pending."""
+    not ordered between two barriers); no instruction touches registers of a pending wgmma
+    (but a wgmma may accumulate into chained registers behind a pending one: same-shape
+    accumulators, ordered by the hardware); every wgmma of expected (default: every S and
+    P V) runs once; nothing is left pending."""
     phase = 0
     holds = {}  # buffer -> (tile, phase its copy was waited for, or None while in flight)
     retired_read = {}  # buffer -> last barrier phase in which a wgmma reading it retired
@@ -407,7 +530,7 @@ def check_schedule(events: list[tuple], n_tiles: int) -> None:
                 held, landed = holds.get(buf, (None, None))
                 assert held == tile and landed is not None and landed < phase, \
                     f"{name} reads {buf}: holds tile {held}, waited for in phase {landed}"
-            busy = [m for g in mma_groups for m in g if m[1] & regs]
+            busy = [m for g in mma_groups for m in g if m[1] & regs - chained]
             assert not busy, f"{name} issued on registers of pending {busy[0][0]}"
             mma_open.append((name, regs, {buf for buf, _ in reads}))
             issued.append(name)
@@ -425,8 +548,9 @@ def check_schedule(events: list[tuple], n_tiles: int) -> None:
             assert not busy, f"registers {sorted(e[1])} touched while {busy[0][0]} is pending"
     assert not cp_open and not cp_groups, "cp.async groups left in flight"
     assert not mma_open and not mma_groups, f"wgmma left pending: {mma_open + mma_groups}"
-    assert sorted(issued) == sorted([f"S{j}" for j in range(n_tiles)] +
-                                    [f"PV{j}" for j in range(n_tiles)])
+    if expected is None:
+        expected = [f"S{j}" for j in range(n_tiles)] + [f"PV{j}" for j in range(n_tiles)]
+    assert sorted(issued) == sorted(expected)
 
 
 def test_attention_schedules_keep_buffers_safe(cupy_selected):
@@ -449,6 +573,75 @@ def test_attention_schedule_model_catches_mistakes(cupy_selected, mistake):
     with pytest.raises(AssertionError):
         for n in range(1, 6):
             check_schedule(pipelined_schedule(n, **args), n)
+
+
+# A model of linear_wgmma's K loop (the schedule above the kernel in linear_wgmma.cu), in
+# check_schedule's events: stage s holds the A and W tiles of one K tile, read by that tile's
+# wgmma group T<kt>, which accumulates into acc; the epilogue touches acc.
+def gemm_schedule(k_tiles: int, stages: int, pending: int, distance: int | None = None,
+                  cp_wait: int | None = None, final_wait: bool = True) -> list[tuple]:
+    """Steps 1-4 of the kernel's comment for k_tiles K tiles; distance (default STAGES - 1 -
+    PENDING, as the kernel), cp_wait (default distance - 1) and the wgmma wait 0 after the
+    loop varied by the failing cases."""
+    distance = stages - 1 - pending if distance is None else distance
+    cp_wait = distance - 1 if cp_wait is None else cp_wait
+    ev = []
+    for s in range(distance):
+        ev += [("copy", ("stage", s % stages), s)] if s < k_tiles else []
+        ev.append(("commit",))
+    for kt in range(k_tiles):
+        ev += [("cp_wait", cp_wait), ("barrier",),  # 1
+               ("mma", f"T{kt}", {"acc"}, {(("stage", kt % stages), kt)}), ("mma_commit",)]
+        nxt = kt + distance  # 3
+        ev += [("copy", ("stage", nxt % stages), nxt)] if nxt < k_tiles else []
+        ev += [("commit",), ("mma_wait", pending)]  # 4
+    if pending and final_wait:
+        ev.append(("mma_wait", 0))
+    return ev + [("cp_wait", 0), ("touch", {"acc"})]
+
+
+def check_gemm_schedule(k_tiles: int, stages: int, pending: int, **mistake) -> None:
+    """check_schedule on gemm_schedule: every tile's group once, accumulators chained."""
+    check_schedule(gemm_schedule(k_tiles, stages, pending, **mistake), k_tiles,
+                   expected=[f"T{kt}" for kt in range(k_tiles)], chained=frozenset({"acc"}))
+
+
+def test_gemm_schedules_keep_stages_safe(cupy_selected):
+    """linear_wgmma's loop is the one gemm_schedule models (prefetch distance STAGES - 1 -
+    PENDING, cp.async wait DISTANCE - 1, wgmma wait PENDING, wait 0 after the loop where
+    PENDING), and with every variant's stages and pending groups (build.GEMM_VARIANTS, the
+    template arguments of its kernels) it passes check_schedule for 1 to 10 K tiles."""
+    text = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
+    for line in ("constexpr int DISTANCE = STAGES - 1 - PENDING;",
+                 "for (int s = 0; s < DISTANCE; ++s) {", "cp_async_wait<DISTANCE - 1>();",
+                 "int next = kt + DISTANCE;",
+                 "if (next < k_tiles) load_stage(next % STAGES, next);",
+                 "wd::wgmma_wait<PENDING>();", "if constexpr (PENDING > 0) {"):
+        assert line in text, line
+    names = build.name_expressions(build.HOPPER)
+    for v in build.GEMM_VARIANTS:
+        assert v.distance == v.stages - 1 - v.pending >= 1
+        assert build.gemm_variant_name(v, 1, "half") in names
+        assert build.gemm_variant_name(v, 1, "half").endswith(f", {v.stages}, {v.pending}>")
+        for k_tiles in range(1, 11):
+            check_gemm_schedule(k_tiles, v.stages, v.pending)
+
+
+@pytest.mark.parametrize("mistake", [dict(distance=3), dict(stages=3), dict(cp_wait=2),
+                                     dict(final_wait=False)],
+                         ids=["distance-stages-1", "three-stages", "cp-wait-distance",
+                              "no-final-wait"])
+def test_gemm_schedule_model_catches_mistakes(cupy_selected, mistake):
+    """check_schedule fails the wait-1 schedule (4 stages) when it copies STAGES - 1 tiles
+    ahead (over the stage the pending group reads), runs on 3 stages at distance 2 (the
+    same), waits for one cp.async group too few (the tile read may be in flight), or leaves
+    the last group pending into the epilogue."""
+    args = dict(stages=build.GEMM_WAIT1.stages, pending=build.GEMM_WAIT1.pending) | mistake
+    if "stages" in mistake:
+        args["distance"] = build.GEMM_WAIT1.distance
+    with pytest.raises(AssertionError):
+        for k_tiles in range(1, 11):
+            check_gemm_schedule(k_tiles, **args)
 
 
 @pytest.fixture
@@ -486,11 +679,14 @@ def test_layer_norm_kernel(kernels, m, d):
 
 @needs_gpu
 @pytest.mark.parametrize("m,k,n", [(77, 40, 24), (300, 128, 384), (1000, 1032, 136),
-                                   (8192, 1024, 1024)])
+                                   (333, 584, 520), (8192, 1024, 1024)])
 @pytest.mark.parametrize("epilogue", ["half", "gelu_pair", "residual_update", "residual_sum"])
 def test_linear_kernel(kernels, epilogue, m, k, n):
-    """Each epilogue with each product count and tile, odd row counts and K steps, against
-    fp64; the residual in place and with invalid rows."""
+    """Each epilogue with each product count and tile, and (wgmma) each GEMM variant at one
+    product, against fp64: rows off the tile, N off the tile (also narrower than it), K off
+    64 (also below it, and 10 K tiles); the residual in place and with invalid rows. The
+    wait-1 schedule is bit-identical to the plain one on the same tile (the same wgmmas in
+    the same order)."""
     g = torch.Generator(device="cuda").manual_seed(m + n)
     a = torch.randn(m, k, device="cuda", generator=g)
     w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
@@ -499,10 +695,16 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
     w_pair = weight_pair(w)
     exact = a.double() @ w.double().t() + bias.double()
     valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
+    res = torch.randn(m, n, device="cuda", generator=g)  # the residual epilogues' input
     tiles = [(t, False) for t in build.GEMM_TILES]
     tiles += [(t, True) for t in build.WGMMA_TILES] if kernels.has_wgmma else []
-    for products, (tile, wgmma) in itertools.product(build.GEMM_PRODUCTS, tiles):
-        gemm = {"tile": tile, "wgmma": wgmma}
+    runs = [(p, {"tile": t, "wgmma": wgmma})
+            for p, (t, wgmma) in itertools.product(build.GEMM_PRODUCTS, tiles)]
+    if kernels.has_wgmma:
+        runs += [(build.GEMM_VARIANT_PRODUCTS, {"wgmma": True, "gemm_variant": v.name})
+                 for v in build.GEMM_VARIANTS]
+    results = {}
+    for products, gemm in runs:
         if epilogue == "half":
             if products != 1:
                 continue
@@ -520,7 +722,6 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
             want, tol = torch.nn.functional.gelu(exact), 1e-4 if products == 3 else 2e-3
         else:
             zero_sum = epilogue == "residual_sum"
-            res = torch.randn(m, n, device="cuda", generator=g)
             out = res.clone()  # in place, as ffn_out runs
             ops.linear(kernels, a_pair, w_pair, bias, "residual", products, res=out, out=out,
                        valid_rows=valid, zero_sum=zero_sum, **gemm)
@@ -529,8 +730,12 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
                     else res.double() + torch.where(keep, exact, 0))
             got, tol = out.double(), 1e-4 if products == 3 else 2e-3
         err = ((got - want).abs() / want.abs().clamp_min(1.0)).nan_to_num(nan=math.inf)
-        assert err.max().item() < tol, \
-            f"{epilogue} {products} products {tile} wgmma={wgmma}: {err.max()}"
+        assert err.max().item() < tol, f"{epilogue} {products} products {gemm}: {err.max()}"
+        results[products, gemm.get("gemm_variant") or gemm["tile"]] = got
+    if kernels.has_wgmma:
+        plain = results[1, build.GEMM_PLAIN.name]
+        assert torch.equal(results[1, build.GEMM_WAIT1.name], plain), epilogue
+        assert torch.equal(results[1, build.WGMMA_TILES[0]], plain), epilogue
 
 
 @needs_gpu
@@ -662,6 +867,7 @@ class StandIns:
     def __init__(self, mutation: str | None = None):
         self.calls = []
         self.variants = []
+        self.gemm_variants = []  # (epilogue, products, N, gemm_variant) of each GEMM
         self.mutation = mutation
 
     def layer_norm(self, k, x, weight, bias, *, pair=None, half=None, out=None,
@@ -678,11 +884,16 @@ class StandIns:
 
     def linear(self, k, a, weight, bias, epilogue, products, *, out_pair=None, out_half=None,
                res=None, out=None, valid_rows=None, zero_sum=False, norm=None, norm_out=None,
-               eps=1e-5, tile=None, wgmma=False):
+               eps=1e-5, tile=None, wgmma=False, gemm_variant=None):
         """The GEMM and its epilogue over products fp16 products (residual_norm: then the
-        LayerNorm of the new rows, on the wgmma GEMMs and rows up to 128 wide)."""
+        LayerNorm of the new rows, on the wgmma GEMMs and rows up to 128 wide); the GEMM
+        variant recorded, and checked to be one the module has for it."""
         self.calls.append(f"linear:{epilogue}:{products}")
         n = weight[0].shape[0]
+        self.gemm_variants.append((epilogue, products, n, gemm_variant))
+        if gemm_variant is not None:
+            assert wgmma and build.gemm_variant_compiled(build.gemm_variant(gemm_variant),
+                                                         epilogue, products)
         acc = _products(a[0], a[1], weight[0], weight[1], n, products) + bias
         if epilogue == "half":
             out_half.copy_(acc.half())
@@ -712,17 +923,19 @@ class StandIns:
 
 
 def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=False,
-                   attention_variant=None):
-    """The cupy layer's forward on CPU, its kernels replaced by stand (fuse_norms as on the
-    wgmma GEMMs), with a NaN-poisoned workspace; returns the layer and its output."""
+                   attention_variant=None, gemm_variant=None):
+    """The cupy layer's forward on CPU, its kernels replaced by stand (fuse_norms or a GEMM
+    variant as on the wgmma GEMMs), with a NaN-poisoned workspace; returns the layer and its
+    output."""
     from layerbench.backends.cupy.layer import CupyLayer
 
     model = make_reference(cfg, seed=5)
     for name in ("layer_norm", "linear", "attention"):
         monkeypatch.setattr(ops, name, getattr(stand, name))
     layer = CupyLayer(None, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
-                      None, products or linear_products_for(cfg.d_model), wgmma=fuse_norms,
-                      fuse_norms=fuse_norms, attention_variant=attention_variant)
+                      None, products or linear_products_for(cfg.d_model),
+                      wgmma=fuse_norms or gemm_variant is not None, fuse_norms=fuse_norms,
+                      attention_variant=attention_variant, gemm_variant=gemm_variant)
     empty = torch.empty
 
     def poisoned(*args, **kwargs):

@@ -25,6 +25,15 @@ class CupyBackend(Backend):
     residual GEMMs' epilogues (out_proj writes norm2's rows, ffn_out the next block's norm1
     rows: five launches per block instead of seven) where the wgmma GEMMs run and d_model is
     at most 128; elsewhere the plan is unchanged. Off by default until timed on a GPU.
+    gemm_variant: a variant of the wgmma GEMMs by name (build.GEMM_VARIANTS): "wgmma 128x128"
+    (the default schedule on 128x128 tiles), "wgmma 128x128 wait1 4-stage" (each K tile's
+    wgmma group left running over the next tile's barrier and copies) or "wgmma 128x256
+    wait1" (the same on 128x256 tiles). A GEMM runs it where the module has it for the GEMM's
+    epilogue and product count (the non-default ones: half, gelu_pair and residual at one
+    product, so every GEMM from d_model 512, Q/K/V alone below) and the output is at least
+    one tile wide; the other GEMMs keep the default. Needs the wgmma GEMMs. None (default):
+    the default schedule, its tile picked per GEMM. The non-default variants are off the
+    default until timed on a GPU.
     """
 
     name = "cupy"
@@ -34,17 +43,23 @@ class CupyBackend(Backend):
         notes="sm_80+; fp32 residual stream; kernels compiled at run time by NVRTC")
 
     def __init__(self, linear_products: int | None = None, wgmma: bool | None = None,
-                 fuse_norms: bool = False, attention_variant: str | None = None):
+                 fuse_norms: bool = False, attention_variant: str | None = None,
+                 gemm_variant: str | None = None):
         if linear_products not in (None, 1, 3):
             raise ValueError(f"cupy linear_products must be 1 or 3, not {linear_products}")
         names = build.attention_variant_names()
         if attention_variant is not None and attention_variant not in names:
             raise ValueError(f"cupy attention_variant must be one of {names}, not "
                              f"{attention_variant!r}")
+        gemm_names = build.gemm_variant_names()
+        if gemm_variant is not None and gemm_variant not in gemm_names:
+            raise ValueError(f"cupy gemm_variant must be one of {gemm_names}, not "
+                             f"{gemm_variant!r}")
         self.linear_products = linear_products
         self.wgmma = wgmma
         self.fuse_norms = fuse_norms
         self.attention_variant = attention_variant
+        self.gemm_variant = gemm_variant
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -86,5 +101,9 @@ class CupyBackend(Backend):
                 build.attention_variant(wide, variant)
             except ValueError as exc:
                 raise Unsupported(f"{self.name}: {exc}") from exc
+        if self.gemm_variant is not None and not wgmma:
+            raise Unsupported(f"{self.name}: gemm_variant {self.gemm_variant!r} needs the wgmma "
+                              "GEMMs (sm_90)")
         return CupyLayer(self, config, state_dict, device, dtype, kernels, products,
-                         wgmma=wgmma, fuse_norms=self.fuse_norms, attention_variant=variant)
+                         wgmma=wgmma, fuse_norms=self.fuse_norms, attention_variant=variant,
+                         gemm_variant=self.gemm_variant)

@@ -25,7 +25,7 @@ EPILOGUES = {"half": 0, "gelu_pair": 1, "residual": 2, "residual_norm": 3}
 NORM_EPILOGUE = "residual_norm"  # linear_wgmma only, on NORM_TILES
 GEMM_TILES = ((128, 128, 2, 4), (64, 64, 2, 2))  # (BM, BN, warps along M, warps along N)
 GEMM_PRODUCTS = (1, 3)
-WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads
+WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads, plain schedule
 NORM_TILES = ((128, 128), (64, 128))  # (BM, BN) of linear_wgmma's residual_norm: rows <= BN
 MAX_NORM_WIDTH = 128  # the widest row residual_norm norms (one block holds it)
 ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
@@ -58,6 +58,42 @@ ATTENTION_WGMMA = {32: (WGMMA_PLAIN, WGMMA_TWO_PER_SM, WGMMA_PIPELINED),
                    128: (WGMMA_PLAIN, WGMMA_PIPELINED)}
 
 
+@dataclass(frozen=True)
+class GemmVariant:
+    """One tile and schedule of linear_wgmma (linear_wgmma.cu): the name sweeps and
+    CupyBackend(gemm_variant=...) use, the BM x BN tile (2 BM threads), the cp.async stages
+    and the wgmma groups left running from one K tile into the next (0: each tile waited for)."""
+
+    name: str
+    bm: int
+    bn: int
+    stages: int = 3
+    pending: int = 0
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        """(BM, BN)."""
+        return self.bm, self.bn
+
+    @property
+    def distance(self) -> int:
+        """K tiles copied ahead of the one computed (the kernel's DISTANCE)."""
+        return self.stages - 1 - self.pending
+
+
+GEMM_PLAIN = GemmVariant("wgmma 128x128", 128, 128)
+GEMM_WAIT1 = GemmVariant("wgmma 128x128 wait1 4-stage", 128, 128, stages=4, pending=1)
+GEMM_WIDE = GemmVariant("wgmma 128x256 wait1", 128, 256, stages=4, pending=1)
+# linear_wgmma's variants, the default first: its schedule runs every tile (WGMMA_TILES,
+# NORM_TILES), epilogue and product count, and ops.gemm_tile picks its tile where no variant
+# is named. The others are compiled for GEMM_VARIANT_EPILOGUES at one product (three products
+# would double their shared memory, past a block's 227 KiB) and stay off the default until a
+# GPU run times them.
+GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE)
+GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
+GEMM_VARIANT_PRODUCTS = 1
+
+
 def norm_name(output: str) -> str:
     """Name expression of the LayerNorm kernel writing output ("pair", "half" or "float")."""
     return f"lb::layer_norm<{NORM_OUTPUTS[output]}>"
@@ -69,10 +105,39 @@ def gemm_name(tile, products: int, epilogue: str) -> str:
     return f"lb::linear<{bm}, {bn}, {wm}, {wn}, {products}, {EPILOGUES[epilogue]}>"
 
 
-def wgmma_name(tile, products: int, epilogue: str) -> str:
-    """Name expression of the Hopper GEMM kernel for tile (BM, BN), products and epilogue."""
+def wgmma_name(tile, products: int, epilogue: str, stages: int = GEMM_PLAIN.stages,
+               pending: int = GEMM_PLAIN.pending) -> str:
+    """Name expression of the Hopper GEMM kernel for tile (BM, BN), products, epilogue and
+    schedule (cp.async stages, wgmma groups left running; default the plain schedule)."""
     bm, bn = tile
-    return f"lb::linear_wgmma<{bm}, {bn}, {products}, {EPILOGUES[epilogue]}>"
+    return (f"lb::linear_wgmma<{bm}, {bn}, {products}, {EPILOGUES[epilogue]}, {stages}, "
+            f"{pending}>")
+
+
+def gemm_variant_name(variant: GemmVariant, products: int, epilogue: str) -> str:
+    """Name expression of the Hopper GEMM kernel of variant for products and epilogue."""
+    return wgmma_name(variant.tile, products, epilogue, variant.stages, variant.pending)
+
+
+def gemm_variant_names() -> list[str]:
+    """Every wgmma GEMM variant's name, the default first."""
+    return [v.name for v in GEMM_VARIANTS]
+
+
+def gemm_variant(name: str) -> GemmVariant:
+    """The wgmma GEMM variant called name; ValueError naming those there are otherwise."""
+    for v in GEMM_VARIANTS:
+        if v.name == name:
+            return v
+    raise ValueError(f"cupy has no GEMM variant {name!r}; it has "
+                     f"{', '.join(repr(n) for n in gemm_variant_names())}")
+
+
+def gemm_variant_compiled(variant: GemmVariant, epilogue: str, products: int) -> bool:
+    """Whether the module has variant's kernel for epilogue at products: the default for
+    every one, the others for GEMM_VARIANT_EPILOGUES at one product."""
+    return variant == GEMM_PLAIN or (epilogue in GEMM_VARIANT_EPILOGUES and
+                                     products == GEMM_VARIANT_PRODUCTS)
 
 
 def attention_name(head_pad: int, bq: int, bkv: int) -> str:
@@ -114,7 +179,8 @@ def nvrtc_arch(device_arch: str) -> str:
 
 def name_expressions(arch: str) -> list[str]:
     """Every kernel instantiation of the module compiled for arch (the wgmma GEMMs on sm_90a
-    only; residual_norm on the wgmma NORM_TILES only)."""
+    only; residual_norm on the wgmma NORM_TILES only; the GEMM variants past the default on
+    GEMM_VARIANT_EPILOGUES at one product)."""
     tiled = [e for e in EPILOGUES if e != NORM_EPILOGUE]
     names = [norm_name(o) for o in NORM_OUTPUTS]
     names += [gemm_name(t, p, e) for t in GEMM_TILES for p in GEMM_PRODUCTS for e in tiled]
@@ -122,6 +188,8 @@ def name_expressions(arch: str) -> list[str]:
         names += [wgmma_name(t, p, e) for t in WGMMA_TILES for p in GEMM_PRODUCTS
                   for e in tiled]
         names += [wgmma_name(t, p, NORM_EPILOGUE) for t in NORM_TILES for p in GEMM_PRODUCTS]
+        names += [gemm_variant_name(v, GEMM_VARIANT_PRODUCTS, e) for v in GEMM_VARIANTS[1:]
+                  for e in GEMM_VARIANT_EPILOGUES]
         names += [attention_wgmma_name(hp, v) for hp, vs in ATTENTION_WGMMA.items() for v in vs]
     names += [attention_name(hp, bq, bkv) for hp, tiles in ATTENTION_TILES.items()
               for bq, bkv in tiles]

@@ -52,18 +52,20 @@ class CupyLayer(BuiltLayer):
     norm2, ffn_in + GELU, ffn_out + residual (one or three fp16 products each); the final
     norm into the output. With wgmma, the GEMMs and attention (head dims up to 128) run on
     Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu; attention_variant names the
-    attention kernel's variant, None its default). With fuse_norms (wgmma, d_model up to 128),
+    attention kernel's variant, None its default; gemm_variant names a GEMM variant, used by
+    each GEMM it fits, see gemm_variant_for). With fuse_norms (wgmma, d_model up to 128),
     out_proj's epilogue writes norm2's rows and ffn_out's the next block's norm1 rows: five
     launches per block; the first norm1 and the final norm stay separate."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool = False,
-                 attention_variant: str | None = None):
+                 attention_variant: str | None = None, gemm_variant: str | None = None):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
         self.wgmma = wgmma
         self.attention_variant = attention_variant
+        self.gemm_variant = None if gemm_variant is None else build.gemm_variant(gemm_variant)
         self.fuse_norms = fuses_norms(config, fuse_norms, wgmma)
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [{n: weight_pair(getattr(p, n)) for n in WEIGHTS}
@@ -76,6 +78,15 @@ class CupyLayer(BuiltLayer):
                                 MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
+    def gemm_variant_for(self, epilogue: str, products: int, weight) -> str | None:
+        """The GEMM variant's name for a GEMM of this epilogue, product count and weight pair
+        where the wgmma GEMMs run, the module has its kernel and its tile is no wider than
+        the output; else None (the default)."""
+        v = self.gemm_variant
+        fits = (v is not None and self.wgmma and weight[0].shape[0] >= v.bn
+                and build.gemm_variant_compiled(v, epilogue, products))
+        return v.name if fits else None
+
     def forward(self, x, valid_token_mask, out=None):
         """Run the kernels, through a CUDA graph once these input buffers repeat."""
         return self.graphed(x, valid_token_mask, out)
@@ -87,7 +98,11 @@ class CupyLayer(BuiltLayer):
     def _run(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk of sequences (x2, out2: [tokens, d_model] views)."""
         cfg, k, products = self.config, self.kernels, self.products
-        gemm = {"wgmma": self.wgmma}
+
+        def gemm(epilogue: str, count: int, weight) -> dict:
+            """The GEMM family and variant of one launch (count: its products)."""
+            return {"wgmma": self.wgmma,
+                    "gemm_variant": self.gemm_variant_for(epilogue, count, weight)}
         valid, info = masks
         valid_rows = None if valid is None else valid.reshape(-1)
         res, qkv = work["residual"], work["qkv"]
@@ -100,36 +115,41 @@ class CupyLayer(BuiltLayer):
         for i, (p, w, ffn_in_bias) in enumerate(layers):
             if i == 0 or not self.fuse_norms:
                 ops.layer_norm(k, src, p.norm1_weight, p.norm1_bias, half=rows[0])
-            ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv, **gemm)
+            ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv,
+                       **gemm("half", 1, w["qkv_weight"]))
             ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
                           num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal,
-                          variant=self.attention_variant, **gemm)
+                          variant=self.attention_variant, wgmma=self.wgmma)
             if self.fuse_norms:
                 # norm2's rows over the context out_proj reads: safe, as each block holds
                 # whole rows (one block along N) and writes them after its last read of A
                 ops.linear(k, rows, w["out_weight"], p.out_bias, "residual_norm", products,
                            res=src, out=res, valid_rows=valid_rows, zero_sum=False,
-                           norm=(p.norm2_weight, p.norm2_bias), norm_out=normed, **gemm)
+                           norm=(p.norm2_weight, p.norm2_bias), norm_out=normed,
+                           **gemm("residual_norm", products, w["out_weight"]))
             else:
                 ops.linear(k, rows, w["out_weight"], p.out_bias, "residual", products,
-                           res=src, out=res, valid_rows=valid_rows, zero_sum=False, **gemm)
+                           res=src, out=res, valid_rows=valid_rows, zero_sum=False,
+                           **gemm("residual", products, w["out_weight"]))
                 if products == 1:
                     ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, half=rows[0])
                 else:
                     ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, pair=rows)
             # at one product ffn_out reads the hi half alone: the lo half is not written
             ops.linear(k, rows, w["ffn_in_weight"], ffn_in_bias, "gelu_pair", products,
-                       out_pair=hidden if products > 1 else (hidden[0], None), **gemm)
+                       out_pair=hidden if products > 1 else (hidden[0], None),
+                       **gemm("gelu_pair", products, w["ffn_in_weight"]))
             if self.fuse_norms and i + 1 < len(layers):
                 following = layers[i + 1][0]  # its norm1 rows, read by Q/K/V: the hi half
                 ops.linear(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, "residual_norm",
                            products, res=res, out=res, valid_rows=valid_rows, zero_sum=True,
                            norm=(following.norm1_weight, following.norm1_bias),
-                           norm_out=(rows[0], None), **gemm)
+                           norm_out=(rows[0], None),
+                           **gemm("residual_norm", products, w["ffn_out_weight"]))
             else:
                 ops.linear(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, "residual",
                            products, res=res, out=res, valid_rows=valid_rows, zero_sum=True,
-                           **gemm)
+                           **gemm("residual", products, w["ffn_out_weight"]))
             src = res
         ops.layer_norm(k, src, self.params.final_weight, self.params.final_bias, out=target,
                        valid_rows=valid_rows)

@@ -1,7 +1,8 @@
 // Hopper GEMMs with fused epilogues on wgmma.mma_async: the same kernel interface and semantics
 // as lb::linear (linear.cu), out = epilogue(A @ W^T + bias), A [M, K] and W [N, K] as fp16
 // (hi, lo) pairs, both operands read by the tensor cores from 128-byte-swizzled shared memory
-// filled by a cp.async pipeline.
+// filled by a cp.async pipeline of STAGES stages; PENDING wgmma groups (0 or 1) left running
+// from one K tile into the next (the schedule above the kernel).
 //
 // MUST BE COMPILED FOR sm_90a (NVRTC --gpu-architecture=sm_90a, nvcc -arch=sm_90a): wgmma exists
 // only there. For any other target (sm_80, plain sm_90, sm_100, ...) the kernels still compile,
@@ -9,9 +10,8 @@
 //
 // Launch: block BM * 2 threads (one warpgroup of 128 threads per 64 rows of the tile), grid
 // (ceil(M / BM), ceil(N / BN)) as lb::linear (RESIDUAL_NORM: N <= BN, one block along N),
-// dynamic shared memory
-// lb::linear_wgmma_shared_bytes(BM, BN, PRODUCTS) bytes, above 48 KB only after the kernel's
-// max dynamic shared memory attribute has been raised to it.
+// dynamic shared memory lb::linear_wgmma_shared_bytes(BM, BN, PRODUCTS, STAGES) bytes, above
+// 48 KB only after the kernel's max dynamic shared memory attribute has been raised to it.
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -23,7 +23,6 @@ using namespace lb::wgmma;  // descriptors, fences and the wgmma instructions
 
 constexpr int BK = 64;        // K columns per stage: 128 bytes per tile row, one 128B-swizzle row
 constexpr int ROW_BYTES = BK * 2;
-constexpr int STAGES = 3;
 constexpr int ALIGN = 1024;   // a 128B-swizzle atom (8 rows x 128 bytes) starts at 1024 bytes
 
 // Copy rows [r0, r0 + ROWS) x columns [k0, k0 + BK) of a row-major fp16 matrix into the tile at
@@ -57,17 +56,23 @@ __device__ __forceinline__ unsigned long long operand_desc(unsigned addr) {
 
 }  // namespace wgmma_detail
 
-// Dynamic shared bytes of one block of lb::linear_wgmma<bm, bn, products, *>: STAGES x (A and W
-// tiles of 64 K columns, hi and, past one product, lo) plus 1024 bytes of slack for aligning the
-// first tile to 1024 bytes. <128, 128, 1>: 99328, <128, 128, 3>: 197632, <64, 128, 1>: 74752,
-// <64, 128, 3>: 148480, <64, 64, 1>: 50176, <64, 64, 3>: 99328.
-__host__ __device__ constexpr int linear_wgmma_shared_bytes(int bm, int bn, int products) {
-    return wgmma_detail::STAGES * (products > 1 ? 2 : 1) * (bm + bn) * wgmma_detail::ROW_BYTES +
+// Dynamic shared bytes of one block of lb::linear_wgmma<bm, bn, products, *, stages, *>: stages
+// x (A and W tiles of 64 K columns, hi and, past one product, lo) plus 1024 bytes of slack for
+// aligning the first tile to 1024 bytes. Three stages: <128, 128, 1>: 99328, <128, 128, 3>:
+// 197632, <64, 128, 1>: 74752, <64, 128, 3>: 148480, <64, 64, 1>: 50176, <64, 64, 3>: 99328.
+// Four stages: <128, 128, 1>: 132096, <128, 256, 1>: 197632.
+__host__ __device__ constexpr int linear_wgmma_shared_bytes(int bm, int bn, int products,
+                                                            int stages) {
+    return stages * (products > 1 ? 2 : 1) * (bm + bn) * wgmma_detail::ROW_BYTES +
            wgmma_detail::ALIGN;
 }
 
+// The most dynamic shared memory a block may have on sm_90 (227 KiB).
+constexpr int MAX_WGMMA_SHARED_BYTES = 227 * 1024;
+
 // Block tile BM x BN, BM / 64 warpgroups, each computing 64 rows x BN columns with
-// wgmma m64nBNk16; PRODUCTS 1 (a_hi w_hi) or 3 (+ a_hi w_lo + a_lo w_hi), one fp32 accumulator.
+// wgmma m64nBNk16 (BN 64, 128 or 256: BN / 2 fp32 accumulators a thread); PRODUCTS 1 (a_hi
+// w_hi) or 3 (+ a_hi w_lo + a_lo w_hi), one fp32 accumulator.
 // HALF: out_hi = fp16(acc + bias). GELU_PAIR: (out_hi, out_lo) = split(GELU(acc + bias)),
 // or out_hi alone where out_lo is null.
 // RESIDUAL: out_f = res + acc + bias on rows whose valid byte is set (all rows when valid is
@@ -80,7 +85,26 @@ __host__ __device__ constexpr int linear_wgmma_shared_bytes(int bm, int bn, int 
 // and no other block reads them (each block reads only its own BM rows of A).
 // M is any size; N and K are multiples of 8 (zero-padded weights and activations). The norm
 // arguments are ignored by the other epilogues.
-template <int BM, int BN, int PRODUCTS, int EPI>
+//
+// Schedule over the k_tiles K tiles of BK columns. Tile kt lives in stage kt % STAGES and is
+// copied DISTANCE = STAGES - 1 - PENDING tiles ahead; each iteration leaves PENDING wgmma
+// groups running. <3, 0> (distance 2) is the plain schedule; <4, 1> keeps one group in flight
+// (CUTLASS's sm90 mainloops wait the same way) at the same distance. Order of events:
+//   Prologue: copy tiles 0 .. DISTANCE - 1, one cp.async group each (empty past k_tiles).
+//   Iteration kt:
+//   1. cp.async wait DISTANCE - 1: this thread's copies of tile kt have landed; proxy fence;
+//      barrier. Past it every thread's copies of tile kt are visible to the tensor cores, and
+//      every warpgroup has passed its wgmma wait of iteration kt - 1: the groups of tiles up
+//      to kt - 1 - PENDING are complete in every warpgroup.
+//   2. wgmma fence; tile kt's wgmmas (BK / 16 k16 steps x PRODUCTS) from stage kt % STAGES,
+//      accumulating into acc; commit.
+//   3. Copy tile kt + DISTANCE (if it exists) into stage (kt + DISTANCE) % STAGES, which last
+//      held tile kt + DISTANCE - STAGES = kt - 1 - PENDING, complete by step 1; commit.
+//   4. wgmma wait PENDING. With 1, tile kt's group runs on over iteration kt + 1's barrier,
+//      copies and issue; tile kt + 1's wgmmas chain onto the same accumulators, which no
+//      other instruction touches before the wait 0 after the loop.
+//   After the loop: wgmma wait 0 (PENDING 1), cp.async wait 0, the epilogue.
+template <int BM, int BN, int PRODUCTS, int EPI, int STAGES, int PENDING>
 __global__ void __launch_bounds__(BM * 2, 1)
 linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
              const __half* __restrict__ w_hi, const __half* __restrict__ w_lo,
@@ -92,10 +116,15 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     // Qualified names only: linear.cu's lb::BK, lb::STAGES, lb::load_tile may share the module.
     namespace wd = wgmma_detail;
-    constexpr int BK = wd::BK, STAGES = wd::STAGES, ROW_BYTES = wd::ROW_BYTES, ALIGN = wd::ALIGN;
+    constexpr int BK = wd::BK, ROW_BYTES = wd::ROW_BYTES, ALIGN = wd::ALIGN;
+    constexpr int DISTANCE = STAGES - 1 - PENDING;  // K tiles copied ahead of the one computed
     static_assert(BM == 64 || BM == 128, "one or two warpgroups of 64 rows");
-    static_assert(BN == 64 || BN == 128, "wgmma n64 or n128");
+    static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma n64, n128 or n256");
     static_assert(PRODUCTS == 1 || PRODUCTS == 3, "one or three fp16 products");
+    static_assert(PENDING == 0 || PENDING == 1, "wgmma groups left running: 0 or 1");
+    static_assert(DISTANCE >= 1, "at least one K tile copied ahead");
+    static_assert(linear_wgmma_shared_bytes(BM, BN, PRODUCTS, STAGES) <= MAX_WGMMA_SHARED_BYTES,
+                  "the stages must fit one block's shared memory");
     constexpr int THREADS = BM * 2;
     constexpr int PARTS = PRODUCTS > 1 ? 2 : 1;
     constexpr int A_TILE = BM * ROW_BYTES, W_TILE = BN * ROW_BYTES;  // bytes, multiples of 1024
@@ -128,19 +157,21 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
 
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < DISTANCE; ++s) {
         if (s < k_tiles) load_stage(s, s);
         cp_async_commit();
     }
 
     for (int kt = 0; kt < k_tiles; ++kt) {
-        // This thread's copies of tile kt are done; make them visible to the async proxy (the
-        // tensor cores), then to every thread. The barrier also tells that every warpgroup has
-        // finished (wgmma_wait<0> below) reading stage (kt - 1) % STAGES, overwritten next.
-        cp_async_wait<STAGES - 2>();
+        // 1. This thread's copies of tile kt are done; make them visible to the async proxy
+        // (the tensor cores), then to every thread. The barrier also tells that every
+        // warpgroup has finished (wgmma_wait<PENDING> below) reading stage
+        // (kt - 1 - PENDING) % STAGES, overwritten in step 3.
+        cp_async_wait<DISTANCE - 1>();
         wd::fence_proxy_async();
         __syncthreads();
 
+        // 2. Tile kt's wgmmas.
         const unsigned s = base + (kt % STAGES) * STAGE;
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
@@ -159,11 +190,17 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
         }
         wd::wgmma_commit();
 
-        // Refill the stage read in the previous iteration while the tensor cores work.
-        int next = kt + STAGES - 1;
+        // 3. Refill the stage of tile kt - 1 - PENDING while the tensor cores work.
+        int next = kt + DISTANCE;
         if (next < k_tiles) load_stage(next % STAGES, next);
         cp_async_commit();
 
+        // 4. Wait until at most PENDING groups (tile kt's) are still running.
+        wd::wgmma_wait<PENDING>();
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+    }
+    if constexpr (PENDING > 0) {
         wd::wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);

@@ -26,10 +26,11 @@ def linear_shared_bytes(bm: int, bn: int, products: int) -> int:
     return STAGES * (2 if products > 1 else 1) * (bm + bn) * BK_ROW * 2
 
 
-def wgmma_shared_bytes(bm: int, bn: int, products: int) -> int:
-    """Dynamic shared memory of a Hopper GEMM block (linear_wgmma.cu), with 1 KiB to align
-    its 128-byte-swizzled tiles."""
-    return STAGES * (2 if products > 1 else 1) * (bm + bn) * 128 + 1024
+def wgmma_shared_bytes(bm: int, bn: int, products: int,
+                       stages: int = build.GEMM_PLAIN.stages) -> int:
+    """Dynamic shared memory of a Hopper GEMM block (linear_wgmma.cu) of stages cp.async
+    stages, with 1 KiB to align its 128-byte-swizzled tiles."""
+    return stages * (2 if products > 1 else 1) * (bm + bn) * 128 + 1024
 
 
 def attention_shared_bytes(head_pad: int, bq: int, bkv: int) -> int:
@@ -142,14 +143,32 @@ def gemm_tile(m: int, n: int, device: torch.device, products: int = 1, wgmma: bo
 def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pair=None,
            out_half=None, res=None, out=None, valid_rows=None, zero_sum: bool = False,
            norm=None, norm_out=None, eps: float = LN_EPS, tile=None,
-           wgmma: bool = False) -> None:
+           wgmma: bool = False, gemm_variant: str | None = None) -> None:
     """out = epilogue(a @ weight^T + bias) with a and weight as fp16 (hi, lo) pairs; "half"
     writes out_half, "gelu_pair" out_pair (its lo half may be None: hi alone), "residual"
     out = res + ... (see linear.cu); wgmma: the Hopper kernel (linear_wgmma.cu), which also
     has "residual_norm": the residual, then LayerNorm (norm = (weight, bias)) of out's rows
-    into norm_out (an fp16 pair, or (hi, None) for hi alone); rows up to 128 wide."""
+    into norm_out (an fp16 pair, or (hi, None) for hi alone); rows up to 128 wide.
+    gemm_variant: one of build.GEMM_VARIANTS by name, its tile and schedule (None: the
+    default schedule on gemm_tile's tile); ValueError where it is not compiled (see
+    build.gemm_variant_compiled) or contradicts tile."""
     m, kdim = a[0].shape
     n = weight[0].shape[0]
+    variant = build.GEMM_PLAIN
+    if gemm_variant is not None:
+        variant = build.gemm_variant(gemm_variant)
+        if not wgmma:
+            raise ValueError(f"cupy GEMM variant {gemm_variant!r} needs the wgmma GEMMs "
+                             "(wgmma=True)")
+        if not build.gemm_variant_compiled(variant, epilogue, products):
+            raise ValueError(f"cupy GEMM variant {gemm_variant!r} is compiled for "
+                             f"{', '.join(build.GEMM_VARIANT_EPILOGUES)} at "
+                             f"{build.GEMM_VARIANT_PRODUCTS} product, not {epilogue} at "
+                             f"{products}")
+        if tile is not None and tuple(tile) != variant.tile:
+            raise ValueError(f"cupy GEMM variant {gemm_variant!r} runs tile {variant.tile}, "
+                             f"not {tile}")
+        tile = variant.tile
     fused_norm = epilogue == build.NORM_EPILOGUE
     if fused_norm:
         if not wgmma:
@@ -171,8 +190,9 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
             hi, lo, np.int64(stride), res, out, valid_rows, np.int32(int(zero_sum)))
     if wgmma:
         bm, bn = tile
-        name, threads = build.wgmma_name(tile, products, epilogue), 2 * bm
-        shared = wgmma_shared_bytes(bm, bn, products)
+        name = build.wgmma_name(tile, products, epilogue, variant.stages, variant.pending)
+        threads = 2 * bm
+        shared = wgmma_shared_bytes(bm, bn, products, variant.stages)
         norm_w, norm_b = norm if fused_norm else (None, None)
         norm_hi, norm_lo = norm_out if fused_norm else (None, None)
         args += (norm_w, norm_b, np.float32(eps), norm_hi, norm_lo,

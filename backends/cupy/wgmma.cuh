@@ -124,6 +124,34 @@ struct SS<128> {
     }
 };
 
+// m64n256k16, accumulate only (SCALE_D 1): the 128x256 GEMM tile (linear_wgmma.cu).
+template <>
+struct SS<256> {
+    template <int SCALE_D>
+    static __device__ __forceinline__ void run(float (&d)[128], unsigned long long da,
+                                               unsigned long long db) {
+        static_assert(SCALE_D == 1, "SS<256> only accumulates");
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
+            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+            "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+            "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+            "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "
+            "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, "
+            "%120, %121, %122, %123, %124, %125, %126, %127}, "
+            "%128, %129, p, 1, 1, 0, 0;\n}\n"
+            : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24), LB_AW_RW8(32),
+              LB_AW_RW8(40), LB_AW_RW8(48), LB_AW_RW8(56), LB_AW_RW8(64), LB_AW_RW8(72),
+              LB_AW_RW8(80), LB_AW_RW8(88), LB_AW_RW8(96), LB_AW_RW8(104), LB_AW_RW8(112),
+              LB_AW_RW8(120)
+            : "l"(da), "l"(db), "n"(1));
+    }
+};
+
 template <>
 struct RS<32> {
     static __device__ __forceinline__ void run(float (&d)[16], const unsigned (&a)[4],
