@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from layerbench.backends.cupy import build, ops
+from layerbench.backends.cupy import layer as layer_module
 from layerbench.backends.cupy.layer import linear_products_for
 from layerbench.common.config import LayerConfig
 from layerbench.common.contract import compare
@@ -412,6 +413,12 @@ def test_gemm_variants(cupy_selected, monkeypatch):
     assert compare(got, reference_forward(make_reference(cfg, seed=5), x_in, mask)).passed
     assert stand.gemm_variants == [("half", 1, 1536, wide.name), ("residual", 1, 512, wide.name),
                                    ("gelu_pair", 1, 64, None), ("residual", 1, 512, wide.name)]
+    # a grid with fewer blocks than the device has SMs keeps the default tile
+    monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 10_000)
+    stand = StandIns()
+    _run_stand_ins(cfg, stand, x_in, mask, monkeypatch, gemm_variant=wide.name)
+    assert all(v is None for *_, v in stand.gemm_variants)
+    monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 1)
     # d_model 64, three products, fused norms: Q/K/V (one product, 192 columns) alone
     cfg = LayerConfig(2, 20, 64, 2, 64, 2)
     x_in, mask = make_inputs(cfg, padding_ratio=0.25, seed=6)

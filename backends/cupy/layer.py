@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from layerbench.common.cuda_host import (ChunkPlan, float_rows, forward_in_chunks, padded,
-                                         padded_vector, weight_pair)
+from layerbench.common.cuda_host import (ChunkPlan, cdiv, float_rows, forward_in_chunks,
+                                         multiprocessor_count, padded, padded_vector,
+                                         weight_pair)
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
@@ -78,13 +79,16 @@ class CupyLayer(BuiltLayer):
                                 MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
-    def gemm_variant_for(self, epilogue: str, products: int, weight) -> str | None:
-        """The GEMM variant's name for a GEMM of this epilogue, product count and weight pair
-        where the wgmma GEMMs run, the module has its kernel and its tile is no wider than
-        the output; else None (the default)."""
+    def gemm_variant_for(self, epilogue: str, products: int, weight, rows: int) -> str | None:
+        """The GEMM variant's name for a GEMM of this epilogue, product count, weight pair
+        and row count where the wgmma GEMMs run, the module has its kernel, its tile is no
+        wider than the output and its grid has a block for every SM; else None (the
+        default)."""
         v = self.gemm_variant
-        fits = (v is not None and self.wgmma and weight[0].shape[0] >= v.bn
-                and build.gemm_variant_compiled(v, epilogue, products))
+        n = weight[0].shape[0]
+        fits = (v is not None and self.wgmma and n >= v.bn
+                and build.gemm_variant_compiled(v, epilogue, products)
+                and cdiv(rows, v.bm) * cdiv(n, v.bn) >= multiprocessor_count(self.device))
         return v.name if fits else None
 
     def forward(self, x, valid_token_mask, out=None):
@@ -102,7 +106,8 @@ class CupyLayer(BuiltLayer):
         def gemm(epilogue: str, count: int, weight) -> dict:
             """The GEMM family and variant of one launch (count: its products)."""
             return {"wgmma": self.wgmma,
-                    "gemm_variant": self.gemm_variant_for(epilogue, count, weight)}
+                    "gemm_variant": self.gemm_variant_for(epilogue, count, weight,
+                                                          x2.shape[0])}
         valid, info = masks
         valid_rows = None if valid is None else valid.reshape(-1)
         res, qkv = work["residual"], work["qkv"]

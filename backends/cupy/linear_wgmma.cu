@@ -215,6 +215,7 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
         // A row's N columns lie in the 4 lanes of one quad (n0 = 0): each lane sums its own
         // over j, two shuffles within the quad give the row's sum. Rows past M take part in
         // the shuffles with zeros and store nothing.
+        if (blockIdx.y != 0 || N > BN) __trap();  // a block must hold whole rows
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = m0 + group * 64 + warp * 16 + g + h * 8;

@@ -178,7 +178,7 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
                              f"{build.MAX_NORM_WIDTH} columns, not {n}")
         if norm is None or norm_out is None:
             raise ValueError("cupy residual_norm needs norm and norm_out")
-        if tile is not None and tile not in build.NORM_TILES:
+        if tile is not None and tuple(tile) not in build.NORM_TILES:
             raise ValueError(f"cupy residual_norm runs on the tiles {build.NORM_TILES}, "
                              f"not {tile}")
     tile = tile or gemm_tile(m, n, a[0].device, products, wgmma, norm=fused_norm)
