@@ -496,6 +496,12 @@ def pipelined_schedule(n_tiles: int, k_buffers: int, v_buffers: int, top_wait: i
     return ev + [("cp_wait", 0)]
 
 
+
+def _retire(groups: list, pending: int) -> tuple[list, list]:
+    """(groups retired, groups still in flight) by a wait that leaves at most `pending`."""
+    n = max(0, len(groups) - pending)
+    return groups[:n], groups[n:]
+
 def check_schedule(events: list[tuple], n_tiles: int, expected: list[str] | None = None,
                    chained: frozenset = frozenset()) -> None:
     """Replay events and assert: a wgmma reads a buffer only once it holds the right tile,
@@ -525,10 +531,9 @@ def check_schedule(events: list[tuple], n_tiles: int, expected: list[str] | None
             cp_groups.append(cp_open)
             cp_open = []
         elif kind == "cp_wait":
-            done = cp_groups[:len(cp_groups) - e[1]] if e[1] else cp_groups
+            done, cp_groups = _retire(cp_groups, e[1])
             for buf in (b for g in done for b in g):
                 holds[buf] = (holds[buf][0], phase)
-            cp_groups = cp_groups[len(done):]
         elif kind == "barrier":
             phase += 1
         elif kind == "mma":
@@ -545,11 +550,10 @@ def check_schedule(events: list[tuple], n_tiles: int, expected: list[str] | None
             mma_groups.append(mma_open)
             mma_open = []
         elif kind == "mma_wait":
-            done = mma_groups[:len(mma_groups) - e[1]] if e[1] else mma_groups
+            done, mma_groups = _retire(mma_groups, e[1])
             for _, _, bufs in (m for g in done for m in g):
                 for buf in bufs:
                     retired_read[buf] = phase
-            mma_groups = mma_groups[len(done):]
         elif kind == "touch":
             busy = [m for g in mma_groups for m in g if m[1] & e[1]]
             assert not busy, f"registers {sorted(e[1])} touched while {busy[0][0]} is pending"
