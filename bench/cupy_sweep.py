@@ -1,5 +1,6 @@
-"""Whole-layer comparisons of the cupy backend on a GPU: two plans of one option built on the
-same inputs, both checked against one reference and timed in alternating rounds.
+"""Comparisons of the cupy backend on a GPU: whole-layer plans of one option (both built on the
+same inputs, checked against one reference and timed in alternating rounds), and attention
+and GEMM kernel sweeps.
 
     python bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1   # wgmma kernels on / off
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,3  # out_proj and FFN
@@ -78,9 +79,8 @@ def sweep_attention(args, device) -> list[dict]:
 
 def sweep_gemm(args, device) -> list[dict]:
     """Every wgmma GEMM variant (build.GEMM_VARIANTS, the first the kernel the layer runs now)
-    and torch's fp16 matmul (cuBLAS, bias in fp16) on each M x N x K of args.sizes at one
-    product with
-    epilogue args.epilogue, each replayed args.repeats times from a CUDA graph and timed in
+    and, for the half epilogue, torch's fp16 matmul (cuBLAS, bias in fp16) on each M x N x K
+    of args.sizes at one product with epilogue args.epilogue, each replayed args.repeats times from a CUDA graph and timed in
     alternating rounds; error: the largest |got - want| / max(|want|, 1) against torch's fp32
     matmul of the same fp16 operands, through the epilogue in fp32."""
     kernels = ops.kernels_for(device)
@@ -132,7 +132,7 @@ def sweep_gemm(args, device) -> list[dict]:
                          "tflops": flop / ms / 1e9, "max_rel": err})
             print(f"cupy gemm {size:18s} {epilogue:9s} {name:28s} {ms:8.4f} ms "
                   f"{flop / ms / 1e9:6.1f} TFLOP/s max rel {err:.1e}", flush=True)
-        del choices, runs, a, w, res, want
+        del choices, runs, want
         torch.cuda.empty_cache()
     return rows
 

@@ -11,7 +11,7 @@
 #   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels
 #   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
-#   bash bench/gpu_run.sh cupy        # cupy kernel tests, an option on/off, attention, GPU time per kernel
+#   bash bench/gpu_run.sh cupy        # cupy kernel tests, an option on/off, attention and GEMM sweeps, GPU time per kernel
 # The cutile backend needs its cubins: export them where cuda-tile is installed
 # (python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile)
 # and bring build/cutile along.

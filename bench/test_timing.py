@@ -1,4 +1,4 @@
-"""The timing helpers: alternating medians on CPU, and a replayed graph that holds exactly its
+"""The timing functions: alternating medians on CPU, and a replayed graph that holds exactly its
 launches on a GPU."""
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ HEAD_DIMS = tuple(range(8, 257, 8))
 
 class CupyBackend(Backend):
     """The stack in NVRTC-compiled kernels: LayerNorm, split-fp16 GEMMs with fused epilogues
-    and flash attention on mma.sync; replayed as one CUDA graph where the input allows.
+    and flash attention on wgmma (sm_90, the default there) or mma.sync; replayed as one CUDA
+    graph where the input allows.
 
     linear_products: fp16 products of out_proj and the FFN (1 or 3; default 1 from d_model
     512 on, 3 below). wgmma: the GEMMs and attention (head dims up to 128) on Hopper's
@@ -30,10 +31,12 @@ class CupyBackend(Backend):
     wgmma group left running over the next tile's barrier and copies) or "wgmma 128x256
     wait1" (the same on 128x256 tiles). A GEMM runs it where the module has it for the GEMM's
     epilogue and product count (the non-default ones: half, gelu_pair and residual at one
-    product, so every GEMM from d_model 512, Q/K/V alone below) and the output is at least
-    one tile wide; the other GEMMs keep the default. Needs the wgmma GEMMs. None (default):
+    product, so every GEMM from d_model 512, Q/K/V alone below), the output is at least
+    one tile wide and the grid has a block for every SM; the other GEMMs keep the default. Needs the wgmma GEMMs. None (default):
     the default schedule, its tile picked per GEMM. The non-default variants are off the
-    default until timed on a GPU.
+    default until timed on a GPU. attention_variant: a variant of the wgmma attention kernel
+    by name (build.ATTENTION_WGMMA; None: "wgmma 128x128"); needs the wgmma attention (sm_90,
+    head dims up to 128).
     """
 
     name = "cupy"

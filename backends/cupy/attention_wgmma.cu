@@ -148,7 +148,8 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
                       const int* __restrict__ key_info, int seq_len, int num_heads,
                       int head_dim, float scale, int causal) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    // Qualified names only: attention.cu's and linear_wgmma.cu's helpers share the module.
+    // Qualified names only: attention.cu's and linear_wgmma.cu's device functions share the
+    // module.
     namespace ad = attn_wgmma_detail;
     static_assert(HP == 32 || HP == 64 || HP == 128, "padded head dim 32, 64 or 128");
     static_assert(BQ == 64 || BQ == 128, "one or two warpgroups of 64 rows");
