@@ -52,6 +52,33 @@ __device__ __forceinline__ void fence_operand(unsigned& x) {
     "=f"(d[i]), "=f"(d[i + 1]), "=f"(d[i + 2]), "=f"(d[i + 3]), "=f"(d[i + 4]),          \
         "=f"(d[i + 5]), "=f"(d[i + 6]), "=f"(d[i + 7])
 
+// The accumulator operand lists of the instructions below: %0 .. %(N - 1) for N fp32 registers.
+#define LB_AW_ACC16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define LB_AW_ACC32                                                                      \
+    LB_AW_ACC16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "   \
+                "%30, %31"
+#define LB_AW_ACC64                                                                      \
+    LB_AW_ACC32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "   \
+                "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, " \
+                "%61, %62, %63"
+#define LB_AW_ACC128                                                                     \
+    LB_AW_ACC64 ", %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, "   \
+                "%78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, " \
+                "%93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, "    \
+                "%106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, "   \
+                "%118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+// The text of wgmma m64nNk16 f32 += f16 x f16 with operands named by number: accumulators ACC,
+// scale-d the predicate (operand SCALE != 0); SS reads A and B through the descriptors DA and
+// DB, RS reads A from the four registers A and B through the descriptor DB.
+#define LB_AW_SS(N, ACC, DA, DB, SCALE)                                                  \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                  \
+    "wgmma.mma_async.sync.aligned.m64n" N "k16.f32.f16.f16 {" ACC "}, " DA ", " DB         \
+    ", p, 1, 1, 0, 0;\n}\n"
+#define LB_AW_RS(N, ACC, A, DB, SCALE)                                                   \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                  \
+    "wgmma.mma_async.sync.aligned.m64n" N "k16.f32.f16.f16 {" ACC "}, {" A "}, " DB        \
+    ", p, 1, 1, 1;\n}\n"
+
 // SS<N>::run<SCALE_D>: d (64 x N fp32, the m64nNk16 accumulator fragment) = A * B + SCALE_D * d,
 // A (64 x 16) and B (16 x N) both K-major in shared memory (descriptors da, db): imm-trans-a and
 // imm-trans-b 0. With SCALE_D 0 d is only written (its old value is not an input).
@@ -71,20 +98,12 @@ struct SS<64> {
                                                unsigned long long db) {
         if constexpr (SCALE_D == 0) {
             asm volatile(
-                "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                LB_AW_SS("64", LB_AW_ACC32, "%32", "%33", "%34")
                 : LB_AW_W8(0), LB_AW_W8(8), LB_AW_W8(16), LB_AW_W8(24)
                 : "l"(da), "l"(db), "n"(0));
         } else {
             asm volatile(
-                "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-                "%32, %33, p, 1, 1, 0, 0;\n}\n"
+                LB_AW_SS("64", LB_AW_ACC32, "%32", "%33", "%34")
                 : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24)
                 : "l"(da), "l"(db), "n"(1));
         }
@@ -98,25 +117,13 @@ struct SS<128> {
                                                unsigned long long db) {
         if constexpr (SCALE_D == 0) {
             asm volatile(
-                "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
-                "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "
-                "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                LB_AW_SS("128", LB_AW_ACC64, "%64", "%65", "%66")
                 : LB_AW_W8(0), LB_AW_W8(8), LB_AW_W8(16), LB_AW_W8(24), LB_AW_W8(32), LB_AW_W8(40),
                   LB_AW_W8(48), LB_AW_W8(56)
                 : "l"(da), "l"(db), "n"(0));
         } else {
             asm volatile(
-                "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-                "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, "
-                "%34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, "
-                "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                "%64, %65, p, 1, 1, 0, 0;\n}\n"
+                LB_AW_SS("128", LB_AW_ACC64, "%64", "%65", "%66")
                 : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24), LB_AW_RW8(32),
                   LB_AW_RW8(40), LB_AW_RW8(48), LB_AW_RW8(56)
                 : "l"(da), "l"(db), "n"(1));
@@ -132,18 +139,7 @@ struct SS<256> {
                                                unsigned long long db) {
         static_assert(SCALE_D == 1, "SS<256> only accumulates");
         asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-            "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-            "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-            "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-            "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-            "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "
-            "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, "
-            "%120, %121, %122, %123, %124, %125, %126, %127}, "
-            "%128, %129, p, 1, 1, 0, 0;\n}\n"
+            LB_AW_SS("256", LB_AW_ACC128, "%128", "%129", "%130")
             : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24), LB_AW_RW8(32),
               LB_AW_RW8(40), LB_AW_RW8(48), LB_AW_RW8(56), LB_AW_RW8(64), LB_AW_RW8(72),
               LB_AW_RW8(80), LB_AW_RW8(88), LB_AW_RW8(96), LB_AW_RW8(104), LB_AW_RW8(112),
@@ -157,10 +153,7 @@ struct RS<32> {
     static __device__ __forceinline__ void run(float (&d)[16], const unsigned (&a)[4],
                                                unsigned long long db) {
         asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-            "{%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
+            LB_AW_RS("32", LB_AW_ACC16, "%16, %17, %18, %19", "%20", "%21")
             : LB_AW_RW8(0), LB_AW_RW8(8)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
     }
@@ -171,11 +164,7 @@ struct RS<64> {
     static __device__ __forceinline__ void run(float (&d)[32], const unsigned (&a)[4],
                                                unsigned long long db) {
         asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-            "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-            "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+            LB_AW_RS("64", LB_AW_ACC32, "%32, %33, %34, %35", "%36", "%37")
             : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
     }
@@ -186,13 +175,7 @@ struct RS<128> {
     static __device__ __forceinline__ void run(float (&d)[64], const unsigned (&a)[4],
                                                unsigned long long db) {
         asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-            "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "
-            "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, "
-            "%35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, "
-            "%52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-            "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+            LB_AW_RS("128", LB_AW_ACC64, "%64, %65, %66, %67", "%68", "%69")
             : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24), LB_AW_RW8(32),
               LB_AW_RW8(40), LB_AW_RW8(48), LB_AW_RW8(56)
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
@@ -201,6 +184,12 @@ struct RS<128> {
 
 #undef LB_AW_RW8
 #undef LB_AW_W8
+#undef LB_AW_ACC16
+#undef LB_AW_ACC32
+#undef LB_AW_ACC64
+#undef LB_AW_ACC128
+#undef LB_AW_SS
+#undef LB_AW_RS
 
 }  // namespace wgmma
 }  // namespace lb
