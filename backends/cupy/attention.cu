@@ -4,10 +4,6 @@
 
 namespace lb {
 
-__device__ __forceinline__ float attn_neg_inf() { return -__int_as_float(0x7f800000); }
-
-__device__ __forceinline__ int attn_min(int a, int b) { return a < b ? a : b; }
-
 // Copy rows [row0, row0 + ROWS) of one head (HP columns from src, a row pitch of stride) into
 // shared rows of HP + 8 halves. Rows at or past row_end, rows whose byte in vrow is 0 (when
 // vrow is not null) and columns at or past head_dim are zero-filled and not read.
@@ -67,12 +63,12 @@ flash_attention(const __half* __restrict__ qkv, long long qkv_stride,
     int kv_end = seq_len;
     bool holes = false;
     if (key_info != nullptr) {
-        kv_end = attn_min(kv_end, key_info[b * 4]);
+        kv_end = imin(kv_end, key_info[b * 4]);
         holes = key_info[b * 4 + 1] != 0;
     }
     if (kv_end < 0) kv_end = 0;
     const unsigned char* vrow = holes ? valid + (long long)b * seq_len : nullptr;
-    const int kv_stop = causal ? attn_min(kv_end, qb0 + BQ) : kv_end;
+    const int kv_stop = causal ? imin(kv_end, qb0 + BQ) : kv_end;
     const int n_tiles = (kv_stop + BKV - 1) / BKV;
 
     const long long row_base = (long long)b * seq_len;
@@ -81,7 +77,7 @@ flash_attention(const __half* __restrict__ qkv, long long qkv_stride,
     const __half* gv = gk + (long long)num_heads * head_dim;
 
     const float sl = scale * 1.4426950408889634f;  // scores to the log2 domain
-    const float NEG_INF = attn_neg_inf();
+    const float NEG_INF = neg_inf();
     const bool warp_rows = q0 < seq_len;  // the warp has a query row to compute
 
     float o[NO][4];
@@ -224,29 +220,9 @@ flash_attention(const __half* __restrict__ qkv, long long qkv_stride,
         }
     }
 
-    // Normalise by the row sums (0 where no key was visible) and write hi/lo pairs.
     if (!warp_rows) return;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        const int row = q0 + g + 8 * r;
-        if (row >= seq_len) continue;
-        const long long off = (row_base + row) * ctx_stride + (long long)h * head_dim + 2 * t;
-        __half* hi = ctx_hi + off;
-        __half* lo = ctx_lo + off;
-#pragma unroll
-        for (int n = 0; n < NO; ++n) {
-            if (n * 8 >= head_dim) break;
-            __half h0, l0, h1, l1;
-            split_half(o[n][2 * r] * inv, h0, l0);
-            split_half(o[n][2 * r + 1] * inv, h1, l1);
-            *reinterpret_cast<__half2*>(hi + n * 8) = __halves2half2(h0, h1);
-            *reinterpret_cast<__half2*>(lo + n * 8) = __halves2half2(l0, l1);
-        }
-    }
+    store_context<NO>(&o[0][0], l_run, q0, g, t, seq_len, row_base, ctx_stride, h, head_dim,
+                      ctx_hi, ctx_lo);
 }
 
 }  // namespace lb

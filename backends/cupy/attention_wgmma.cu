@@ -40,10 +40,6 @@ using namespace lb::wgmma;  // descriptors, fences and the wgmma instructions
 
 constexpr int ALIGN = 1024;  // a 128B-swizzle pattern repeats every 1024 bytes (64B: 512)
 
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
-
-__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
-
 // A count as a type, so that a lambda can take it as a compile-time constant.
 template <int N>
 struct Count {
@@ -187,12 +183,12 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
     int kv_end = seq_len;
     bool holes = false;
     if (key_info != nullptr) {
-        kv_end = ad::imin(kv_end, key_info[b * 4]);
+        kv_end = imin(kv_end, key_info[b * 4]);
         holes = key_info[b * 4 + 1] != 0;
     }
     if (kv_end < 0) kv_end = 0;
     const unsigned char* vrow = holes ? valid + (long long)b * seq_len : nullptr;
-    const int kv_stop = causal ? ad::imin(kv_end, qb0 + BQ) : kv_end;
+    const int kv_stop = causal ? imin(kv_end, qb0 + BQ) : kv_end;
     const int n_tiles = (kv_stop + BKV - 1) / BKV;
 
     const long long row_base = (long long)b * seq_len;
@@ -201,7 +197,7 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
     const __half* gv = gk + (long long)num_heads * head_dim;
 
     const float sl = scale * 1.4426950408889634f;  // scores to the log2 domain
-    const float NEG_INF = ad::neg_inf();
+    const float NEG_INF = neg_inf();
     const bool group_rows = qg0 < seq_len;  // the warpgroup has a query row to compute
     const bool warp_rows = q0 < seq_len;    // the warp has one
 
@@ -493,29 +489,9 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
     }
     cp_async_wait<0>();  // nothing is left in flight (the last groups are empty)
 
-    // Normalise by the row sums (0 where no key was visible) and write hi/lo pairs.
     if (!warp_rows) return;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_run[r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        const int row = q0 + g + 8 * r;
-        if (row >= seq_len) continue;
-        const long long off = (row_base + row) * ctx_stride + (long long)h * head_dim + 2 * t;
-        __half* hi = ctx_hi + off;
-        __half* lo = ctx_lo + off;
-#pragma unroll
-        for (int n = 0; n < HP / 8; ++n) {
-            if (n * 8 >= head_dim) break;
-            __half h0, l0, h1, l1;
-            split_half(o[4 * n + 2 * r] * inv, h0, l0);
-            split_half(o[4 * n + 2 * r + 1] * inv, h1, l1);
-            *reinterpret_cast<__half2*>(hi + n * 8) = __halves2half2(h0, h1);
-            *reinterpret_cast<__half2*>(lo + n * 8) = __halves2half2(l0, l1);
-        }
-    }
+    store_context<HP / 8>(o, l_run, q0, g, t, seq_len, row_base, ctx_stride, h, head_dim,
+                          ctx_hi, ctx_lo);
 #elif defined(__CUDA_ARCH__)
     __trap();  // wgmma needs sm_90a: compile this kernel for sm_90a
 #endif

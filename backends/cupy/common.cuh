@@ -111,6 +111,10 @@ __device__ __forceinline__ void store_pair(float x, float y, long long o, bool k
     }
 }
 
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+
 // One online-softmax step of a row held by the 4 lanes of a quad: mx, this lane's max of the
 // new (log2-domain) scores, becomes the row's; the running max m_run and this lane's running
 // sum l_run move to the new max. Returns the factor for the old sums and outputs, and in base
@@ -126,6 +130,40 @@ __device__ __forceinline__ float online_softmax_step(float mx, float& m_run, flo
     m_run = m_new;
     l_run *= alpha;
     return alpha;
+}
+
+// Attention's last step for one warp's 16 query rows: normalise by the row sums (each lane
+// holds its part, l_run, of rows g and g + 8, g = lane / 4; 0 where no key was visible) and
+// write the context as hi/lo pairs. o holds the warp's 16 x (8 GROUPS) fp32 outputs as
+// o[4 n + 2 r + e]: row q0 + g + 8 r, column 8 n + 2 t + e (t = lane % 4); columns past
+// head_dim and rows past seq_len are not written. ctx row i of the head starts at
+// (row_base + i) * ctx_stride + head * head_dim.
+template <int GROUPS>
+__device__ __forceinline__ void store_context(const float* o, const float (&l_run)[2], int q0,
+                                              int g, int t, int seq_len, long long row_base,
+                                              long long ctx_stride, int head, int head_dim,
+                                              __half* ctx_hi, __half* ctx_lo) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float l = l_run[r];
+        l += __shfl_xor_sync(0xffffffffu, l, 1);
+        l += __shfl_xor_sync(0xffffffffu, l, 2);
+        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+        const int row = q0 + g + 8 * r;
+        if (row >= seq_len) continue;
+        const long long off = (row_base + row) * ctx_stride + (long long)head * head_dim + 2 * t;
+        __half* hi = ctx_hi + off;
+        __half* lo = ctx_lo + off;
+#pragma unroll
+        for (int n = 0; n < GROUPS; ++n) {
+            if (n * 8 >= head_dim) break;
+            __half h0, l0, h1, l1;
+            split_half(o[4 * n + 2 * r] * inv, h0, l0);
+            split_half(o[4 * n + 2 * r + 1] * inv, h1, l1);
+            *reinterpret_cast<__half2*>(hi + n * 8) = __halves2half2(h0, h1);
+            *reinterpret_cast<__half2*>(lo + n * 8) = __halves2half2(l0, l1);
+        }
+    }
 }
 
 }  // namespace lb
