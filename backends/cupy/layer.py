@@ -111,6 +111,14 @@ class CupyLayer(BuiltLayer):
         valid, info = masks
         valid_rows = None if valid is None else valid.reshape(-1)
         res, qkv = work["residual"], work["qkv"]
+
+        def residual(a, weight, bias, res_in, zero_sum: bool, norm, norm_out) -> None:
+            """res = res_in + a @ weight^T + bias (invalid rows kept, or zeroed with
+            zero_sum); with norm (weight, bias), also its LayerNorm of res into norm_out."""
+            epilogue = "residual" if norm is None else "residual_norm"
+            ops.linear(k, a, weight, bias, epilogue, products, res=res_in, out=res,
+                       valid_rows=valid_rows, zero_sum=zero_sum, norm=norm, norm_out=norm_out,
+                       **gemm(epilogue, products, weight))
         rows = (work["rows_hi"], work["rows_lo"])
         hidden = (work["hidden_hi"], work["hidden_lo"])
         # norm2's rows: the pair at three products, the hi half alone at one (ffn_in's only)
@@ -125,17 +133,12 @@ class CupyLayer(BuiltLayer):
             ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
                           num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal,
                           variant=self.attention_variant, wgmma=self.wgmma)
-            if self.fuse_norms:
-                # norm2's rows over the context out_proj reads: safe, as each block holds
-                # whole rows (one block along N) and writes them after its last read of A
-                ops.linear(k, rows, w["out_weight"], p.out_bias, "residual_norm", products,
-                           res=src, out=res, valid_rows=valid_rows, zero_sum=False,
-                           norm=(p.norm2_weight, p.norm2_bias), norm_out=normed,
-                           **gemm("residual_norm", products, w["out_weight"]))
-            else:
-                ops.linear(k, rows, w["out_weight"], p.out_bias, "residual", products,
-                           res=src, out=res, valid_rows=valid_rows, zero_sum=False,
-                           **gemm("residual", products, w["out_weight"]))
+            # With fused norms, out_proj's epilogue writes norm2's rows over the context it
+            # reads: safe, as each block holds whole rows (one block along N) and writes them
+            # after its last read of A.
+            norm2 = (p.norm2_weight, p.norm2_bias) if self.fuse_norms else None
+            residual(rows, w["out_weight"], p.out_bias, src, False, norm2, normed)
+            if norm2 is None:
                 if products == 1:
                     ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, half=rows[0])
                 else:
@@ -144,17 +147,12 @@ class CupyLayer(BuiltLayer):
             ops.linear(k, rows, w["ffn_in_weight"], ffn_in_bias, "gelu_pair", products,
                        out_pair=hidden if products > 1 else (hidden[0], None),
                        **gemm("gelu_pair", products, w["ffn_in_weight"]))
-            if self.fuse_norms and i + 1 < len(layers):
-                following = layers[i + 1][0]  # its norm1 rows, read by Q/K/V: the hi half
-                ops.linear(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, "residual_norm",
-                           products, res=res, out=res, valid_rows=valid_rows, zero_sum=True,
-                           norm=(following.norm1_weight, following.norm1_bias),
-                           norm_out=(rows[0], None),
-                           **gemm("residual_norm", products, w["ffn_out_weight"]))
-            else:
-                ops.linear(k, hidden, w["ffn_out_weight"], p.ffn_out_bias, "residual",
-                           products, res=res, out=res, valid_rows=valid_rows, zero_sum=True,
-                           **gemm("residual", products, w["ffn_out_weight"]))
+            # ... and ffn_out's the next block's norm1 rows, read by Q/K/V: the hi half
+            following = layers[i + 1][0] if i + 1 < len(layers) else None
+            norm1 = (None if following is None or not self.fuse_norms
+                     else (following.norm1_weight, following.norm1_bias))
+            residual(hidden, w["ffn_out_weight"], p.ffn_out_bias, res, True, norm1,
+                     (rows[0], None))
             src = res
         ops.layer_norm(k, src, self.params.final_weight, self.params.final_bias, out=target,
                        valid_rows=valid_rows)
