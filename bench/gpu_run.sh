@@ -114,19 +114,20 @@ if [[ $stage == cupy ]]; then
     # default wgmma), the attention kernels at shapes 14 (one sequence) and 13, the GEMM
     # variants on shape 8's and 14's GEMM sizes, then GPU time per kernel.
     # Each part is time-limited, so a kernel that hangs costs one part, not the call.
+    # CUPY_PARTS picks parts (default all: tests plans attention gemm profile).
     log="$OUT/cupy.log"
-    timeout "${CUPY_TEST_LIMIT:-420}" python3 -m pytest conformance/test_cupy.py --backend cupy \
+    parts=" ${CUPY_PARTS:-tests plans attention gemm profile} "
+    [[ $parts == *" tests "* ]] && { timeout "${CUPY_TEST_LIMIT:-420}" python3 -m pytest conformance/test_cupy.py --backend cupy \
         -q -p no:cacheprovider -rf --maxfail 40${CUPY_TEST_ARGS:+ $CUPY_TEST_ARGS} >"$log" 2>&1
-    status=$((status | $?))
-    tail -40 "$log"
-    timeout 150 python3 bench/cupy_sweep.py plans --plan "${CUPY_PLAN:-wgmma}" \
+    status=$((status | $?)); tail -40 "$log"; }
+    [[ $parts == *" plans "* ]] && timeout 150 python3 bench/cupy_sweep.py plans --plan "${CUPY_PLAN:-wgmma}" \
         --shapes "${CUPY_PLAN_SHAPES:-8,13,6,1}" --out "$OUT/cupy-plans.json" 2>&1 | tee -a "$log"
-    timeout 120 python3 bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 \
+    [[ $parts == *" attention "* ]] && timeout 120 python3 bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 \
         --head-dim 64 --rounds 5 --out "$OUT/cupy-attention-14.json" 2>&1 | tee -a "$log"
-    timeout 60 python3 bench/cupy_sweep.py attention --batch 64 --seq-len 1024 --heads 4 \
+    [[ $parts == *" attention "* ]] && timeout 60 python3 bench/cupy_sweep.py attention --batch 64 --seq-len 1024 --heads 4 \
         --head-dim 32 --out "$OUT/cupy-attention-13.json" 2>&1 | tee -a "$log"
-    timeout 120 python3 bench/cupy_sweep.py gemm --out "$OUT/cupy-gemm.json" 2>&1 | tee -a "$log"
-    timeout 150 python3 bench/tile_sweep.py profile --backend cupy \
+    [[ $parts == *" gemm "* ]] && timeout 120 python3 bench/cupy_sweep.py gemm --out "$OUT/cupy-gemm.json" 2>&1 | tee -a "$log"
+    [[ $parts == *" profile "* ]] && timeout 150 python3 bench/tile_sweep.py profile --backend cupy \
         --shapes "${PROFILE_SHAPES:-2,8,13}" --out "$OUT/cupy-profile.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cutile-jit ]]; then
