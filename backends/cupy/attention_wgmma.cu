@@ -40,12 +40,6 @@ using namespace lb::wgmma;  // descriptors, fences and the wgmma instructions
 
 constexpr int ALIGN = 1024;  // a 128B-swizzle pattern repeats every 1024 bytes (64B: 512)
 
-// A count as a type, so that a lambda can take it as a compile-time constant.
-template <int N>
-struct Count {
-    static constexpr int value = N;
-};
-
 // Swizzle width in bytes (one row of a panel) for the padded head dim hp.
 __host__ __device__ constexpr int swizzle_bytes(int hp) { return hp * 2 >= 128 ? 128 : 64; }
 
@@ -257,11 +251,13 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
     // Scores of the tile at kv0 -> probabilities, in place: mask, online softmax step (m_run,
     // l_run), exp2. Returns whether the warp has rows that see the tile, with the factor for
     // the old outputs in alpha; a warp whose rows all precede the tile (causal) or lie past
-    // seq_len gets P = 0 and keeps its outputs. rescale_here (a Count): 1 rescales the outputs
+    // seq_len gets P = 0 and keeps its outputs. rescale_here: 1 rescales the outputs
     // here, between the step and exp2 (the plain schedule), 0 leaves that to the caller (the
     // pipelined one: a pending P V still writes them). One basic block from the step to the
     // sums, so that l_run * alpha + (p0 + p1) contracts to the same fma in every schedule.
-    auto softmax = [&](auto rescale_here, float (&s)[NS], int kv0,
+    // The lambdas take plain ints, constant once inlined: NVRTC 13.0 crashed (segmentation
+    // fault) on generic lambdas taking a compile-time count here.
+    auto softmax = [&](int rescale_here, float (&s)[NS], int kv0,
                        float (&alpha)[2]) -> bool {
         if (!(warp_rows && !(causal && kv0 > q0 + 15))) {
 #pragma unroll
@@ -298,7 +294,7 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
 #pragma unroll
         for (int r = 0; r < 2; ++r)
             alpha[r] = online_softmax_step(mx[r], m_run[r], l_run[r], base[r], NEG_INF);
-        if constexpr (decltype(rescale_here)::value == 1) rescale(alpha);
+        if (rescale_here == 1) rescale(alpha);
 #pragma unroll
         for (int j = 0; j < NS / 4; ++j) {
             s[4 * j] = exp2f(s[4 * j] - base[0]);
@@ -391,7 +387,7 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
                 ad::wgmma_wait<0>();
                 fence_scores(s);
                 float alpha[2];
-                softmax(ad::Count<1>{}, s, kv0, alpha);
+                softmax(1, s, kv0, alpha);
             }
 
             // V of this tile (the next tile's K and V may still be in flight), visible to all.
@@ -423,13 +419,12 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
             if (it + 1 < n_tiles) load_v((it + 1) % VB, (it + 1) * BKV);
             cp_async_commit();
         };
-        // Steps 4-7 of iteration it, cur holding S[it]; AHEAD (a Count): 1 where step 3 issued
+        // Steps 4-7 of iteration it, cur holding S[it]; ahead: 1 where step 3 issued
         // S[it + 1], 0 on the last tile.
-        auto finish = [&](auto ahead, int it, float (&cur)[NS]) {
-            constexpr int AHEAD = decltype(ahead)::value;
+        auto finish = [&](int ahead, int it, float (&cur)[NS]) {
             float alpha[2];
-            const bool rows = softmax(ad::Count<0>{}, cur, it * BKV, alpha);
-            ad::wgmma_wait<AHEAD>();  // retires P V of it - 1
+            const bool rows = softmax(0, cur, it * BKV, alpha);
+            if (ahead) ad::wgmma_wait<1>(); else ad::wgmma_wait<0>();
             fence_outputs();
             fence_probs(p);
             if (rows) rescale(alpha);
@@ -438,8 +433,8 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
             ad::wgmma_fence();
             issue_pv(p, it % VB);
             ad::wgmma_commit();
-            ad::wgmma_wait<AHEAD>();  // retires S[it + 1], or on the last tile P V of it
-            if constexpr (AHEAD == 0) {
+            if (ahead) ad::wgmma_wait<1>(); else ad::wgmma_wait<0>();
+            if (!ahead) {
                 fence_outputs();
                 fence_probs(p);
             }
@@ -450,13 +445,13 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
             ad::wgmma_fence();
             issue_scores(next, (it + 1) % KB);
             ad::wgmma_commit();
-            finish(ad::Count<1>{}, it, cur);
+            finish(1, it, cur);
             fence_scores(next);
         };
         // The last iteration, it = n_tiles - 1.
         auto last = [&](int it, float (&cur)[NS]) {
             top(it);
-            finish(ad::Count<0>{}, it, cur);
+            finish(0, it, cur);
         };
         if (n_tiles > 0) {
             load_q();
