@@ -276,8 +276,8 @@ def test_headers_are_found_or_refused(cupy_selected, monkeypatch, tmp_path):
 
 
 def test_attention_variants(cupy_selected, monkeypatch):
-    """Every wgmma attention variant: compiled for sm_90a, the default (first) still the plain
-    128x128 kernel, two blocks' shared memory fit an SM where it asks for two; ops.attention
+    """Every wgmma attention variant: compiled for sm_90a, the default (first) the timed
+    fastest (two blocks an SM up to head dim 64, the plain 128x128 kernel at 128), two blocks' shared memory fit an SM where it asks for two; ops.attention
     launches the named one (None: the default) and refuses a variant the head dim lacks or
     the mma.sync kernel; CupyBackend refuses unknown names, and where the wgmma attention does
     not run or lacks the variant at the config's head dim; the layer passes it to attention."""
@@ -286,7 +286,7 @@ def test_attention_variants(cupy_selected, monkeypatch):
     sm_shared = 228 * 1024  # per SM on sm_90, 1 KiB of it reserved per block
     names = build.name_expressions(build.HOPPER)
     for hp, variants in build.ATTENTION_WGMMA.items():
-        assert variants[0] == build.WGMMA_PLAIN
+        assert variants[0] == (build.WGMMA_TWO_PER_SM if hp <= 64 else build.WGMMA_PLAIN)
         assert len({v.name for v in variants}) == len(variants)
         for v in variants:
             assert build.attention_wgmma_name(hp, v) in names
@@ -994,6 +994,28 @@ def test_launch_sequence_computes_the_layer(cupy_selected, cfg, products, paddin
     else:
         assert len(stand.calls) == 7 * blocks + 1, stand.calls
         assert stand.calls.count(f"linear:residual:{products}") == 2 * blocks
+
+
+def test_fused_norms_by_default_only_where_no_parallelism_is_lost(cupy_selected, monkeypatch):
+    """By default the norms fuse where the fused grid (whole rows a block) is as large as the
+    unfused one or three blocks an SM (an H200 stand-in: shapes 6, 7 and 13), not where it
+    halves a grid of under three waves (shapes 1 and 5); True and False override, and
+    neither fuses without wgmma or past 128 columns."""
+    from layerbench.common.shapes import OFFICIAL
+
+    for module in (ops, layer_module):
+        monkeypatch.setattr(module, "multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(ops, "max_shared_memory_per_block", lambda device: 227 * 1024)
+    gpu = torch.device("cuda")
+
+    def fused(number, choice=None, wgmma=True):
+        cfg = OFFICIAL[number].config
+        return layer_module.fuses_norms(cfg, choice, wgmma, linear_products_for(cfg.d_model), gpu)
+
+    assert [n for n in (1, 5, 6, 7, 13) if fused(n)] == [6, 7, 13]
+    assert fused(1, True) and not fused(13, False)
+    assert not fused(13, wgmma=False) and not fused(13, True, wgmma=False)
+    assert not fused(8) and not fused(8, True)
 
 
 @pytest.mark.parametrize("mutation", ["pre_residual", "skip_next_norm1"])

@@ -25,7 +25,8 @@ class CupyBackend(Backend):
     (sm_90), True requires it, False keeps mma.sync. fuse_norms: the LayerNorms in the
     residual GEMMs' epilogues (out_proj writes norm2's rows, ffn_out the next block's norm1
     rows: five launches per block instead of seven) where the wgmma GEMMs run and d_model is
-    at most 128; elsewhere the plan is unchanged. Off by default until timed on a GPU.
+    at most 128; elsewhere the plan is unchanged. None (default): where the fused grid loses
+    no parallelism (see layer.fuses_norms); True: wherever it applies.
     gemm_variant: a variant of the wgmma GEMMs by name (build.GEMM_VARIANTS): "wgmma 128x128"
     (the default schedule on 128x128 tiles), "wgmma 128x128 wait1 4-stage" (each K tile's
     wgmma group left running over the next tile's barrier and copies) or "wgmma 128x256
@@ -35,8 +36,8 @@ class CupyBackend(Backend):
     one tile wide and the grid has a block for every SM; the other GEMMs keep the default. Needs the wgmma GEMMs. None (default):
     the default schedule, its tile picked per GEMM. The non-default variants are off the
     default until timed on a GPU. attention_variant: a variant of the wgmma attention kernel
-    by name (build.ATTENTION_WGMMA; None: "wgmma 128x128"); needs the wgmma attention (sm_90,
-    head dims up to 128).
+    by name (build.ATTENTION_WGMMA; None: "wgmma 128x64 2/SM" at head dims up to 64,
+    "wgmma 128x128" above); needs the wgmma attention (sm_90, head dims up to 128).
     """
 
     name = "cupy"
@@ -46,7 +47,7 @@ class CupyBackend(Backend):
         notes="sm_80+; fp32 residual stream; kernels compiled at run time by NVRTC")
 
     def __init__(self, linear_products: int | None = None, wgmma: bool | None = None,
-                 fuse_norms: bool = False, attention_variant: str | None = None,
+                 fuse_norms: bool | None = None, attention_variant: str | None = None,
                  gemm_variant: str | None = None):
         if linear_products not in (None, 1, 3):
             raise ValueError(f"cupy linear_products must be 1 or 3, not {linear_products}")

@@ -25,10 +25,26 @@ def linear_products_for(d_model: int) -> int:
     return 1 if d_model >= 512 else 3
 
 
-def fuses_norms(config, fuse_norms: bool, wgmma: bool) -> bool:
-    """Whether the LayerNorms run in the residual GEMMs' epilogues: asked for, on the wgmma
-    GEMMs, and rows one block holds (d_model up to 128)."""
-    return fuse_norms and wgmma and config.d_model <= build.MAX_NORM_WIDTH
+FUSED_NORM_WAVES = 3  # a fused grid this many blocks per SM hides its lost width
+
+
+def fuses_norms(config, fuse_norms: bool | None, wgmma: bool, products: int = 1,
+                device: torch.device | None = None) -> bool:
+    """Whether the LayerNorms run in the residual GEMMs' epilogues: on the wgmma GEMMs, rows
+    one block holds (d_model up to 128), and asked for (True), or by default (None) where
+    it costs no parallelism: the fused grid (whole rows a block) is as large as the
+    unfused one, or at least FUSED_NORM_WAVES blocks per SM (measured on the H200: slower
+    at shapes 1 and 5, faster at 6, 7 and 13)."""
+    if not (fuse_norms is not False and wgmma and config.d_model <= build.MAX_NORM_WIDTH):
+        return False
+    if fuse_norms or device is None or device.type != "cuda":
+        return bool(fuse_norms)
+    rows, d = config.batch_size * config.seq_len, config.d_model
+    bm, _ = ops.gemm_tile(rows, d, device, products, wgmma=True, norm=True)
+    ubm, ubn = ops.gemm_tile(rows, d, device, products, wgmma=True)
+    fused = cdiv(rows, bm)
+    return (fused >= cdiv(rows, ubm) * cdiv(d, ubn)
+            or fused >= FUSED_NORM_WAVES * multiprocessor_count(device))
 
 
 def workspace(config) -> dict[str, tuple[int, torch.dtype]]:
@@ -59,7 +75,7 @@ class CupyLayer(BuiltLayer):
     launches per block; the first norm1 and the final norm stay separate."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
-                 wgmma: bool = False, fuse_norms: bool = False,
+                 wgmma: bool = False, fuse_norms: bool | None = False,
                  attention_variant: str | None = None, gemm_variant: str | None = None):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
@@ -67,7 +83,7 @@ class CupyLayer(BuiltLayer):
         self.wgmma = wgmma
         self.attention_variant = attention_variant
         self.gemm_variant = None if gemm_variant is None else build.gemm_variant(gemm_variant)
-        self.fuse_norms = fuses_norms(config, fuse_norms, wgmma)
+        self.fuse_norms = fuses_norms(config, fuse_norms, wgmma, products, self.device)
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [{n: weight_pair(getattr(p, n)) for n in WEIGHTS}
                         for p in self.params.layers]
