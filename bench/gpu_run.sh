@@ -117,18 +117,30 @@ if [[ $stage == cupy ]]; then
     # CUPY_PARTS picks parts (default all: tests plans attention gemm profile).
     log="$OUT/cupy.log"
     parts=" ${CUPY_PARTS:-tests plans attention gemm profile} "
-    [[ $parts == *" tests "* ]] && { timeout "${CUPY_TEST_LIMIT:-420}" python3 -m pytest conformance/test_cupy.py --backend cupy \
-        -q -p no:cacheprovider -rf --maxfail 40${CUPY_TEST_ARGS:+ $CUPY_TEST_ARGS} >"$log" 2>&1
-    status=$((status | $?)); tail -40 "$log"; }
-    [[ $parts == *" plans "* ]] && timeout 150 python3 bench/cupy_sweep.py plans --plan "${CUPY_PLAN:-wgmma}" \
-        --shapes "${CUPY_PLAN_SHAPES:-8,13,6,1}" --out "$OUT/cupy-plans.json" 2>&1 | tee -a "$log"
-    [[ $parts == *" attention "* ]] && timeout 120 python3 bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 \
-        --head-dim 64 --rounds 5 --out "$OUT/cupy-attention-14.json" 2>&1 | tee -a "$log"
-    [[ $parts == *" attention "* ]] && timeout 60 python3 bench/cupy_sweep.py attention --batch 64 --seq-len 1024 --heads 4 \
-        --head-dim 32 --out "$OUT/cupy-attention-13.json" 2>&1 | tee -a "$log"
-    [[ $parts == *" gemm "* ]] && timeout 120 python3 bench/cupy_sweep.py gemm --out "$OUT/cupy-gemm.json" 2>&1 | tee -a "$log"
-    [[ $parts == *" profile "* ]] && timeout 150 python3 bench/tile_sweep.py profile --backend cupy \
-        --shapes "${PROFILE_SHAPES:-2,8,13}" --out "$OUT/cupy-profile.json" 2>&1 | tee -a "$log"
+    if [[ $parts == *" tests "* ]]; then
+        timeout "${CUPY_TEST_LIMIT:-420}" python3 -m pytest conformance/test_cupy.py \
+            --backend cupy -q -p no:cacheprovider -rf --maxfail 40${CUPY_TEST_ARGS:+ $CUPY_TEST_ARGS} \
+            >"$log" 2>&1
+        status=$((status | $?))
+        tail -40 "$log"
+    fi
+    if [[ $parts == *" plans "* ]]; then
+        timeout 150 python3 bench/cupy_sweep.py plans --plan "${CUPY_PLAN:-wgmma}" \
+            --shapes "${CUPY_PLAN_SHAPES:-8,13,6,1}" --out "$OUT/cupy-plans.json" 2>&1 | tee -a "$log"
+    fi
+    if [[ $parts == *" attention "* ]]; then
+        timeout 120 python3 bench/cupy_sweep.py attention --batch 1 --seq-len 100000 \
+            --heads 16 --head-dim 64 --rounds 5 --out "$OUT/cupy-attention-14.json" 2>&1 | tee -a "$log"
+        timeout 60 python3 bench/cupy_sweep.py attention --batch 64 --seq-len 1024 --heads 4 \
+            --head-dim 32 --out "$OUT/cupy-attention-13.json" 2>&1 | tee -a "$log"
+    fi
+    if [[ $parts == *" gemm "* ]]; then
+        timeout 120 python3 bench/cupy_sweep.py gemm --out "$OUT/cupy-gemm.json" 2>&1 | tee -a "$log"
+    fi
+    if [[ $parts == *" profile "* ]]; then
+        timeout 150 python3 bench/tile_sweep.py profile --backend cupy \
+            --shapes "${PROFILE_SHAPES:-2,8,13}" --out "$OUT/cupy-profile.json" 2>&1 | tee -a "$log"
+    fi
 fi
 if [[ $stage == cutile-jit ]]; then
     # The JIT path where no package index is reachable: unpack whichever parts of
@@ -151,10 +163,12 @@ if [[ $stage == cutile-jit ]]; then
     fi
 fi
 if [[ $stage == sanitize ]]; then
-    # compute-sanitizer memcheck and racecheck over one eager forward per shape.
+    # compute-sanitizer memcheck and racecheck over one eager forward per shape, each run
+    # limited to SANITIZE_LIMIT seconds (exit 124 where it ran out).
     for shape in ${SANITIZE_SHAPES:-2 7 13}; do
-        for check in memcheck racecheck; do
-            compute-sanitizer --tool "$check" --error-exitcode 9 python3 bench/one_forward.py \
+        for check in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+            timeout "${SANITIZE_LIMIT:-900}" compute-sanitizer --tool "$check" --error-exitcode 9 \
+                python3 bench/one_forward.py \
                 --backend "${SANITIZE_BACKEND:-wmma}" --shape "$shape" --forwards 1 \
                 2>&1 | tail -3 | tee -a "$OUT/sanitize.log"
             status=$((status | ${PIPESTATUS[0]}))
