@@ -130,7 +130,7 @@ def sweep_gemm(args, device) -> list[dict]:
             err = err.nan_to_num(nan=math.inf).max().item()
             rows.append({"size": size, "epilogue": epilogue, "kernel": name, "ms": ms,
                          "tflops": flop / ms / 1e9, "max_rel": err})
-            print(f"cupy gemm {size:18s} {epilogue:9s} {name:28s} {ms:8.4f} ms "
+            print(f"cupy gemm {size:18s} {epilogue:9s} {name:38s} {ms:8.4f} ms "
                   f"{flop / ms / 1e9:6.1f} TFLOP/s max rel {err:.1e}", flush=True)
         del choices, runs, want
         torch.cuda.empty_cache()

@@ -120,7 +120,10 @@ def test_gemm_variants_sass(cupy_selected, compiled):
     """sm_90a SASS of every wgmma GEMM variant's kernels: wgmma of the tile's width
     (HGMMA.64xBNx16), one wgmma fence (WARPGROUP.ARRIVE) per K tile as written, and the
     waits the source has, no more: wait<PENDING> in the loop, wait 0 after it where PENDING
-    (ptxas serialising the wgmmas would add fences and waits of 0)."""
+    (ptxas serialising the wgmmas would add fences and waits of 0); no local memory. The
+    warp-specialised ones also: setmaxnreg to 40 (producer) and 232 (consumers) registers
+    (USETMAXREG), mbarrier waits and arrives (SYNCS), one block barrier (BAR.SYNC, after the
+    mbarriers' initialisation); the others none of these."""
     from layerbench.common.cuda_host import cuda_tool
 
     path, lowered = compiled[build.HOPPER]
@@ -138,6 +141,16 @@ def test_gemm_variants_sass(cupy_selected, compiled):
             assert len(re.findall(r"WARPGROUP\.ARRIVE", body)) == 1, name
             waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", body)
             assert waits == ([f"0x{v.pending}", "0x0"] if v.pending else ["0x0"]), (name, waits)
+            assert not re.search(r"\b(LDL|STL)\b", body), name  # no local memory
+            if v.warp_specialised:  # registers moved between the roles, mbarriers, no block
+                # barrier but the one after the barriers' initialisation
+                assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", body), name
+                assert re.search(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", body), name
+                assert re.search(r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", body), name
+                assert re.search(r"\bSYNCS\.ARRIVE\.TRANS64\b", body), name
+                assert len(re.findall(r"\bBAR\.SYNC\b", body)) == 1, name
+            else:
+                assert "USETMAXREG" not in body and "SYNCS" not in body, name
 
 
 class Recorder:
@@ -344,8 +357,9 @@ def test_gemm_variants(cupy_selected, monkeypatch):
     """The wgmma GEMM variants: the default first, the plain schedule on the large wgmma
     tile; unique names; every variant's stages fit a block's 227 KiB at one product (the
     others' would not at three, so they have no three-product kernels); ops.linear launches
-    the named variant's kernel (2 BM threads, its shared bytes, a grid of its tiles), the
-    default's where none is named, and refuses unknown names, the mma.sync GEMMs, epilogues
+    the named variant's kernel (2 BM threads, or 384 for a warp-specialised one's
+    linear_wgmma_ws; its shared bytes, a grid of its tiles), the default's where none is
+    named, and refuses unknown names, the mma.sync GEMMs, epilogues
     and product counts a variant is not compiled for, and another tile; CupyBackend refuses
     unknown names, and a variant where the wgmma GEMMs do not run; the layer passes the
     variant to each GEMM it fits and None to the others."""
@@ -374,7 +388,8 @@ def test_gemm_variants(cupy_selected, monkeypatch):
                    **outputs[epilogue])
         name, grid, block, shared, _ = k.calls[0]
         assert name == build.gemm_variant_name(v, 1, epilogue)
-        assert grid == (cdiv(m, v.bm), cdiv(n, v.bn), 1) and block == 2 * v.bm
+        assert grid == (cdiv(m, v.bm), cdiv(n, v.bn), 1) and block == v.threads
+        assert block == (build.WS_THREADS if v.warp_specialised else 2 * v.bm)
         assert shared == ops.wgmma_shared_bytes(v.bm, v.bn, 1, v.stages)
     k = Recorder()
     ops.linear(k, pair, wp, bias, "half", 1, wgmma=True, out_half=out, tile=(64, 64))
@@ -621,7 +636,8 @@ def test_gemm_schedules_keep_stages_safe(cupy_selected):
     """linear_wgmma's loop is the one gemm_schedule models (prefetch distance STAGES - 1 -
     PENDING, cp.async wait DISTANCE - 1, wgmma wait PENDING, wait 0 after the loop where
     PENDING), and with every variant's stages and pending groups (build.GEMM_VARIANTS, the
-    template arguments of its kernels) it passes check_schedule for 1 to 10 K tiles."""
+    template arguments of its kernels; the warp-specialised ones have their own model) it
+    passes check_schedule for 1 to 10 K tiles."""
     text = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
     for line in ("constexpr int DISTANCE = STAGES - 1 - PENDING;",
                  "for (int s = 0; s < DISTANCE; ++s) {", "cp_async_wait<DISTANCE - 1>();",
@@ -631,6 +647,8 @@ def test_gemm_schedules_keep_stages_safe(cupy_selected):
         assert line in text, line
     names = build.name_expressions(build.HOPPER)
     for v in build.GEMM_VARIANTS:
+        if v.warp_specialised:  # linear_wgmma_ws: test_ws_gemm_ring_keeps_stages_safe
+            continue
         assert v.distance == v.stages - 1 - v.pending >= 1
         assert build.gemm_variant_name(v, 1, "half") in names
         assert build.gemm_variant_name(v, 1, "half").endswith(f", {v.stages}, {v.pending}>")
@@ -653,6 +671,192 @@ def test_gemm_schedule_model_catches_mistakes(cupy_selected, mistake):
     with pytest.raises(AssertionError):
         for k_tiles in range(1, 11):
             check_gemm_schedule(k_tiles, **args)
+
+
+# A model of linear_wgmma_ws's mbarrier ring (the schedule above linear_wgmma_ws in
+# linear_wgmma.cu): the producer warpgroup and the two consumer warpgroups are generators of
+# their events in program order, each standing for its 128 threads (one arrive: 128
+# arrivals), run interleaved by a scheduler that may pick any warpgroup not blocked in an
+# mbarrier wait. Events: ("wait", barrier, parity) try_wait.parity in a loop; ("arrive",
+# barrier); ("copy", stage, tile) / ("commit",) / ("cp_wait", n) / ("fence",) the producer's
+# cp.async and proxy fence; ("mma", stage, tile) / ("mma_commit",) / ("mma_wait", n) a
+# consumer's wgmma group; ("epilogue",) the accumulators read. Copies land and wgmma groups
+# complete as late as allowed (at the wait that retires them), the worst case for the checks.
+WS_COUNTS = {"full": 128, "empty": 256}  # the kernel's mbarrier_init counts
+
+
+def ws_producer(k_tiles: int, stages: int, cp_wait: int = 1, fence: bool = True,
+                empty_flip: int = 1):
+    """The producer's steps 1-3 and drain (cp_wait: step 3's cp.async wait; fence: the proxy
+    fence; empty_flip: the parity of the empty wait is (r & 1) ^ empty_flip)."""
+    for kt in range(k_tiles):
+        s, r = kt % stages, kt // stages
+        yield ("wait", ("empty", s), (r & 1) ^ empty_flip)  # 1
+        yield ("copy", s, kt)  # 2
+        yield ("commit",)
+        if kt > 0:  # 3
+            yield ("cp_wait", cp_wait)
+            yield from [("fence",)] if fence else []
+            yield ("arrive", ("full", (kt - 1) % stages))
+    if k_tiles:
+        yield ("cp_wait", 0)
+        yield from [("fence",)] if fence else []
+        yield ("arrive", ("full", (k_tiles - 1) % stages))
+
+
+def ws_consumer(k_tiles: int, stages: int, release_early: bool = False, full_flip: int = 0):
+    """A consumer's steps 1-3 and the end (release_early: arrive on empty of tile kt right
+    after its commit, before any wgmma wait; full_flip: the parity of the full wait is
+    (r & 1) ^ full_flip)."""
+    for kt in range(k_tiles):
+        s, r = kt % stages, kt // stages
+        yield ("wait", ("full", s), (r & 1) ^ full_flip)  # 1
+        yield ("mma", s, kt)  # 2
+        yield ("mma_commit",)
+        if release_early:
+            yield ("arrive", ("empty", s))
+        yield ("mma_wait", 1)  # 3
+        if kt > 0 and not release_early:
+            yield ("arrive", ("empty", (kt - 1) % stages))
+    yield ("mma_wait", 0)
+    if k_tiles and not release_early:
+        yield ("arrive", ("empty", (k_tiles - 1) % stages))
+    yield ("epilogue",)
+
+
+def check_ws_ring(k_tiles: int, stages: int, pick, **mistake) -> None:
+    """Run the three warpgroups, pick(runnable names) choosing who steps next, and assert: a
+    wgmma reads a stage only while it holds the tile wanted, its copies landed and then
+    fenced; no copy lands in a stage while a wgmma group of either consumer may read it, nor
+    before both consumers have read the tile it holds; each consumer reads every tile once,
+    in order, and no wgmma is pending at its epilogue; no cp.async group is left in flight;
+    every warpgroup finishes (no deadlock)."""
+    producer = {k: v for k, v in mistake.items() if k in ("cp_wait", "fence", "empty_flip")}
+    consumer = {k: v for k, v in mistake.items() if k in ("release_early", "full_flip")}
+    agents = {"P": ws_producer(k_tiles, stages, **producer)}
+    agents |= {f"C{c}": ws_consumer(k_tiles, stages, **consumer) for c in range(2)}
+    nxt = {name: next(gen, None) for name, gen in agents.items()}
+    arrivals = {(kind, s): 0 for kind in WS_COUNTS for s in range(stages)}
+    phases = dict.fromkeys(arrivals, 0)  # completed phases of each mbarrier
+    stage = {}  # stage -> [tile, "flight" | "landed" | "fenced"]
+    cp_open, cp_groups = [], []
+    mma_open = {c: [] for c in ("C0", "C1")}  # (stage, tile) of the uncommitted wgmmas
+    mma_groups = {c: [] for c in ("C0", "C1")}  # committed groups still running
+    read = {c: [] for c in ("C0", "C1")}  # tiles read, in order
+
+    def runnable(name):
+        e = nxt[name]
+        return e is not None and (e[0] != "wait" or phases[e[1]] % 2 != e[2])
+
+    while any(e is not None for e in nxt.values()):
+        ready = [n for n in agents if runnable(n)]
+        assert ready, f"deadlock: {nxt}"
+        name = pick(ready)
+        e = nxt[name]
+        kind = e[0]
+        if kind == "arrive":
+            arrivals[e[1]] += 128
+            if arrivals[e[1]] == WS_COUNTS[e[1][0]]:
+                arrivals[e[1]], phases[e[1]] = 0, phases[e[1]] + 1
+        elif kind == "copy":
+            _, s, tile = e
+            busy = [c for c in mma_open for g in mma_groups[c] + [mma_open[c]] for m in g
+                    if m[0] == s]
+            assert not busy, f"tile {tile} copied into stage {s} while {busy[0]} may read it"
+            if s in stage:
+                unread = [c for c in read if stage[s][0] not in read[c]]
+                assert not unread, f"tile {tile} copied over tile {stage[s][0]} unread by {unread}"
+            stage[s] = [tile, "flight"]
+            cp_open.append(s)
+        elif kind == "commit":
+            cp_groups.append(cp_open)
+            cp_open = []
+        elif kind == "cp_wait":
+            done, cp_groups = _retire(cp_groups, e[1])
+            for s in (s for g in done for s in g):
+                stage[s][1] = "landed"
+        elif kind == "fence":
+            for held in stage.values():
+                held[1] = "fenced" if held[1] == "landed" else held[1]
+        elif kind == "mma":
+            _, s, tile = e
+            held = stage.get(s, [None, None])
+            assert held == [tile, "fenced"], f"{name} reads tile {tile} from stage {s}: {held}"
+            mma_open[name].append((s, tile))
+            read[name].append(tile)
+        elif kind == "mma_commit":
+            mma_groups[name].append(mma_open[name])
+            mma_open[name] = []
+        elif kind == "mma_wait":
+            mma_groups[name] = _retire(mma_groups[name], e[1])[1]
+        elif kind == "epilogue":
+            assert not mma_open[name] and not mma_groups[name], f"{name}: wgmma pending"
+        nxt[name] = next(agents[name], None)
+    assert not cp_open and not cp_groups, "cp.async groups left in flight"
+    assert all(r == list(range(k_tiles)) for r in read.values()), read
+
+
+def ws_picks(seeds: int = 20):
+    """Schedulers: the producer first, the consumers first, and seeded random choices."""
+    import random
+
+    yield lambda ready: ready[0]  # P first
+    yield lambda ready: ready[-1]  # C1, then C0, then P
+    for seed in range(seeds):
+        yield random.Random(seed).choice
+
+
+def test_ws_gemm_ring_keeps_stages_safe(cupy_selected):
+    """linear_wgmma_ws is the ring ws_producer and ws_consumer model (the lines below), and
+    with every warp-specialised variant's stages (build.GEMM_VARIANTS, the STAGES template
+    argument of its kernels) it passes check_ws_ring for 0 to 11 K tiles under every
+    scheduler of ws_picks."""
+    text = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
+    text = text[text.index("linear_wgmma_ws(const __half*"):]
+    for line in ("wd::mbarrier_init(full0 + 8 * s, 128);",
+                 "wd::mbarrier_init(empty0 + 8 * s, 256);",
+                 "wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);",
+                 "cp_async_wait<1>();", "wd::fence_proxy_async();",
+                 "wd::mbarrier_arrive(full0 + 8 * ((kt - 1) % STAGES));",
+                 "cp_async_wait<0>();",
+                 "wd::mbarrier_arrive(full0 + 8 * ((k_tiles - 1) % STAGES));",
+                 "wd::mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);",
+                 "wd::wgmma_wait<1>();",
+                 "if (kt > 0) wd::mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));",
+                 "wd::wgmma_wait<0>();",
+                 "if (k_tiles > 0) wd::mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));"):
+        assert line in text, line
+    assert text.count("mbarrier_arrive(") == 4 and text.count("__syncthreads()") == 1
+    names = build.name_expressions(build.HOPPER)
+    ws = [v for v in build.GEMM_VARIANTS if v.warp_specialised]
+    assert ws and build.GEMM_WS_WIDE in ws
+    for v in ws:
+        assert (v.bm, v.pending, v.threads) == (128, 1, build.WS_THREADS)
+        name = build.gemm_variant_name(v, 1, "half")
+        assert name in names and name == f"lb::linear_wgmma_ws<{v.bn}, 0, {v.stages}>"
+        for k_tiles in range(12):
+            for pick in ws_picks():
+                check_ws_ring(k_tiles, v.stages, pick)
+
+
+@pytest.mark.parametrize("mistake", [dict(release_early=True), dict(full_flip=1),
+                                     dict(empty_flip=0), dict(fence=False), dict(cp_wait=2),
+                                     dict(stages=2)],
+                         ids=["release-before-wgmma-wait", "full-parity", "empty-parity",
+                              "no-proxy-fence", "cp-wait-2", "two-stages"])
+def test_ws_ring_model_catches_mistakes(cupy_selected, mistake):
+    """check_ws_ring fails the ring (4 stages, as the 128x256 variant) when a consumer
+    releases a stage before its wgmma group is waited for (a copy lands under a running
+    wgmma), a consumer waits for the full barrier with the wrong parity (it reads a stage
+    before its copies land, or waits forever) or the producer the empty one (deadlock), the
+    producer arrives without its proxy fence or with tile kt - 1's copies still in flight, or
+    the ring has two stages (deadlock: the producer waits for a release that needs a tile it
+    has not announced)."""
+    args = dict(stages=build.GEMM_WS_WIDE.stages) | mistake
+    with pytest.raises(AssertionError):
+        for k_tiles in range(1, 10):
+            for pick in ws_picks(5):
+                check_ws_ring(k_tiles, pick=pick, **args)
 
 
 @pytest.fixture
@@ -696,7 +900,8 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
     """Each epilogue with each product count and tile, and (wgmma) each GEMM variant at one
     product, against fp64: rows off the tile, N off the tile (also narrower than it), K off
     64 (also below it, and 10 K tiles); the residual in place and with invalid rows. The
-    wait-1 schedule is bit-identical to the plain one on the same tile (the same wgmmas in
+    wait-1 schedule and the warp-specialised 128x128 kernel are bit-identical to the plain one
+    on the same tile, the warp-specialised 128x256 to the wait-1 128x256 (the same wgmmas in
     the same order)."""
     g = torch.Generator(device="cuda").manual_seed(m + n)
     a = torch.randn(m, k, device="cuda", generator=g)
@@ -747,6 +952,10 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
         plain = results[1, build.GEMM_PLAIN.name]
         assert torch.equal(results[1, build.GEMM_WAIT1.name], plain), epilogue
         assert torch.equal(results[1, build.WGMMA_TILES[0]], plain), epilogue
+        # the warp-specialised kernels run the same wgmmas in the same order as the others
+        assert torch.equal(results[1, build.GEMM_WS.name], plain), epilogue
+        assert torch.equal(results[1, build.GEMM_WS_WIDE.name],
+                           results[1, build.GEMM_WIDE.name]), epilogue
 
 
 @needs_gpu

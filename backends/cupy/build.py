@@ -62,13 +62,17 @@ ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED),
 class GemmVariant:
     """One tile and schedule of linear_wgmma (linear_wgmma.cu): the name sweeps and
     CupyBackend(gemm_variant=...) use, the BM x BN tile (2 BM threads), the cp.async stages
-    and the wgmma groups left running from one K tile into the next (0: each tile waited for)."""
+    and the wgmma groups left running from one K tile into the next (0: each tile waited for).
+    warp_specialised: linear_wgmma_ws instead (BM 128, WS_THREADS threads: a producer
+    warpgroup and two consumers, an mbarrier ring of `stages` stages, one wgmma group left
+    running: pending 1)."""
 
     name: str
     bm: int
     bn: int
     stages: int = 3
     pending: int = 0
+    warp_specialised: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -77,19 +81,29 @@ class GemmVariant:
 
     @property
     def distance(self) -> int:
-        """K tiles copied ahead of the one computed (the kernel's DISTANCE)."""
+        """K tiles copied ahead of the one computed (linear_wgmma's DISTANCE)."""
         return self.stages - 1 - self.pending
+
+    @property
+    def threads(self) -> int:
+        """Threads of one block."""
+        return WS_THREADS if self.warp_specialised else 2 * self.bm
 
 
 GEMM_PLAIN = GemmVariant("wgmma 128x128", 128, 128)
 GEMM_WAIT1 = GemmVariant("wgmma 128x128 wait1 4-stage", 128, 128, stages=4, pending=1)
 GEMM_WIDE = GemmVariant("wgmma 128x256 wait1", 128, 256, stages=4, pending=1)
+WS_THREADS = 384  # linear_wgmma_ws: a producer warpgroup and two consumer warpgroups
+GEMM_WS_WIDE = GemmVariant("wgmma 128x256 warp-specialised", 128, 256, stages=4, pending=1,
+                           warp_specialised=True)
+GEMM_WS = GemmVariant("wgmma 128x128 warp-specialised 6-stage", 128, 128, stages=6, pending=1,
+                      warp_specialised=True)
 # linear_wgmma's variants, the default first: its schedule runs every tile (WGMMA_TILES,
 # NORM_TILES), epilogue and product count, and ops.gemm_tile picks its tile where no variant
 # is named. The others are compiled for GEMM_VARIANT_EPILOGUES at one product (three products
 # would double their shared memory, past a block's 227 KiB) and stay off the default until a
 # GPU run times them.
-GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE)
+GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS)
 GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
 GEMM_VARIANT_PRODUCTS = 1
 
@@ -115,7 +129,12 @@ def wgmma_name(tile, products: int, epilogue: str, stages: int = GEMM_PLAIN.stag
 
 
 def gemm_variant_name(variant: GemmVariant, products: int, epilogue: str) -> str:
-    """Name expression of the Hopper GEMM kernel of variant for products and epilogue."""
+    """Name expression of the Hopper GEMM kernel of variant for products and epilogue (a
+    warp-specialised variant: linear_wgmma_ws<BN, epilogue, stages>, one product only)."""
+    if variant.warp_specialised:
+        if products != 1 or variant.bm != 128 or variant.pending != 1:
+            raise ValueError(f"{variant.name} runs one product on BM 128, one group pending")
+        return f"lb::linear_wgmma_ws<{variant.bn}, {EPILOGUES[epilogue]}, {variant.stages}>"
     return wgmma_name(variant.tile, products, epilogue, variant.stages, variant.pending)
 
 

@@ -12,6 +12,9 @@
 // (ceil(M / BM), ceil(N / BN)) as lb::linear (RESIDUAL_NORM: N <= BN, one block along N),
 // dynamic shared memory lb::linear_wgmma_shared_bytes(BM, BN, PRODUCTS, STAGES) bytes, above
 // 48 KB only after the kernel's max dynamic shared memory attribute has been raised to it.
+// lb::linear_wgmma_ws (one product, BM 128, warp-specialised: a producer warpgroup and two
+// consumers, stages handed over through mbarriers) takes 384 threads, the same grid and
+// linear_wgmma_shared_bytes(128, BN, 1, STAGES) bytes (its mbarriers are static shared memory).
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -46,12 +49,62 @@ __device__ __forceinline__ void load_tile(unsigned char* tile_ptr, const __half*
     }
 }
 
+// load_tile<ROWS, 128> for linear_wgmma_ws's producer warpgroup (threadIdx.x 0 .. 127), in few
+// registers (it holds 40): the same chunks to the same swizzled slots (thread t copies chunk
+// t % 8 of rows t / 8 + 16 i, whose slot is chunk ^ (t / 8 % 8) for every i), from one source
+// address and destination advanced 16 rows a step rather than one address a chunk kept live.
+template <int ROWS>
+__device__ __forceinline__ void load_tile_lean(unsigned char* tile_ptr, const __half* src,
+                                               long long stride, int r0, int row_end, int k0,
+                                               int k_end) {
+    static_assert(ROWS % 16 == 0, "16 rows a step of 128 threads");
+    const int kc = threadIdx.x % (BK / 8), r = threadIdx.x / (BK / 8);
+    const bool k_ok = k0 + kc * 8 < k_end;
+    const __half* g = src + (long long)(r0 + r) * stride + k0 + kc * 8;
+    unsigned char* d = tile_ptr + r * ROW_BYTES + ((kc ^ (r & 7)) << 4);
+#pragma unroll 1
+    for (int i = 0; i < ROWS / 16; ++i) {
+        const bool ok = k_ok && r0 + r + 16 * i < row_end;
+        cp_async16(d, ok ? g : src, ok);
+        g += 16 * stride;
+        d += 16 * ROW_BYTES;
+    }
+}
+
 // wgmma shared-memory matrix descriptor of a K-major operand in the canonical 128B-swizzle
 // layout: leading-dimension byte offset unused for swizzled K-major layouts (16, 1 by
 // convention), stride-dimension byte offset 1024 (from one group of 8 rows to the next), base
 // offset 0 (atoms 1024-aligned).
 __device__ __forceinline__ unsigned long long operand_desc(unsigned addr) {
     return smem_desc<128>(addr, 16, 1024);
+}
+
+// The HALF, GELU_PAIR and RESIDUAL epilogues of one thread's m64nBNk16 accumulator fragment:
+// acc[4 j + 2 h + e] + bias is output row row0 + 8 h, column n0 + 8 j + 2 t + e (row0: the
+// row of the thread's g = lane / 4 within its warp's 16, n0: the tile's first column, t =
+// lane % 4), stored by store_pair where row < M and column < N. The kernels' restrict
+// qualifiers carry through inlining (none here: linear_wgmma's SASS stays as before).
+template <int BN, int EPI>
+__device__ __forceinline__ void store_fragment(const float (&acc)[BN / 2], int row0, int n0,
+                                               int t, int M, int N, const float* bias,
+                                               __half* out_hi, __half* out_lo,
+                                               long long out_stride, const float* res,
+                                               float* out_f, const unsigned char* valid,
+                                               int zero_sum) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        int row = row0 + h * 8;
+        if (row >= M) continue;
+        bool keep = EPI != RESIDUAL || valid == nullptr || valid[row] != 0;
+        long long o_row = (long long)row * out_stride;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            int col = n0 + j * 8 + 2 * t;
+            if (col >= N) continue;
+            store_pair<EPI>(acc[4 * j + 2 * h] + bias[col], acc[4 * j + 2 * h + 1] + bias[col + 1],
+                            o_row + col, keep, zero_sum, out_hi, out_lo, res, out_f);
+        }
+    }
 }
 
 }  // namespace wgmma_detail
@@ -269,22 +322,158 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
             }
         }
     } else {
+        wd::store_fragment<BN, EPI>(acc, m0 + group * 64 + warp * 16 + g, n0, t, M, N, bias,
+                                    out_hi, out_lo, out_stride, res, out_f, valid, zero_sum);
+    }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // wgmma needs sm_90a: compile this kernel for sm_90a
+#endif
+}
+
+// Warp-specialised variant (FlashAttention-3 / CUTLASS "sm90 warp-specialized" style), one
+// fp16 product, EPI HALF, GELU_PAIR or RESIDUAL with linear_wgmma's semantics. Block 384
+// threads, three warpgroups: warpgroup 0 the producer (cp.async copies only, setmaxnreg.dec to
+// 40 registers), warpgroups 1 and 2 the consumers (wgmma and the epilogue on rows 0-63 and
+// 64-127 of the 128 x BN tile, setmaxnreg.inc to 232; 128 x 40 + 256 x 232 <= 65536). Grid and
+// shared memory as linear_wgmma<128, BN, 1, EPI, STAGES, *> (the same stage layout and
+// 128B-swizzled operands, the same descriptors).
+//
+// Tile kt lives in stage s = kt % STAGES in round r = kt / STAGES. Each stage has two mbarriers:
+// full[s] (count 128: each producer thread arrives once a round) and empty[s] (count 256: each
+// consumer thread arrives once a round). Phase r of full[s] completes when tile kt's copies have
+// landed and been fenced for the async proxy; phase r of empty[s] when both consumer
+// warpgroups' wgmmas reading tile kt are complete. Phase r is waited for with parity r & 1; the
+// producer's wait for phase r - 1 of empty[s] (parity (r & 1) ^ 1) passes at once in round 0
+// on a fresh barrier. No waiter can be two phases behind (each waits every phase in turn),
+// so the parity is never ambiguous. Order of events:
+//   Before the split: thread 0 initialises the barriers; __syncthreads (the block's only one).
+//   Producer, tile kt = 0 .. k_tiles - 1:
+//   1. wait empty[s] phase r - 1: the wgmmas of tile kt - STAGES are complete in both
+//      consumers.
+//   2. cp.async tile kt into stage s (zero-filled past M, N and K, as linear_wgmma); commit.
+//   3. kt > 0: cp.async wait 1 (this thread's copies of tile kt - 1 have landed); proxy fence
+//      (they become visible to the async proxy, which wgmma reads through); arrive on full of
+//      tile kt - 1. The fence stays in the writing thread, as linear_wgmma's step 1. (CUTLASS's
+//      sm90_mma_multistage_gmma_ss_warpspecialized.hpp instead lets the copies arrive
+//      themselves, cp.async.mbarrier.arrive, with no proxy fence, and no producer wait.)
+//   After the loop: cp.async wait 0, proxy fence, arrive on full of tile k_tiles - 1; exit
+//   (nothing of the producer is needed past its last arrive).
+//   Consumer, tile kt = 0 .. k_tiles - 1:
+//   1. wait full[s] phase r.
+//   2. wgmma fence; tile kt's BK / 16 k16 wgmmas from stage s into acc; commit.
+//   3. wgmma wait 1: tile kt - 1's group is complete (tile kt's runs on); kt > 0: arrive on
+//      empty of tile kt - 1.
+//   After the loop: wgmma wait 0, arrive on empty of the last tile, the epilogue (registers and
+//   global memory only: no barrier).
+// The producer at tile kt needs tile kt - STAGES released, which the consumers do at tile
+// kt - STAGES + 1, whose full barrier the producer arrives on at tile kt - STAGES + 2 <= kt - 1:
+// STAGES >= 3 never deadlocks. Up to STAGES - 1 tiles are copied ahead of the one computed, the
+// copies of at most two in flight at once (the producer's cp.async wait 1).
+template <int BN, int EPI, int STAGES>
+__global__ void __launch_bounds__(384, 1)
+linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
+                const __half* __restrict__ w_hi, const __half* __restrict__ w_lo,
+                long long w_stride, const float* __restrict__ bias, int M, int N, int K,
+                __half* __restrict__ out_hi, __half* __restrict__ out_lo, long long out_stride,
+                const float* res, float* out_f, const unsigned char* __restrict__ valid,
+                int zero_sum, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
+                float eps, __half* norm_hi, __half* norm_lo, long long norm_stride) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    namespace wd = wgmma_detail;
+    constexpr int BM = 128, BK = wd::BK, ROW_BYTES = wd::ROW_BYTES, ALIGN = wd::ALIGN;
+    constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static_assert(BN == 128 || BN == 256, "wgmma n128 or n256");
+    static_assert(EPI == HALF || EPI == GELU_PAIR || EPI == RESIDUAL, "no RESIDUAL_NORM");
+    static_assert(STAGES >= 3, "fewer stages deadlock (the schedule above)");
+    static_assert(128 * PRODUCER_REGISTERS + 256 * CONSUMER_REGISTERS <= 65536,
+                  "the warpgroups' registers must fit the register file");
+    static_assert(linear_wgmma_shared_bytes(BM, BN, 1, STAGES) <= MAX_WGMMA_SHARED_BYTES,
+                  "the stages must fit one block's shared memory");
+    constexpr int A_TILE = BM * ROW_BYTES, W_TILE = BN * ROW_BYTES;  // bytes, multiples of 1024
+    constexpr int STAGE = A_TILE + W_TILE;
+    extern __shared__ __align__(1024) unsigned char wgmma_shared[];
+    __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+
+    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(wgmma_shared));
+    const unsigned base = (raw + ALIGN - 1) & ~static_cast<unsigned>(ALIGN - 1);
+    unsigned char* smem = wgmma_shared + (base - raw);
+    const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full_bar));
+    const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty_bar));
+
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int k_tiles = (K + BK - 1) / BK;
+    // The warpgroup, uniform across each warp (a shuffle tells the compiler so).
+    const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+
+    if (threadIdx.x == 0) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            int row = m0 + group * 64 + warp * 16 + g + h * 8;
-            if (row >= M) continue;
-            bool keep = EPI != RESIDUAL || valid == nullptr || valid[row] != 0;
-            long long o_row = (long long)row * out_stride;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                int col = n0 + j * 8 + 2 * t;
-                if (col >= N) continue;
-                store_pair<EPI>(acc[4 * j + 2 * h] + bias[col],
-                                acc[4 * j + 2 * h + 1] + bias[col + 1], o_row + col, keep,
-                                zero_sum, out_hi, out_lo, res, out_f);
-            }
+        for (int s = 0; s < STAGES; ++s) {
+            wd::mbarrier_init(full0 + 8 * s, 128);
+            wd::mbarrier_init(empty0 + 8 * s, 256);
         }
     }
+    __syncthreads();
+
+    if (role == 0) {
+        // Producer: threadIdx.x 0 .. 127 are load_tile_lean's thread indices.
+        wd::setmaxnreg_dec<PRODUCER_REGISTERS>();
+        for (int kt = 0; kt < k_tiles; ++kt) {
+            const int s = kt % STAGES;
+            wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);  // 1
+            unsigned char* st = smem + s * STAGE;  // 2
+            wd::load_tile_lean<BM>(st, a_hi, a_stride, m0, M, kt * BK, K);
+            wd::load_tile_lean<BN>(st + A_TILE, w_hi, w_stride, n0, N, kt * BK, K);
+            cp_async_commit();
+            if (kt > 0) {  // 3
+                cp_async_wait<1>();
+                wd::fence_proxy_async();
+                wd::mbarrier_arrive(full0 + 8 * ((kt - 1) % STAGES));
+            }
+        }
+        if (k_tiles > 0) {  // drain the last tile
+            cp_async_wait<0>();
+            wd::fence_proxy_async();
+            wd::mbarrier_arrive(full0 + 8 * ((k_tiles - 1) % STAGES));
+        }
+        return;
+    }
+
+    // Consumers: warpgroup role - 1 computes rows 64 (role - 1) .. 64 (role - 1) + 63.
+    wd::setmaxnreg_inc<CONSUMER_REGISTERS>();
+    const int group = role - 1;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % STAGES;
+        wd::mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);  // 1
+        const unsigned st = base + s * STAGE;  // 2
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+        wd::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            unsigned a = st + group * 64 * ROW_BYTES + kk * 32;
+            unsigned w = st + A_TILE + kk * 32;
+            wd::SS<BN>::template run<1>(acc, wd::operand_desc(a), wd::operand_desc(w));
+        }
+        wd::wgmma_commit();
+        wd::wgmma_wait<1>();  // 3
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+        if (kt > 0) wd::mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));
+    }
+    wd::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+    if (k_tiles > 0) wd::mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));
+
+    // Accumulator fragment as linear_wgmma's: the warp's 16 rows of the consumer's 64.
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    wd::store_fragment<BN, EPI>(acc, m0 + group * 64 + warp * 16 + lane / 4, n0, lane % 4, M,
+                                N, bias, out_hi, out_lo, out_stride, res, out_f, valid,
+                                zero_sum);
 #elif defined(__CUDA_ARCH__)
     __trap();  // wgmma needs sm_90a: compile this kernel for sm_90a
 #endif

@@ -190,8 +190,11 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
             hi, lo, np.int64(stride), res, out, valid_rows, np.int32(int(zero_sum)))
     if wgmma:
         bm, bn = tile
-        name = build.wgmma_name(tile, products, epilogue, variant.stages, variant.pending)
-        threads = 2 * bm
+        if variant.warp_specialised:  # linear_wgmma_ws: its own kernel, 384 threads
+            name, threads = build.gemm_variant_name(variant, products, epilogue), variant.threads
+        else:
+            name = build.wgmma_name(tile, products, epilogue, variant.stages, variant.pending)
+            threads = 2 * bm
         shared = wgmma_shared_bytes(bm, bn, products, variant.stages)
         norm_w, norm_b = norm if fused_norm else (None, None)
         norm_hi, norm_lo = norm_out if fused_norm else (None, None)

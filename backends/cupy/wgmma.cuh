@@ -1,7 +1,8 @@
 // wgmma building blocks shared by the Hopper kernels (linear_wgmma.cu, attention_wgmma.cu):
-// shared-memory matrix descriptors, the async-proxy and wgmma fences, commit and wait, operand
-// fences, and the m64nNk16 f32 += f16 x f16 instructions with A from shared memory (SS) or
-// from registers (RS). The instructions exist only on sm_90a; callers use them only there.
+// shared-memory matrix descriptors, the async-proxy and wgmma fences, commit and wait, mbarriers,
+// setmaxnreg, operand fences, and the m64nNk16 f32 += f16 x f16 instructions with A from shared
+// memory (SS) or from registers (RS). The instructions exist only on sm_90a (mbarrier try_wait
+// and setmaxnreg: sm_90); callers use them only there.
 #pragma once
 #include "common.cuh"
 
@@ -36,6 +37,43 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// mbarriers in shared memory (addresses from __cvta_generic_to_shared), CTA scope: init to an
+// arrival count (one thread, before a block barrier), arrive (release), and wait for the
+// completion of the phase of parity `parity` (acquire): try_wait.parity succeeds once the
+// barrier's current phase has the other parity, so on a fresh barrier (phase 0 running)
+// parity 1 succeeds at once.
+__device__ __forceinline__ void mbarrier_init(unsigned addr, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(addr), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(unsigned addr) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(addr) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(unsigned addr, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(addr), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+
+// The registers a thread of the executing warpgroup holds from here on (setmaxnreg: every
+// warp of the warpgroup runs it; N a multiple of 8 in 24 .. 256).
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
 // Keep the compiler from moving accesses of a wgmma operand register across wgmma issue and wait.
