@@ -29,13 +29,15 @@ class CupyBackend(Backend):
     no parallelism (see layer.fuses_norms); True: wherever it applies.
     gemm_variant: a variant of the wgmma GEMMs by name (build.GEMM_VARIANTS): "wgmma 128x128"
     (the default schedule on 128x128 tiles), "wgmma 128x128 wait1 4-stage" (each K tile's
-    wgmma group left running over the next tile's barrier and copies) or "wgmma 128x256
-    wait1" (the same on 128x256 tiles). A GEMM runs it where the module has it for the GEMM's
+    wgmma group left running over the next tile's barrier and copies), "wgmma 128x256
+    wait1" (the same on 128x256 tiles), or "wgmma 128x256 warp-specialised" / "wgmma 128x128
+    warp-specialised 6-stage" (a producer warpgroup's copies handed to two consumer
+    warpgroups through mbarriers). A GEMM runs it where the module has it for the GEMM's
     epilogue and product count (the non-default ones: half, gelu_pair and residual at one
-    product, so every GEMM from d_model 512, Q/K/V alone below), the output is at least
-    one tile wide and the grid has a block for every SM; the other GEMMs keep the default. Needs the wgmma GEMMs. None (default):
-    the default schedule, its tile picked per GEMM. The non-default variants are off the
-    default until timed on a GPU. attention_variant: a variant of the wgmma attention kernel
+    product, so every GEMM from d_model 512, Q/K/V alone below), the output is at least one
+    tile wide and the grid has a block for every SM; the other GEMMs keep the default. Needs
+    the wgmma GEMMs. None (default): the default schedule, its tile picked per GEMM; the
+    others were slower on the H200 and stay options. attention_variant: a variant of the wgmma attention kernel
     by name (build.ATTENTION_WGMMA; None: "wgmma 128x64 2/SM" at head dims up to 64,
     "wgmma 128x128" above); needs the wgmma attention (sm_90, head dims up to 128).
     """

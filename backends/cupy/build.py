@@ -101,8 +101,8 @@ GEMM_WS = GemmVariant("wgmma 128x128 warp-specialised 6-stage", 128, 128, stages
 # linear_wgmma's variants, the default first: its schedule runs every tile (WGMMA_TILES,
 # NORM_TILES), epilogue and product count, and ops.gemm_tile picks its tile where no variant
 # is named. The others are compiled for GEMM_VARIANT_EPILOGUES at one product (three products
-# would double their shared memory, past a block's 227 KiB) and stay off the default until a
-# GPU run times them.
+# would double their shared memory, past a block's 227 KiB); timed on the H200, each was
+# slower than the default and stays an option.
 GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS)
 GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
 GEMM_VARIANT_PRODUCTS = 1
