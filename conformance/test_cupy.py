@@ -85,6 +85,18 @@ def test_every_kernel_compiles(cupy_selected, compiled, arch):
     assert set(lowered.values()) <= symbols
 
 
+def test_sources_have_no_generic_lambdas(cupy_selected):
+    """No kernel source has a generic lambda (a parameter declared auto): NVRTC 13.0 crashed
+    with a segmentation fault compiling them in the wgmma attention kernel, where 13.5 did
+    not."""
+    generic = re.compile(r"\[[^\]]*\]\s*\([^)]*\bauto\b")
+    for path in build.source_files():
+        hits = [n for n, line in enumerate(path.read_text().splitlines(), 1)
+                if generic.search(line)]
+        assert not hits, f"{path.name}: generic lambda on lines {hits}"
+    assert generic.search("auto f = [&](auto count, int x) {")
+
+
 def register_budget(name: str) -> int:
     """The most registers a thread of kernel name may hold: 255, or for a wgmma attention
     variant of two blocks an SM, 65536 / (2 blocks x 2 BQ threads)."""
