@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from layerbench.backends.cupy import build, ops
+from layerbench.backends.cupy import build, ops, tensor_maps
 from layerbench.backends.cupy import layer as layer_module
 from layerbench.backends.cupy.layer import linear_products_for
 from layerbench.common.config import LayerConfig
@@ -135,7 +135,11 @@ def test_gemm_variants_sass(cupy_selected, compiled):
     (ptxas serialising the wgmmas would add fences and waits of 0); no local memory. The
     warp-specialised ones also: setmaxnreg to 40 (producer) and 232 (consumers) registers
     (USETMAXREG), mbarrier waits and arrives (SYNCS), one block barrier (BAR.SYNC, after the
-    mbarriers' initialisation); the others none of these."""
+    mbarriers' initialisation); the others none of these. The cp.async ones (linear_wgmma,
+    linear_wgmma_ws) copy with LDGSTS and no TMA; the TMA ones (linear_wgmma_tma) with two
+    2-D TMA loads (UTMALDG.2D, A and W) and no LDGSTS, prefetch both tensor maps
+    (UTMACCTL.PF) and arrive with transaction bytes (SYNCS.ARRIVE.TRANS64 with a byte-count
+    register, the consumers' plain arrives A1T0)."""
     from layerbench.common.cuda_host import cuda_tool
 
     path, lowered = compiled[build.HOPPER]
@@ -154,8 +158,15 @@ def test_gemm_variants_sass(cupy_selected, compiled):
             waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", body)
             assert waits == ([f"0x{v.pending}", "0x0"] if v.pending else ["0x0"]), (name, waits)
             assert not re.search(r"\b(LDL|STL)\b", body), name  # no local memory
-            if v.warp_specialised:  # registers moved between the roles, mbarriers, no block
-                # barrier but the one after the barriers' initialisation
+            if v.tma:  # TMA copies only, issued by one thread
+                assert len(re.findall(r"\bUTMALDG\.2D\b", body)) == 2, name
+                assert len(re.findall(r"\bUTMACCTL\.PF\b", body)) == 2, name
+                assert re.search(r"\bSYNCS\.ARRIVE\.TRANS64 RZ, \[[^\]]+\], R\d+", body), name
+                assert "LDGSTS" not in body, name
+            else:
+                assert "LDGSTS" in body and "UTMA" not in body, name
+            if v.warp_specialised or v.tma:  # registers moved between the roles, mbarriers,
+                # no block barrier but the one after the barriers' initialisation
                 assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", body), name
                 assert re.search(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", body), name
                 assert re.search(r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", body), name
@@ -166,19 +177,38 @@ def test_gemm_variants_sass(cupy_selected, compiled):
 
 
 class Recorder:
-    """Stands in for ops.Kernels: records each launch."""
+    """Stands in for ops.Kernels: records each launch, and each tensor map asked for (built by
+    tensor_maps.tensor_map with fake_encode for the driver)."""
 
     def __init__(self):
         self.calls = []
+        self.maps = []
+
+    def tensor_map(self, t, box_rows):
+        """tensor_maps.tensor_map of t, the encoding recorded."""
+        self.maps.append((tuple(t.shape), t.stride(), box_rows))
+        return tensor_maps.tensor_map(t, box_rows, encode=fake_encode)
 
     def launch(self, name, grid, block, shared, args):
         """Record one launch."""
         self.calls.append((name, grid, block, shared, args))
 
 
+FAKE_WORDS = [i + (1 << 56) for i in range(16)]  # a tensor map's words, word i = i + 2^56
+
+
+def fake_encode(t, box_rows):
+    """Stands in for tensor_maps.encode_tiled (no driver on CPU): CUDA_SUCCESS and
+    FAKE_WORDS."""
+    return 0, np.array(FAKE_WORDS, dtype=np.uint64)
+
+
 def _size(arg) -> int:
     if arg is None or isinstance(arg, torch.Tensor):
         return 8
+    if isinstance(arg, np.ndarray):  # passed by value from its data: a tensor map
+        assert arg.shape == () and arg.dtype == tensor_maps.TENSOR_MAP_DTYPE, arg
+        return arg.dtype.itemsize
     assert isinstance(arg, np.generic), f"untyped scalar {arg!r}"
     return arg.dtype.itemsize
 
@@ -242,14 +272,17 @@ def _launches():
 def test_parameters_match_the_compiled_kernels(cupy_selected, compiled):
     """Each launch the host makes (every wgmma attention and GEMM variant too) passes as many
     arguments as its kernel takes, each of the size the cubin records (8 for an address or
-    64-bit integer, 4 for int32 or float), within the kernel's shared-memory limit (227 KiB on
-    sm_90) and a whole number of warps."""
+    64-bit integer, 4 for int32 or float, 128 for a TMA kernel's two tensor maps, its last
+    parameters), within the kernel's shared-memory limit (227 KiB on sm_90) and a whole
+    number of warps."""
     path, lowered = compiled[build.HOPPER]
     info = cubin_kernels(path)
     seen = set()
     for name, grid, block, shared, args in _launches():
         assert name in lowered, name
         assert [_size(a) for a in args] == info[lowered[name]]["params"], name
+        if name.startswith("lb::linear_wgmma_tma<"):
+            assert info[lowered[name]]["params"][-2:] == [128, 128], name
         assert block % 32 == 0 and shared <= 227 * 1024 and all(g >= 1 for g in grid), name
         seen.add(name)
     assert seen >= {n for n in build.name_expressions(build.HOPPER)
@@ -401,7 +434,12 @@ def test_gemm_variants(cupy_selected, monkeypatch):
         name, grid, block, shared, _ = k.calls[0]
         assert name == build.gemm_variant_name(v, 1, epilogue)
         assert grid == (cdiv(m, v.bm), cdiv(n, v.bn), 1) and block == v.threads
-        assert block == (build.WS_THREADS if v.warp_specialised else 2 * v.bm)
+        assert block == (build.WS_THREADS if v.warp_specialised or v.tma else 2 * v.bm)
+        if v.tma:  # A's map (boxes of BM rows) and W's (BN rows), appended
+            assert k.maps == [((m, d), (d, 1), v.bm), ((n, d), (d, 1), v.bn)], k.maps
+            assert [a.dtype for a in k.calls[0][4][-2:]] == [tensor_maps.TENSOR_MAP_DTYPE] * 2
+        else:
+            assert not k.maps
         assert shared == ops.wgmma_shared_bytes(v.bm, v.bn, 1, v.stages)
     k = Recorder()
     ops.linear(k, pair, wp, bias, "half", 1, wgmma=True, out_half=out, tile=(64, 64))
@@ -659,8 +697,8 @@ def test_gemm_schedules_keep_stages_safe(cupy_selected):
         assert line in text, line
     names = build.name_expressions(build.HOPPER)
     for v in build.GEMM_VARIANTS:
-        if v.warp_specialised:  # linear_wgmma_ws: test_ws_gemm_ring_keeps_stages_safe
-            continue
+        if v.warp_specialised or v.tma:  # their own ring models (test_ws_gemm_ring_...,
+            continue  # test_tma_gemm_ring_...)
         assert v.distance == v.stages - 1 - v.pending >= 1
         assert build.gemm_variant_name(v, 1, "half") in names
         assert build.gemm_variant_name(v, 1, "half").endswith(f", {v.stages}, {v.pending}>")
@@ -824,7 +862,8 @@ def test_ws_gemm_ring_keeps_stages_safe(cupy_selected):
     argument of its kernels) it passes check_ws_ring for 0 to 11 K tiles under every
     scheduler of ws_picks."""
     text = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
-    text = text[text.index("linear_wgmma_ws(const __half*"):]
+    text = text[text.index("linear_wgmma_ws(const __half*"):
+                text.index("// TMA variant of linear_wgmma_ws")]
     for line in ("wd::mbarrier_init(full0 + 8 * s, 128);",
                  "wd::mbarrier_init(empty0 + 8 * s, 256);",
                  "wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);",
@@ -871,6 +910,269 @@ def test_ws_ring_model_catches_mistakes(cupy_selected, mistake):
                 check_ws_ring(k_tiles, pick=pick, **args)
 
 
+# A model of linear_wgmma_tma's ring (the schedule above linear_wgmma_tma in linear_wgmma.cu):
+# agents as in check_ws_ring, the producer one thread. Each mbarrier counts pending arrivals
+# and transaction bytes; its phase completes when both reach 0 (the arrivals then re-armed
+# to its count). Producer events: ("wait", barrier, parity), ("expect_tx", barrier, bytes) an
+# arrive that first adds bytes, ("tma", stage, part, tile, bytes) a TMA copy of part "A" or
+# "W" issued, landing later (its bytes then completing on full[stage]) at a moment the
+# scheduler picks. Consumer events as ws_consumer's. TMA_COUNTS: the kernel's init counts.
+TMA_COUNTS = {"full": 1, "empty": 256}
+
+
+def tma_tile_bytes(bn: int) -> dict[str, int]:
+    """Bytes of the two boxes of one K tile: A 128 x 64 and W BN x 64 halves."""
+    return {"A": 128 * 128, "W": bn * 128}
+
+
+def tma_producer(k_tiles: int, stages: int, bn: int, tx_bytes: int | None = None,
+                 wait_empty: bool = True, empty_flip: int = 1, expect_first: bool = True):
+    """The producer thread's steps 1-2 (tx_bytes: the expect_tx count, default both boxes;
+    wait_empty: step 1 kept; empty_flip: its parity (r & 1) ^ empty_flip; expect_first: the
+    arrive.expect_tx before the copies, else after)."""
+    parts = tma_tile_bytes(bn)
+    tx = sum(parts.values()) if tx_bytes is None else tx_bytes
+    for kt in range(k_tiles):
+        s, r = kt % stages, kt // stages
+        if wait_empty:
+            yield ("wait", ("empty", s), (r & 1) ^ empty_flip)  # 1
+        copies = [("tma", s, part, kt, size) for part, size in parts.items()]  # 2
+        arrive = [("expect_tx", ("full", s), tx)]
+        yield from arrive + copies if expect_first else copies + arrive
+
+
+def check_tma_ring(k_tiles: int, stages: int, bn: int, pick, full_count: int = 1,
+                   **mistake) -> None:
+    """Run the producer thread, the two consumer warpgroups and the landing of each issued TMA
+    copy, pick(runnable names) choosing who steps next, and assert: a wgmma reads a stage
+    only while both its boxes hold the tile wanted and have landed; no copy is issued or lands
+    in a stage while a wgmma group of either consumer may read it, nor before both consumers
+    have read the tile it replaces; each consumer reads every tile once, in order, with no
+    wgmma pending at its epilogue; no copy is left in flight; no barrier's transaction bytes
+    go below zero at a phase's end; every agent finishes (no deadlock)."""
+    producer = {k: v for k, v in mistake.items()
+                if k in ("tx_bytes", "wait_empty", "empty_flip", "expect_first")}
+    consumer = {k: v for k, v in mistake.items() if k in ("release_early", "full_flip")}
+    agents = {"P": tma_producer(k_tiles, stages, bn, **producer)}
+    agents |= {f"C{c}": ws_consumer(k_tiles, stages, **consumer) for c in range(2)}
+    nxt = {name: next(gen, None) for name, gen in agents.items()}
+    counts = {"full": full_count, "empty": TMA_COUNTS["empty"]}
+    bars = {(kind, s): {"pending": counts[kind], "tx": 0, "phase": 0}
+            for kind in counts for s in range(stages)}
+    stage = {}  # (stage, part) -> [tile, "flight" | "landed"]
+    flight = {}  # landing agent name -> (stage, part, tile, bytes)
+    mma_open = {c: [] for c in ("C0", "C1")}
+    mma_groups = {c: [] for c in ("C0", "C1")}
+    read = {c: [] for c in ("C0", "C1")}
+
+    def settle(bar):
+        b = bars[bar]
+        if b["pending"] == 0 and b["tx"] == 0:
+            b["pending"], b["phase"] = counts[bar[0]], b["phase"] + 1
+
+    def runnable(name):
+        if name in flight:
+            return True
+        e = nxt[name]
+        return e is not None and (e[0] != "wait" or bars[e[1]]["phase"] % 2 != e[2])
+
+    def writable(s, part, tile):
+        busy = [c for c in mma_open for g in mma_groups[c] + [mma_open[c]] for m in g
+                if m[0] == s]
+        assert not busy, f"tile {tile} {part} written into stage {s} while {busy[0]} may read it"
+        held = stage.get((s, part))
+        if held is not None and held[0] != tile:
+            unread = [c for c in read if held[0] not in read[c]]
+            assert not unread, f"tile {tile} written over tile {held[0]} unread by {unread}"
+
+    while any(e is not None for e in nxt.values()) or flight:
+        ready = [n for n in list(agents) + list(flight) if runnable(n)]
+        assert ready, f"deadlock: {nxt}, barriers {bars}"
+        name = pick(ready)
+        if name in flight:  # a TMA copy lands and completes its bytes on full[s]
+            s, part, tile, size = flight.pop(name)
+            writable(s, part, tile)
+            stage[s, part] = [tile, "landed"]
+            bars["full", s]["tx"] -= size
+            settle(("full", s))
+            continue
+        e = nxt[name]
+        kind = e[0]
+        if kind == "arrive":
+            bars[e[1]]["pending"] -= 128
+            assert bars[e[1]]["pending"] >= 0, f"too many arrivals on {e[1]}"
+            settle(e[1])
+        elif kind == "expect_tx":
+            b = bars[e[1]]
+            b["tx"] += e[2]
+            b["pending"] -= 1
+            assert b["pending"] >= 0, f"too many arrivals on {e[1]}"
+            settle(e[1])
+        elif kind == "tma":
+            _, s, part, tile, size = e
+            writable(s, part, tile)
+            stage[s, part] = [tile, "flight"]
+            flight[f"L{s}{part}{tile}"] = (s, part, tile, size)
+        elif kind == "mma":
+            _, s, tile = e
+            held = [stage.get((s, part)) for part in ("A", "W")]
+            assert held == [[tile, "landed"]] * 2, f"{name} reads tile {tile} from {s}: {held}"
+            mma_open[name].append((s, tile))
+            read[name].append(tile)
+        elif kind == "mma_commit":
+            mma_groups[name].append(mma_open[name])
+            mma_open[name] = []
+        elif kind == "mma_wait":
+            mma_groups[name] = _retire(mma_groups[name], e[1])[1]
+        elif kind == "epilogue":
+            assert not mma_open[name] and not mma_groups[name], f"{name}: wgmma pending"
+        nxt[name] = next(agents[name], None)
+    assert all(r == list(range(k_tiles)) for r in read.values()), read
+    assert all(b["tx"] == 0 for b in bars.values()), bars
+
+
+def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
+    """linear_wgmma_tma is the ring tma_producer and ws_consumer model (the lines below: full
+    barriers of one arrival, expect_tx of both boxes' bytes before the two copies, the
+    consumers as linear_wgmma_ws's), and with every TMA variant's stages and width it passes
+    check_tma_ring for 0 to 11 K tiles under every scheduler of ws_picks."""
+    text = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
+    text = text[text.index("linear_wgmma_tma(const __half*"):]
+    for line in ("constexpr int STAGE = A_TILE + W_TILE;",
+                 "wd::mbarrier_init(full0 + 8 * s, 1);",
+                 "wd::mbarrier_init(empty0 + 8 * s, 256);", "wd::fence_mbarrier_init();",
+                 "if (threadIdx.x == 0) {",
+                 "wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);",
+                 "wd::mbarrier_arrive_expect_tx(full, STAGE);\n"
+                 "                wd::tma_load_2d(st, &a_map, full, kt * BK, m0);\n"
+                 "                wd::tma_load_2d(st + A_TILE, &w_map, full, kt * BK, n0);",
+                 "wd::mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);",
+                 "wd::wgmma_wait<1>();",
+                 "if (kt > 0) wd::mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));",
+                 "wd::wgmma_wait<0>();",
+                 "if (k_tiles > 0) wd::mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));"):
+        assert line in text, line
+    assert text.count("mbarrier_arrive(") == 2 and text.count("__syncthreads()") == 1
+    assert text.count("tma_load_2d(") == 2 and "cp_async" not in text
+    names = build.name_expressions(build.HOPPER)
+    tma = [v for v in build.GEMM_VARIANTS if v.tma]
+    assert {build.GEMM_TMA_WIDE, build.GEMM_TMA} <= set(tma)
+    for v in tma:
+        assert (v.bm, v.pending, v.threads, v.warp_specialised) == (128, 1, build.WS_THREADS,
+                                                                     False)
+        name = build.gemm_variant_name(v, 1, "half")
+        assert name in names and name == f"lb::linear_wgmma_tma<{v.bn}, 0, {v.stages}>"
+        for k_tiles in range(12):
+            for pick in ws_picks():
+                check_tma_ring(k_tiles, v.stages, v.bn, pick)
+    for stages in (2, 3):  # the fewest stages the kernel allows still run
+        for pick in ws_picks(5):
+            check_tma_ring(7, stages, 256, pick)
+
+
+@pytest.mark.parametrize("mistake", [dict(tx_bytes=128 * 128), dict(tx_bytes=3 * 128 * 256),
+                                     dict(wait_empty=False), dict(empty_flip=0),
+                                     dict(full_flip=1), dict(release_early=True),
+                                     dict(full_count=2), dict(stages=1)],
+                         ids=["expect-tx-A-only", "expect-tx-too-many", "no-empty-wait",
+                              "empty-parity", "full-parity", "release-before-wgmma-wait",
+                              "full-count-2", "one-stage"])
+def test_tma_ring_model_catches_mistakes(cupy_selected, mistake):
+    """check_tma_ring fails the 128x256 TMA ring (4 stages) when expect_tx announces A's
+    bytes alone (the phase completes before W lands: a wgmma reads W in flight) or more than
+    land (deadlock), the producer skips or mis-parities its empty wait (a copy lands under
+    a wgmma, or deadlock), a consumer mis-parities its full wait or releases a stage before
+    its wgmma wait, full barriers count two arrivals (deadlock), or the ring has one stage."""
+    args = dict(stages=build.GEMM_TMA_WIDE.stages, bn=build.GEMM_TMA_WIDE.bn) | mistake
+    with pytest.raises(AssertionError):
+        for k_tiles in range(1, 10):
+            for pick in ws_picks(5):
+                check_tma_ring(k_tiles, pick=pick, **args)
+
+
+def test_tensor_maps(cupy_selected, monkeypatch):
+    """tensor_maps.tensor_map passes the driver's cuTensorMapEncodeTiled a 64-byte-aligned map,
+    FLOAT16, rank 2, the tensor's base, global dims [K, rows], the row stride in bytes, box
+    [64, box_rows], element strides [1, 1], no interleave, the 128-byte swizzle, 256-byte L2
+    promotion and zero OOB fill (the enum values cuda.bindings has), and packs the 16 words
+    it writes in order into 128 bytes; it refuses a misaligned row stride or base, non-fp16,
+    non-contiguous rows, empty tensors and boxes past 256 rows (ValueError) and names the
+    shape when the driver fails (RuntimeError). ops.linear refuses a TMA variant on such
+    operands, and the layer does not pick it for them; the map cache memoises on the
+    tensor's address, shape and strides."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from cuda.bindings import driver as d
+
+    assert (tensor_maps.FLOAT16, tensor_maps.INTERLEAVE_NONE, tensor_maps.SWIZZLE_128B,
+            tensor_maps.L2_PROMOTION_256B, tensor_maps.OOB_FILL_ZEROS) == (
+        int(d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
+        int(d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE),
+        int(d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B),
+        int(d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B),
+        int(d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
+    calls, result = [], [0]
+
+    def encode(out, dtype, rank, base, dims, strides, box, elem, *modes):
+        """Records the call (arrays as lists) and writes FAKE_WORDS at out."""
+        calls.append((out % 64, dtype, rank, base, list(dims[:2]), list(strides[:1]),
+                      list(box[:2]), list(elem[:2]), *modes))
+        ctypes.memmove(out, np.array(FAKE_WORDS, dtype=np.uint64).ctypes.data, 128)
+        return result[0]
+    monkeypatch.setattr(tensor_maps, "_encoder", lambda: encode)
+    store = torch.zeros(300, 144, dtype=torch.float16)
+    t = store[:, :136]  # rows of 144 halves (288 bytes), 136 columns
+    got = tensor_maps.tensor_map(t, 128)
+    assert isinstance(got, np.ndarray) and got.shape == () and got.dtype.itemsize == 128
+    assert got.dtype == tensor_maps.TENSOR_MAP_DTYPE
+    assert got.tobytes() == np.array(FAKE_WORDS, dtype="<u8").tobytes()
+    assert calls == [(0, 6, 2, t.data_ptr(), [136, 300], [288], [64, 128], [1, 1], 0, 3, 3, 0)]
+    assert tensor_maps.tensor_map(store, 256) is not None and calls[-1][6] == [64, 256]
+    bad = {"stride": torch.zeros(8, 140, dtype=torch.float16)[:, :136],
+           "base": torch.zeros(8, 144, dtype=torch.float16)[:, 4:],
+           "dtype": torch.zeros(8, 64), "columns": store[:, ::2], "empty": store[:0],
+           "box": store}
+    for why, x in bad.items():
+        with pytest.raises(ValueError, match="TMA"):
+            tensor_maps.tensor_map(x, 300 if why == "box" else 128)
+        assert why == "box" or not tensor_maps.describable(x)
+    result[0] = 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(RuntimeError, match=r"\(300, 136\)"):
+        tensor_maps.tensor_map(t, 128)
+    result[0] = 0
+    n_calls = len(calls)
+    cache = tensor_maps.TensorMapCache()
+    first = cache(t, 128)
+    assert cache(t, 128) is first and cache(store[:, :136], 128) is first
+    assert cache(store[:200, :136], 128) is not first and cache(t, 64) is not first
+    assert len(calls) == n_calls + 3
+
+    # ops.linear: a TMA variant on a misaligned A is refused, with no launch
+    m, n, d = 300, 256, 136
+    bias, out = torch.zeros(n), torch.zeros(m, n, dtype=torch.float16)
+    wp = weight_pair(torch.zeros(n, d))
+    shifted = torch.zeros(m, d + 8, dtype=torch.float16)[:, 4:]  # base off 16 bytes
+    for v in (build.GEMM_TMA_WIDE, build.GEMM_TMA):
+        k = Recorder()
+        with pytest.raises(ValueError, match="cannot run on these operands"):
+            ops.linear(k, (shifted, None), wp, bias, "half", 1, out_half=out, wgmma=True,
+                       gemm_variant=v.name)
+        assert not k.calls
+    # the layer picks a TMA variant only where both operands have maps
+    from layerbench.backends.cupy.layer import CupyLayer
+
+    monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 1)
+    layer = SimpleNamespace(gemm_variant=build.GEMM_TMA, wgmma=True, device=None)
+    pick = CupyLayer.gemm_variant_for
+    a = (torch.zeros(m, d, dtype=torch.float16), None)
+    assert pick(layer, "half", 1, wp, m, a) == build.GEMM_TMA.name
+    assert pick(layer, "half", 1, wp, m, (shifted, None)) is None
+    assert pick(layer, "half", 1, wp, m) is None  # no operand to describe
+    layer.gemm_variant = build.GEMM_WS
+    assert pick(layer, "half", 1, wp, m, (shifted, None)) == build.GEMM_WS.name
+
+
 @pytest.fixture
 def kernels(cupy_selected):
     """The compiled kernels of the current GPU (skips without one or without CuPy)."""
@@ -912,9 +1214,9 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
     """Each epilogue with each product count and tile, and (wgmma) each GEMM variant at one
     product, against fp64: rows off the tile, N off the tile (also narrower than it), K off
     64 (also below it, and 10 K tiles); the residual in place and with invalid rows. The
-    wait-1 schedule and the warp-specialised 128x128 kernel are bit-identical to the plain one
-    on the same tile, the warp-specialised 128x256 to the wait-1 128x256 (the same wgmmas in
-    the same order)."""
+    wait-1 schedule and the warp-specialised and TMA 128x128 kernels are bit-identical to the
+    plain one on the same tile, the warp-specialised and TMA 128x256 to the wait-1 128x256
+    (the same wgmmas in the same order)."""
     g = torch.Generator(device="cuda").manual_seed(m + n)
     a = torch.randn(m, k, device="cuda", generator=g)
     w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
@@ -967,6 +1269,10 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
         # the warp-specialised kernels run the same wgmmas in the same order as the others
         assert torch.equal(results[1, build.GEMM_WS.name], plain), epilogue
         assert torch.equal(results[1, build.GEMM_WS_WIDE.name],
+                           results[1, build.GEMM_WIDE.name]), epilogue
+        # ... and so do the TMA kernels (zero-filled boxes as the cp.async zero fill)
+        assert torch.equal(results[1, build.GEMM_TMA.name], plain), epilogue
+        assert torch.equal(results[1, build.GEMM_TMA_WIDE.name],
                            results[1, build.GEMM_WIDE.name]), epilogue
 
 
@@ -1280,4 +1586,36 @@ def test_layer_keeps_the_contract_and_replays(kernels, number, wgmma, fuse_norms
         for _ in range(3):  # eager, captured, replayed
             report = compare(layer(x, mask), expected)
             assert report.passed, report.summary()
+    assert layer.graphed.graphs and not layer.graphed.uncapturable
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", [build.GEMM_TMA.name, build.GEMM_TMA_WIDE.name])
+def test_layer_with_tma_gemms_keeps_the_contract_and_replays(kernels, variant, monkeypatch):
+    """The layer at d_model 1024 (CI shape 8) with a TMA GEMM variant on every GEMM (its
+    grid thresholds lowered to one SM: 96 rows, partial boxes along M) keeps the contract
+    eager, captured and replayed: the tensor maps made at capture stay right on replay."""
+    from layerbench.backends.cupy import CupyBackend
+    from layerbench.common.shapes import CI
+
+    if not kernels.has_wgmma:
+        pytest.skip(f"no wgmma on sm_{kernels.arch}")
+    monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 1)
+    cfg = CI[8].config
+    model = make_reference(cfg, seed=41)
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
+    expected = reference_forward(model.cuda(), x, mask)
+    layer = CupyBackend(gemm_variant=variant).build(cfg, model.state_dict(), device="cuda")
+    names = []
+    real = ops.linear
+
+    def linear(*args, **kwargs):
+        names.append(kwargs.get("gemm_variant"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(ops, "linear", linear)
+    with torch.no_grad():
+        for _ in range(3):  # eager, captured, replayed
+            report = compare(layer(x, mask), expected)
+            assert report.passed, report.summary()
+    assert names and set(names) == {variant}, names
     assert layer.graphed.graphs and not layer.graphed.uncapturable

@@ -65,7 +65,9 @@ class GemmVariant:
     and the wgmma groups left running from one K tile into the next (0: each tile waited for).
     warp_specialised: linear_wgmma_ws instead (BM 128, WS_THREADS threads: a producer
     warpgroup and two consumers, an mbarrier ring of `stages` stages, one wgmma group left
-    running: pending 1)."""
+    running: pending 1). tma: linear_wgmma_tma instead (as linear_wgmma_ws, but one producer
+    thread copies each stage with TMA from the tensor maps of A and W, appended to the
+    arguments by ops.linear)."""
 
     name: str
     bm: int
@@ -73,6 +75,7 @@ class GemmVariant:
     stages: int = 3
     pending: int = 0
     warp_specialised: bool = False
+    tma: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -87,7 +90,7 @@ class GemmVariant:
     @property
     def threads(self) -> int:
         """Threads of one block."""
-        return WS_THREADS if self.warp_specialised else 2 * self.bm
+        return WS_THREADS if self.warp_specialised or self.tma else 2 * self.bm
 
 
 GEMM_PLAIN = GemmVariant("wgmma 128x128", 128, 128)
@@ -98,12 +101,17 @@ GEMM_WS_WIDE = GemmVariant("wgmma 128x256 warp-specialised", 128, 256, stages=4,
                            warp_specialised=True)
 GEMM_WS = GemmVariant("wgmma 128x128 warp-specialised 6-stage", 128, 128, stages=6, pending=1,
                       warp_specialised=True)
+# linear_wgmma_tma (the warp-specialised ring fed by TMA; not yet timed on the H200): 128x256 at
+# 4 stages (48 KiB a stage), 128x128 at 6 (32 KiB a stage).
+GEMM_TMA_WIDE = GemmVariant("wgmma 128x256 TMA", 128, 256, stages=4, pending=1, tma=True)
+GEMM_TMA = GemmVariant("wgmma 128x128 TMA 6-stage", 128, 128, stages=6, pending=1, tma=True)
 # linear_wgmma's variants, the default first: its schedule runs every tile (WGMMA_TILES,
 # NORM_TILES), epilogue and product count, and ops.gemm_tile picks its tile where no variant
 # is named. The others are compiled for GEMM_VARIANT_EPILOGUES at one product (three products
 # would double their shared memory, past a block's 227 KiB); timed on the H200, each was
 # slower than the default and stays an option.
-GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS)
+GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS, GEMM_TMA_WIDE,
+                 GEMM_TMA)
 GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
 GEMM_VARIANT_PRODUCTS = 1
 
@@ -130,11 +138,13 @@ def wgmma_name(tile, products: int, epilogue: str, stages: int = GEMM_PLAIN.stag
 
 def gemm_variant_name(variant: GemmVariant, products: int, epilogue: str) -> str:
     """Name expression of the Hopper GEMM kernel of variant for products and epilogue (a
-    warp-specialised variant: linear_wgmma_ws<BN, epilogue, stages>, one product only)."""
-    if variant.warp_specialised:
+    warp-specialised variant: linear_wgmma_ws<BN, epilogue, stages>, a TMA one
+    linear_wgmma_tma<BN, epilogue, stages>, one product only)."""
+    if variant.warp_specialised or variant.tma:
         if products != 1 or variant.bm != 128 or variant.pending != 1:
             raise ValueError(f"{variant.name} runs one product on BM 128, one group pending")
-        return f"lb::linear_wgmma_ws<{variant.bn}, {EPILOGUES[epilogue]}, {variant.stages}>"
+        kernel = "linear_wgmma_tma" if variant.tma else "linear_wgmma_ws"
+        return f"lb::{kernel}<{variant.bn}, {EPILOGUES[epilogue]}, {variant.stages}>"
     return wgmma_name(variant.tile, products, epilogue, variant.stages, variant.pending)
 
 

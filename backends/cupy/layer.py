@@ -12,7 +12,7 @@ from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
 
-from . import build, ops
+from . import build, ops, tensor_maps
 
 MAX_GRID_Y = 65535  # attention blocks: sequences x heads in grid dimension y
 WEIGHTS = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
@@ -95,16 +95,21 @@ class CupyLayer(BuiltLayer):
                                 MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
-    def gemm_variant_for(self, epilogue: str, products: int, weight, rows: int) -> str | None:
+    def gemm_variant_for(self, epilogue: str, products: int, weight, rows: int,
+                         a=None) -> str | None:
         """The GEMM variant's name for a GEMM of this epilogue, product count, weight pair
         and row count where the wgmma GEMMs run, the module has its kernel, its tile is no
-        wider than the output and its grid has a block for every SM; else None (the
-        default)."""
+        wider than the output and its grid has a block for every SM, and (a TMA variant)
+        tensor maps can describe the operand pair a's hi half and the weight's; else None
+        (the default)."""
         v = self.gemm_variant
         n = weight[0].shape[0]
         fits = (v is not None and self.wgmma and n >= v.bn
                 and build.gemm_variant_compiled(v, epilogue, products)
                 and cdiv(rows, v.bm) * cdiv(n, v.bn) >= multiprocessor_count(self.device))
+        if fits and v.tma:
+            fits = (a is not None and tensor_maps.describable(a[0], v.bm)
+                    and tensor_maps.describable(weight[0][:, :a[0].shape[1]], v.bn))
         return v.name if fits else None
 
     def forward(self, x, valid_token_mask, out=None):
@@ -119,11 +124,12 @@ class CupyLayer(BuiltLayer):
         """The stack on one chunk of sequences (x2, out2: [tokens, d_model] views)."""
         cfg, k, products = self.config, self.kernels, self.products
 
-        def gemm(epilogue: str, count: int, weight) -> dict:
-            """The GEMM family and variant of one launch (count: its products)."""
+        def gemm(epilogue: str, count: int, weight, a) -> dict:
+            """The GEMM family and variant of one launch (count: its products, a: its A
+            operand pair)."""
             return {"wgmma": self.wgmma,
                     "gemm_variant": self.gemm_variant_for(epilogue, count, weight,
-                                                          x2.shape[0])}
+                                                          x2.shape[0], a)}
         valid, info = masks
         valid_rows = None if valid is None else valid.reshape(-1)
         res, qkv = work["residual"], work["qkv"]
@@ -134,7 +140,7 @@ class CupyLayer(BuiltLayer):
             epilogue = "residual" if norm is None else "residual_norm"
             ops.linear(k, a, weight, bias, epilogue, products, res=res_in, out=res,
                        valid_rows=valid_rows, zero_sum=zero_sum, norm=norm, norm_out=norm_out,
-                       **gemm(epilogue, products, weight))
+                       **gemm(epilogue, products, weight, a))
         rows = (work["rows_hi"], work["rows_lo"])
         hidden = (work["hidden_hi"], work["hidden_lo"])
         # norm2's rows: the pair at three products, the hi half alone at one (ffn_in's only)
@@ -145,7 +151,7 @@ class CupyLayer(BuiltLayer):
             if i == 0 or not self.fuse_norms:
                 ops.layer_norm(k, src, p.norm1_weight, p.norm1_bias, half=rows[0])
             ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv,
-                       **gemm("half", 1, w["qkv_weight"]))
+                       **gemm("half", 1, w["qkv_weight"], rows))
             ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
                           num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal,
                           variant=self.attention_variant, wgmma=self.wgmma)
@@ -162,7 +168,7 @@ class CupyLayer(BuiltLayer):
             # at one product ffn_out reads the hi half alone: the lo half is not written
             ops.linear(k, rows, w["ffn_in_weight"], ffn_in_bias, "gelu_pair", products,
                        out_pair=hidden if products > 1 else (hidden[0], None),
-                       **gemm("gelu_pair", products, w["ffn_in_weight"]))
+                       **gemm("gelu_pair", products, w["ffn_in_weight"], rows))
             # ... and ffn_out's the next block's norm1 rows, read by Q/K/V: the hi half
             following = layers[i + 1][0] if i + 1 < len(layers) else None
             norm1 = (None if following is None or not self.fuse_norms

@@ -15,6 +15,9 @@
 // lb::linear_wgmma_ws (one product, BM 128, warp-specialised: a producer warpgroup and two
 // consumers, stages handed over through mbarriers) takes 384 threads, the same grid and
 // linear_wgmma_shared_bytes(128, BN, 1, STAGES) bytes (its mbarriers are static shared memory).
+// lb::linear_wgmma_tma (its TMA variant: one producer thread, tensor maps a_map and w_map
+// appended to the parameters) takes the same threads, grid and shared bytes as
+// linear_wgmma_ws.
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -476,6 +479,135 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
                                 zero_sum);
 #elif defined(__CUDA_ARCH__)
     __trap();  // wgmma needs sm_90a: compile this kernel for sm_90a
+#endif
+}
+
+// TMA variant of linear_wgmma_ws: the same semantics, epilogues (HALF, GELU_PAIR, RESIDUAL at
+// one product), 384-thread layout (warpgroup 0 the producer at 40 registers, warpgroups 1 and 2
+// the consumers at 232), grid, dynamic shared memory (linear_wgmma_shared_bytes(128, BN, 1,
+// STAGES)), stage layout (A tile 128 x 64, then W tile BN x 64, 128B-swizzled, 1024-aligned)
+// and descriptors; but the producer is one thread (threadIdx.x 0) issuing TMA tile copies.
+// Parameters: linear_wgmma's, then a_map and w_map, the tensor maps of A ([M, K] fp16, box
+// 64 x 128) and W ([N, K] fp16, box 64 x BN), 128B swizzle, zero fill (tensor_maps.py); the
+// a_hi and w_hi pointers and strides are not read (the maps hold them); a_lo and w_lo unused.
+// Each map is a __grid_constant__ parameter whose generic address the TMA instructions take.
+//
+// Tile kt lives in stage s = kt % STAGES in round r = kt / STAGES. full[s] has count 1 (the
+// producer's arrive.expect_tx of STAGE_BYTES = (128 + BN) x 128 bytes: TMA counts the whole
+// box, its zero-filled parts included) and completes phase r when that arrive is in and both
+// copies' bytes have landed (complete_tx; TMA writes through the async proxy, which wgmma reads
+// through: no proxy fence). empty[s] has count 256 as in linear_wgmma_ws. Parities as there.
+//   Before the split: thread 0 initialises the barriers, fence.mbarrier_init; __syncthreads.
+//   Producer thread, tile kt = 0 .. k_tiles - 1:
+//   1. wait empty[s] phase r - 1 (parity (r & 1) ^ 1): tile kt - STAGES's wgmmas are complete.
+//   2. arrive.expect_tx(full[s], STAGE_BYTES); TMA A box (k0, m0) and W box (k0, n0) into
+//      stage s, both completing on full[s].
+//   Then exit (the copies complete on their own). The other producer threads exit at once.
+//   Consumers: linear_wgmma_ws's steps (wait full[s] parity r & 1; wgmmas; commit; wait 1;
+//   release tile kt - 1 on empty), wait 0 and release the last tile, the epilogue.
+// The producer at tile kt needs tile kt - STAGES released, which the consumers do at tile
+// kt - STAGES + 1 after its full wait, announced at producer step kt - STAGES + 1 < kt: any
+// STAGES >= 2 is deadlock-free; up to STAGES tiles are copied ahead of the one computed.
+template <int BN, int EPI, int STAGES>
+__global__ void __launch_bounds__(384, 1)
+linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
+                 const __half* __restrict__ w_hi, const __half* __restrict__ w_lo,
+                 long long w_stride, const float* __restrict__ bias, int M, int N, int K,
+                 __half* __restrict__ out_hi, __half* __restrict__ out_lo, long long out_stride,
+                 const float* res, float* out_f, const unsigned char* __restrict__ valid,
+                 int zero_sum, const float* __restrict__ norm_w,
+                 const float* __restrict__ norm_b, float eps, __half* norm_hi, __half* norm_lo,
+                 long long norm_stride, const __grid_constant__ TensorMap a_map,
+                 const __grid_constant__ TensorMap w_map) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    namespace wd = wgmma_detail;
+    constexpr int BM = 128, BK = wd::BK, ROW_BYTES = wd::ROW_BYTES, ALIGN = wd::ALIGN;
+    constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static_assert(BN == 128 || BN == 256, "wgmma n128 or n256; a TMA box of at most 256 rows");
+    static_assert(EPI == HALF || EPI == GELU_PAIR || EPI == RESIDUAL, "no RESIDUAL_NORM");
+    static_assert(STAGES >= 2, "fewer stages deadlock (the schedule above)");
+    static_assert(128 * PRODUCER_REGISTERS + 256 * CONSUMER_REGISTERS <= 65536,
+                  "the warpgroups' registers must fit the register file");
+    static_assert(linear_wgmma_shared_bytes(BM, BN, 1, STAGES) <= MAX_WGMMA_SHARED_BYTES,
+                  "the stages must fit one block's shared memory");
+    constexpr int A_TILE = BM * ROW_BYTES, W_TILE = BN * ROW_BYTES;  // bytes, multiples of 1024
+    constexpr int STAGE = A_TILE + W_TILE;  // the transaction bytes of one K tile's two boxes
+    extern __shared__ __align__(1024) unsigned char wgmma_shared[];
+    __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
+
+    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(wgmma_shared));
+    const unsigned base = (raw + ALIGN - 1) & ~static_cast<unsigned>(ALIGN - 1);
+    const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full_bar));
+    const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty_bar));
+
+    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int k_tiles = (K + BK - 1) / BK;
+    const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+
+    if (threadIdx.x == 0) {
+        wd::prefetch_tensormap(&a_map);
+        wd::prefetch_tensormap(&w_map);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            wd::mbarrier_init(full0 + 8 * s, 1);
+            wd::mbarrier_init(empty0 + 8 * s, 256);
+        }
+        wd::fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    if (role == 0) {
+        wd::setmaxnreg_dec<PRODUCER_REGISTERS>();
+        if (threadIdx.x == 0) {
+            for (int kt = 0; kt < k_tiles; ++kt) {
+                const int s = kt % STAGES;
+                wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);  // 1
+                const unsigned full = full0 + 8 * s, st = base + s * STAGE;  // 2
+                wd::mbarrier_arrive_expect_tx(full, STAGE);
+                wd::tma_load_2d(st, &a_map, full, kt * BK, m0);
+                wd::tma_load_2d(st + A_TILE, &w_map, full, kt * BK, n0);
+            }
+        }
+        return;
+    }
+
+    // Consumers: warpgroup role - 1 computes rows 64 (role - 1) .. 64 (role - 1) + 63.
+    wd::setmaxnreg_inc<CONSUMER_REGISTERS>();
+    const int group = role - 1;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % STAGES;
+        wd::mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);  // 1
+        const unsigned st = base + s * STAGE;  // 2
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+        wd::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            unsigned a = st + group * 64 * ROW_BYTES + kk * 32;
+            unsigned w = st + A_TILE + kk * 32;
+            wd::SS<BN>::template run<1>(acc, wd::operand_desc(a), wd::operand_desc(w));
+        }
+        wd::wgmma_commit();
+        wd::wgmma_wait<1>();  // 3
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+        if (kt > 0) wd::mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));
+    }
+    wd::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+    if (k_tiles > 0) wd::mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));
+
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    wd::store_fragment<BN, EPI>(acc, m0 + group * 64 + warp * 16 + lane / 4, n0, lane % 4, M,
+                                N, bias, out_hi, out_lo, out_stride, res, out_f, valid,
+                                zero_sum);
+#elif defined(__CUDA_ARCH__)
+    __trap();  // wgmma and TMA need sm_90a: compile this kernel for sm_90a
 #endif
 }
 

@@ -11,7 +11,7 @@ import torch
 from layerbench.common.cuda_host import cdiv, max_shared_memory_per_block, multiprocessor_count
 from layerbench.reference.model import LN_EPS
 
-from . import build
+from . import build, tensor_maps
 
 NORM_ROWS = 4  # rows per LayerNorm block (norm.cu NORM_WARPS)
 STAGES, BK_ROW = 3, 40  # linear.cu: pipeline stages, shared row length in halves
@@ -67,6 +67,7 @@ class Kernels:
         with cupy.cuda.Device(index):
             self.module = build.module_for(self.arch)
         self.functions: dict[str, object] = {}
+        self.tensor_maps = tensor_maps.TensorMapCache()
         self.wgmma_problem = self._wgmma_problem() if self.has_wgmma else None
 
     def _wgmma_problem(self) -> str | None:
@@ -77,6 +78,11 @@ class Kernels:
             return (f"the wgmma kernels were not compiled for sm_90a ({probe.num_regs} "
                     "registers: a trap body); this NVRTC took another target")
         return None
+
+    def tensor_map(self, t: torch.Tensor, box_rows: int):
+        """The TMA tensor map argument of t ([rows, K] fp16) with boxes of 64 x box_rows
+        (tensor_maps.tensor_map, memoised)."""
+        return self.tensor_maps(t, box_rows)
 
     def function(self, name: str, shared: int):
         """The kernel of name expression name, allowed shared bytes of dynamic memory."""
@@ -151,7 +157,9 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
     into norm_out (an fp16 pair, or (hi, None) for hi alone); rows up to 128 wide.
     gemm_variant: one of build.GEMM_VARIANTS by name, its tile and schedule (None: the
     default schedule on gemm_tile's tile); ValueError where it is not compiled (see
-    build.gemm_variant_compiled) or contradicts tile."""
+    build.gemm_variant_compiled) or contradicts tile. A TMA variant (linear_wgmma_tma) also
+    takes the tensor maps of a's hi half and weight's (k.tensor_map); ValueError where either
+    cannot be described by one (tensor_maps.check: a misaligned base or row stride)."""
     m, kdim = a[0].shape
     n = weight[0].shape[0]
     variant = build.GEMM_PLAIN
@@ -190,7 +198,7 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
             hi, lo, np.int64(stride), res, out, valid_rows, np.int32(int(zero_sum)))
     if wgmma:
         bm, bn = tile
-        if variant.warp_specialised:  # linear_wgmma_ws: its own kernel, 384 threads
+        if variant.warp_specialised or variant.tma:  # linear_wgmma_ws / _tma: 384 threads
             name, threads = build.gemm_variant_name(variant, products, epilogue), variant.threads
         else:
             name = build.wgmma_name(tile, products, epilogue, variant.stages, variant.pending)
@@ -200,6 +208,12 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
         norm_hi, norm_lo = norm_out if fused_norm else (None, None)
         args += (norm_w, norm_b, np.float32(eps), norm_hi, norm_lo,
                  np.int64(norm_hi.stride(0) if fused_norm else 0))
+        if variant.tma:  # the maps of A [M, K] and W [N, K] (its first K columns)
+            try:
+                args += (k.tensor_map(a[0], bm), k.tensor_map(weight[0][:, :kdim], bn))
+            except ValueError as exc:
+                raise ValueError(f"cupy GEMM variant {variant.name!r} cannot run on these "
+                                 f"operands: {exc}") from exc
     else:
         bm, bn, wm, wn = tile
         name, threads = build.gemm_name(tile, products, epilogue), wm * wn * 32

@@ -1,12 +1,22 @@
 // wgmma building blocks shared by the Hopper kernels (linear_wgmma.cu, attention_wgmma.cu):
-// shared-memory matrix descriptors, the async-proxy and wgmma fences, commit and wait, mbarriers,
-// setmaxnreg, operand fences, and the m64nNk16 f32 += f16 x f16 instructions with A from shared
-// memory (SS) or from registers (RS). The instructions exist only on sm_90a (mbarrier try_wait
-// and setmaxnreg: sm_90); callers use them only there.
+// shared-memory matrix descriptors, the async-proxy and wgmma fences, commit and wait, mbarriers
+// (also with transaction bytes), TMA tensor maps and 2-D tile loads, setmaxnreg, operand
+// fences, and the m64nNk16 f32 += f16 x f16 instructions with A from shared memory (SS) or from
+// registers (RS). The instructions exist only on sm_90a (mbarrier try_wait, TMA and
+// setmaxnreg: sm_90); callers use them only there.
 #pragma once
 #include "common.cuh"
 
 namespace lb {
+
+// A TMA tensor map (CUtensorMap: 128 bytes, 64-byte aligned; NVRTC has no cuda.h), built on the
+// host by cuTensorMapEncodeTiled (tensor_maps.py) and passed to a kernel by value as a
+// `const __grid_constant__` parameter, whose generic address the TMA instructions take.
+struct alignas(64) TensorMap {
+    unsigned long long v[16];
+};
+static_assert(sizeof(TensorMap) == 128 && alignof(TensorMap) == 64, "CUtensorMap's layout");
+
 namespace wgmma {
 
 // wgmma shared-memory matrix descriptor: start address >> 4 (bits 0-13), leading-dimension byte
@@ -62,6 +72,38 @@ __device__ __forceinline__ void mbarrier_wait(unsigned addr, unsigned parity) {
             : "r"(addr), "r"(parity)
             : "memory");
     } while (!done);
+}
+
+// Make the mbarrier initialisations above visible to the async proxy (TMA's complete_tx) and
+// other threads; before the block barrier that publishes them (CUTLASS fence_barrier_init).
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// Arrive on the mbarrier at addr (one of its arrivals) after raising its expected transaction
+// count by tx bytes: the phase completes once every arrival is in and tx bytes have landed.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned addr, unsigned tx) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(addr),
+                 "r"(tx)
+                 : "memory");
+}
+
+// Fetch the tensor map at a generic address (a __grid_constant__ parameter) into the cache.
+__device__ __forceinline__ void prefetch_tensormap(const TensorMap* map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map))
+                 : "memory");
+}
+
+// TMA: copy the box of map at coordinates (c0 inner, c1 outer) into shared memory at dst,
+// signalling its bytes on the mbarrier at bar (complete_tx). Elements outside the tensor are
+// zero-filled and count towards the bytes all the same (the whole box).
+__device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap* map, unsigned bar,
+                                            int c0, int c1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
 }
 
 // The registers a thread of the executing warpgroup holds from here on (setmaxnreg: every
