@@ -3,6 +3,7 @@ same inputs, checked against one reference and timed in alternating rounds), and
 and GEMM kernel sweeps.
 
     python bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1   # wgmma kernels on / off
+    python bench/cupy_sweep.py plans --plan "wgmma 128x256 TMA" --shapes 8  # a GEMM variant / default
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
         # the mma.sync attention kernel and every wgmma variant of the head dim on one input:
@@ -30,6 +31,14 @@ from layerbench.common.timing import alternating_medians_ms, replayed
 GEMM_SIZES = "8192x3072x1024,8192x1024x1024,100000x3072x1024"
 
 
+def plan_backend(plan: str, on: bool) -> CupyBackend:
+    """The backend with option plan on or off; a GEMM variant's name as plan: that variant
+    against the default GEMMs."""
+    if plan in build.gemm_variant_names():
+        return CupyBackend(gemm_variant=plan if on else None)
+    return CupyBackend(**{plan: on})
+
+
 def sweep(args) -> list[dict] | None:
     """The rows of the comparison asked for, or None where it cannot run here."""
     if not torch.cuda.is_available():
@@ -47,7 +56,7 @@ def sweep(args) -> list[dict] | None:
     if args.what == "plans":
         return runner.compare_plans(
             args.shapes,
-            lambda on, cfg, sd: CupyBackend(**{args.plan: on}).build(cfg, sd, device=device),
+            lambda on, cfg, sd: plan_backend(args.plan, on).build(cfg, sd, device=device),
             padding=args.padding, rounds=args.rounds, device=device, label=args.plan)
     return runner.compare_plans(
         args.shapes,
@@ -143,8 +152,9 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["plans", "products", "attention", "gemm"])
     parser.add_argument("--shapes", default="1,2,7,8,13,6", help="official shape numbers")
-    parser.add_argument("--plan", choices=["wgmma", "fuse_norms"], default="wgmma",
-                        help="plans: the option compared on against off")
+    parser.add_argument("--plan", choices=["wgmma", "fuse_norms", *build.gemm_variant_names()[1:]],
+                        default="wgmma",
+                        help="plans: the option (or GEMM variant) compared on against off")
     parser.add_argument("--products", default="1,3", help="products: the two counts compared")
     parser.add_argument("--padding", type=float, default=0.0, help="padding ratio")
     parser.add_argument("--batch", type=int, default=1, help="attention: sequences")
