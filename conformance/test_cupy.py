@@ -834,16 +834,25 @@ def check_ws_ring(k_tiles: int, stages: int, pick, **mistake) -> None:
             assert held == [tile, "fenced"], f"{name} reads tile {tile} from stage {s}: {held}"
             mma_open[name].append((s, tile))
             read[name].append(tile)
-        elif kind == "mma_commit":
-            mma_groups[name].append(mma_open[name])
-            mma_open[name] = []
-        elif kind == "mma_wait":
-            mma_groups[name] = _retire(mma_groups[name], e[1])[1]
-        elif kind == "epilogue":
-            assert not mma_open[name] and not mma_groups[name], f"{name}: wgmma pending"
+        else:
+            _wgmma_group_event(name, e, mma_open, mma_groups)
         nxt[name] = next(agents[name], None)
     assert not cp_open and not cp_groups, "cp.async groups left in flight"
     assert all(r == list(range(k_tiles)) for r in read.values()), read
+
+
+def _wgmma_group_event(name, e, mma_open, mma_groups) -> None:
+    """A consumer's wgmma commit, wait or epilogue in the ring models: a commit closes its
+    open group, a wait retires all but e[1] groups, the epilogue finds none pending (other
+    events, such as barrier waits, change nothing here)."""
+    kind = e[0]
+    if kind == "mma_commit":
+        mma_groups[name].append(mma_open[name])
+        mma_open[name] = []
+    elif kind == "mma_wait":
+        mma_groups[name] = _retire(mma_groups[name], e[1])[1]
+    elif kind == "epilogue":
+        assert not mma_open[name] and not mma_groups[name], f"{name}: wgmma pending"
 
 
 def ws_picks(seeds: int = 20):
@@ -854,6 +863,22 @@ def ws_picks(seeds: int = 20):
     yield lambda ready: ready[-1]  # C1, then C0, then P
     for seed in range(seeds):
         yield random.Random(seed).choice
+
+
+def check_consumer_source() -> None:
+    """consume_stages (linear_wgmma.cu), the consumers of both ring kernels, is the model's
+    ws_consumer: these lines, in this order."""
+    text = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
+    text = text[text.index("void consume_stages("):text.index("}  // namespace wgmma_detail")]
+    at = 0
+    for line in ("mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);", "wgmma_fence();",
+                 "wgmma_commit();", "wgmma_wait<1>();",
+                 "if (kt > 0) mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));",
+                 "wgmma_wait<0>();",
+                 "if (k_tiles > 0) mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));"):
+        found = text.find(line, at)
+        assert found >= 0, line
+        at = found + len(line)
 
 
 def test_ws_gemm_ring_keeps_stages_safe(cupy_selected):
@@ -871,13 +896,10 @@ def test_ws_gemm_ring_keeps_stages_safe(cupy_selected):
                  "wd::mbarrier_arrive(full0 + 8 * ((kt - 1) % STAGES));",
                  "cp_async_wait<0>();",
                  "wd::mbarrier_arrive(full0 + 8 * ((k_tiles - 1) % STAGES));",
-                 "wd::mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);",
-                 "wd::wgmma_wait<1>();",
-                 "if (kt > 0) wd::mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));",
-                 "wd::wgmma_wait<0>();",
-                 "if (k_tiles > 0) wd::mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));"):
+                 "wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group);"):
         assert line in text, line
-    assert text.count("mbarrier_arrive(") == 4 and text.count("__syncthreads()") == 1
+    assert text.count("mbarrier_arrive(") == 2 and text.count("__syncthreads()") == 1
+    check_consumer_source()
     names = build.name_expressions(build.HOPPER)
     ws = [v for v in build.GEMM_VARIANTS if v.warp_specialised]
     assert ws and build.GEMM_WS_WIDE in ws
@@ -1019,13 +1041,8 @@ def check_tma_ring(k_tiles: int, stages: int, bn: int, pick, full_count: int = 1
             assert held == [[tile, "landed"]] * 2, f"{name} reads tile {tile} from {s}: {held}"
             mma_open[name].append((s, tile))
             read[name].append(tile)
-        elif kind == "mma_commit":
-            mma_groups[name].append(mma_open[name])
-            mma_open[name] = []
-        elif kind == "mma_wait":
-            mma_groups[name] = _retire(mma_groups[name], e[1])[1]
-        elif kind == "epilogue":
-            assert not mma_open[name] and not mma_groups[name], f"{name}: wgmma pending"
+        else:
+            _wgmma_group_event(name, e, mma_open, mma_groups)
         nxt[name] = next(agents[name], None)
     assert all(r == list(range(k_tiles)) for r in read.values()), read
     assert all(b["tx"] == 0 for b in bars.values()), bars
@@ -1046,14 +1063,11 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
                  "wd::mbarrier_arrive_expect_tx(full, STAGE);\n"
                  "                wd::tma_load_2d(st, &a_map, full, kt * BK, m0);\n"
                  "                wd::tma_load_2d(st + A_TILE, &w_map, full, kt * BK, n0);",
-                 "wd::mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);",
-                 "wd::wgmma_wait<1>();",
-                 "if (kt > 0) wd::mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));",
-                 "wd::wgmma_wait<0>();",
-                 "if (k_tiles > 0) wd::mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));"):
+                 "wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group);"):
         assert line in text, line
-    assert text.count("mbarrier_arrive(") == 2 and text.count("__syncthreads()") == 1
+    assert text.count("mbarrier_arrive") == 1 and text.count("__syncthreads()") == 1
     assert text.count("tma_load_2d(") == 2 and "cp_async" not in text
+    check_consumer_source()
     names = build.name_expressions(build.HOPPER)
     tma = [v for v in build.GEMM_VARIANTS if v.tma]
     assert {build.GEMM_TMA_WIDE, build.GEMM_TMA} <= set(tma)

@@ -110,6 +110,44 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[BN / 2], int r
     }
 }
 
+// The consumer warpgroups of linear_wgmma_ws and linear_wgmma_tma: acc (this thread's part of
+// warpgroup group's 64 x BN tile) = the sum over the k_tiles K tiles of the stage ring at base
+// (stage s: A tile of 128 rows, then W tile of BN rows, 128 bytes each), tile kt in stage
+// kt % STAGES. Per tile: wait on full[s] (parity: its round & 1); wgmma fence; the tile's
+// BK / 16 k16 wgmmas; commit; wgmma wait 1, so tile kt - 1's group is complete and its stage
+// is released on empty (tile kt's runs on). After the loop: wait 0 and release the last.
+template <int BN, int STAGES>
+__device__ __forceinline__ void consume_stages(float (&acc)[BN / 2], unsigned base,
+                                               unsigned full0, unsigned empty0, int k_tiles,
+                                               int group) {
+    constexpr int A_TILE = 128 * ROW_BYTES, STAGE = A_TILE + BN * ROW_BYTES;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const int s = kt % STAGES;
+        mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);
+        const unsigned st = base + s * STAGE;
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) fence_operand(acc[i]);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) {
+            unsigned a = st + group * 64 * ROW_BYTES + kk * 32;
+            unsigned w = st + A_TILE + kk * 32;
+            SS<BN>::template run<1>(acc, operand_desc(a), operand_desc(w));
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) fence_operand(acc[i]);
+        if (kt > 0) mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) fence_operand(acc[i]);
+    if (k_tiles > 0) mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));
+}
+
 }  // namespace wgmma_detail
 
 // Dynamic shared bytes of one block of lb::linear_wgmma<bm, bn, products, *, stages, *>: stages
@@ -445,32 +483,7 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
     wd::setmaxnreg_inc<CONSUMER_REGISTERS>();
     const int group = role - 1;
     float acc[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % STAGES;
-        wd::mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);  // 1
-        const unsigned st = base + s * STAGE;  // 2
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
-        wd::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            unsigned a = st + group * 64 * ROW_BYTES + kk * 32;
-            unsigned w = st + A_TILE + kk * 32;
-            wd::SS<BN>::template run<1>(acc, wd::operand_desc(a), wd::operand_desc(w));
-        }
-        wd::wgmma_commit();
-        wd::wgmma_wait<1>();  // 3
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
-        if (kt > 0) wd::mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));
-    }
-    wd::wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
-    if (k_tiles > 0) wd::mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));
+    wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group);
 
     // Accumulator fragment as linear_wgmma's: the warp's 16 rows of the consumer's 64.
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -575,32 +588,7 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     wd::setmaxnreg_inc<CONSUMER_REGISTERS>();
     const int group = role - 1;
     float acc[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-
-    for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % STAGES;
-        wd::mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);  // 1
-        const unsigned st = base + s * STAGE;  // 2
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
-        wd::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-            unsigned a = st + group * 64 * ROW_BYTES + kk * 32;
-            unsigned w = st + A_TILE + kk * 32;
-            wd::SS<BN>::template run<1>(acc, wd::operand_desc(a), wd::operand_desc(w));
-        }
-        wd::wgmma_commit();
-        wd::wgmma_wait<1>();  // 3
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
-        if (kt > 0) wd::mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));
-    }
-    wd::wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
-    if (k_tiles > 0) wd::mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));
+    wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group);
 
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     wd::store_fragment<BN, EPI>(acc, m0 + group * 64 + warp * 16 + lane / 4, n0, lane % 4, M,
