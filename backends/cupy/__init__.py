@@ -30,9 +30,11 @@ class CupyBackend(Backend):
     gemm_variant: a variant of the wgmma GEMMs by name (build.GEMM_VARIANTS): "wgmma 128x128"
     (the default schedule on 128x128 tiles), "wgmma 128x128 wait1 4-stage" (each K tile's
     wgmma group left running over the next tile's barrier and copies), "wgmma 128x256
-    wait1" (the same on 128x256 tiles), or "wgmma 128x256 warp-specialised" / "wgmma 128x128
+    wait1" (the same on 128x256 tiles), "wgmma 128x256 warp-specialised" / "wgmma 128x128
     warp-specialised 6-stage" (a producer warpgroup's copies handed to two consumer
-    warpgroups through mbarriers). A GEMM runs it where the module has it for the GEMM's
+    warpgroups through mbarriers), or "wgmma 128x256 TMA" / "wgmma 128x128 TMA 6-stage" (the
+    same consumers fed by TMA tensor copies from one thread; only where tensor maps can
+    describe both operands). A GEMM runs it where the module has it for the GEMM's
     epilogue and product count (the non-default ones: half, gelu_pair and residual at one
     product, so every GEMM from d_model 512, Q/K/V alone below), the output is at least one
     tile wide and the grid has a block for every SM; the other GEMMs keep the default. Needs
