@@ -67,7 +67,7 @@ def sweep(args) -> list[dict] | None:
 
 def sweep_attention(args, device) -> list[dict]:
     """The mma.sync attention kernel and, where the head dim has the wgmma kernel, each of its
-    variants (build.ATTENTION_WGMMA, by name)."""
+    variants (build.ATTENTION_WGMMA, by name) that takes the head dim."""
     kernels = ops.kernels_for(device)
     shape = dict(batch=args.batch, seq_len=args.seq_len, num_heads=args.heads,
                  head_dim=args.head_dim, causal=not args.full)
@@ -79,7 +79,8 @@ def sweep_attention(args, device) -> list[dict]:
     wide = ops.wgmma_attention_pad(args.head_dim)
     if kernels.has_wgmma and not kernels.wgmma_problem and wide:
         for v in build.ATTENTION_WGMMA[wide]:
-            choices[v.name] = kernel(True, v.name)
+            if not v.refusal(args.head_dim, wide):  # the TMA ring runs head dim 64 only
+                choices[v.name] = kernel(True, v.name)
     return runner.compare_attention_kernels(
         choices, batch=args.batch, seq_len=args.seq_len, heads=args.heads,
         head_dim=args.head_dim, causal=not args.full, rounds=args.rounds, device=device,

@@ -99,11 +99,12 @@ def test_sources_have_no_generic_lambdas(cupy_selected):
 
 def register_budget(name: str) -> int:
     """The most registers a thread of kernel name may hold: 255, or for a wgmma attention
-    variant of two blocks an SM, 65536 / (2 blocks x 2 BQ threads)."""
+    variant 65536 / (its blocks an SM x its threads): 128 for two blocks of 256 threads,
+    170 (ptxas: 168) for the TMA ring's one block of 384."""
     for hp, variants in build.ATTENTION_WGMMA.items():
         for v in variants:
             if name == build.attention_wgmma_name(hp, v):
-                return min(255, 65536 // (v.min_blocks * 2 * v.bq))
+                return min(255, 65536 // (v.min_blocks * v.threads))
     return 255
 
 
@@ -176,6 +177,53 @@ def test_gemm_variants_sass(cupy_selected, compiled):
                 assert "USETMAXREG" not in body and "SYNCS" not in body, name
 
 
+def test_attention_tma_sass(cupy_selected, compiled):
+    """sm_90a SASS of every TMA-ring attention variant: S = Q K^T as HD / 16 SS wgmmas
+    (HGMMA.64x64x16 on two descriptors) and O += P V as 64 / 16 RS ones (registers, then V's
+    descriptor, .tnspB: N-major), each group waited for to 0 (two WARPGROUP.DEPBAR, two
+    fences: no serialisation); three 3-D TMA loads (Q, K, V: UTMALDG.3D), both maps
+    prefetched, the expect_tx arrives with a byte-count register and the consumers' plain
+    arrive (A1T0), mbarrier waits; setmaxnreg to 40 (producer) and 232 (consumers), launched
+    with 168 registers (their pool); one block barrier; no cp.async (LDGSTS) and no local
+    memory (no LDL/STL, stack 0)."""
+    from bench.sass import kernels as sass_kernels
+    from layerbench.common.cuda_host import cuda_tool
+
+    path, lowered = compiled[build.HOPPER]
+    sass = subprocess.run([cuda_tool("cuobjdump"), "-sass", str(path)], check=True,
+                          capture_output=True, text=True).stdout
+    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass,
+                             flags=re.S))
+    rows = sass_kernels(path)
+    tma = [(hp, v) for hp, vs in build.ATTENTION_WGMMA.items() for v in vs if v.tma]
+    assert tma
+    for hp, v in tma:
+        symbol = lowered[build.attention_wgmma_name(hp, v)]
+        body, row = bodies[symbol], rows[symbol]
+        name = f"{v.name} at {hp}"
+        ss = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, gdesc\[UR\d+\], (?:RZ|R\d+)", body)
+        rs = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", body)
+        assert ss == [str(v.bkv)] * (hp // 16), (name, ss)
+        assert rs == [str(hp)] * (v.bkv // 16), (name, rs)
+        assert len(re.findall(r"\bHGMMA\b", body)) == hp // 16 + v.bkv // 16, name
+        assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", body) == ["0x0"] * 2, name
+        assert len(re.findall(r"WARPGROUP\.ARRIVE", body)) == 2, name
+        assert len(re.findall(r"\bUTMALDG\.3D\b", body)) == 3, name
+        assert "UTMALDG.2D" not in body and "LDGSTS" not in body, name
+        assert len(re.findall(r"\bUTMACCTL\.PF\b", body)) == 2, name
+        assert len(re.findall(r"\bSYNCS\.ARRIVE\.TRANS64 RZ, \[[^\]]+\], R\d+", body)) == 2, name
+        assert re.search(r"\bSYNCS\.ARRIVE\.TRANS64\.A1T0\b", body), name
+        assert re.search(r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", body), name
+        assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", body), name
+        assert re.search(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", body), name
+        assert len(re.findall(r"\bBAR\.SYNC\b", body)) == 1, name
+        assert not re.search(r"\b(LDL|STL)\b", body), name
+        assert row["stack_bytes"] == 0 and row["spill_stores"] == 0, (name, row)
+        # launched with all 168 (384 threads, one block an SM): the pool setmaxnreg moves
+        # 40 x 128 + 232 x 256 registers within; fewer would leave the consumers waiting
+        assert row["registers"] == 168 and 40 * 128 + 232 * 256 <= 384 * 168, (name, row)
+
+
 class Recorder:
     """Stands in for ops.Kernels: records each launch, and each tensor map asked for (built by
     tensor_maps.tensor_map with fake_encode for the driver)."""
@@ -184,10 +232,13 @@ class Recorder:
         self.calls = []
         self.maps = []
 
-    def tensor_map(self, t, box_rows):
-        """tensor_maps.tensor_map of t, the encoding recorded."""
-        self.maps.append((tuple(t.shape), t.stride(), box_rows))
-        return tensor_maps.tensor_map(t, box_rows, encode=fake_encode)
+    def tensor_map(self, t, box_rows, seq_len=None, box_cols=tensor_maps.BOX_COLS):
+        """tensor_maps.tensor_map of t, the encoding recorded (with seq_len, a 3-D view's,
+        with its box columns)."""
+        self.maps.append((tuple(t.shape), t.stride(), box_rows) +
+                         (() if seq_len is None else (seq_len, box_cols)))
+        return tensor_maps.tensor_map(t, box_rows, encode=fake_encode, seq_len=seq_len,
+                                      box_cols=box_cols)
 
     def launch(self, name, grid, block, shared, args):
         """Record one launch."""
@@ -197,7 +248,7 @@ class Recorder:
 FAKE_WORDS = [i + (1 << 56) for i in range(16)]  # a tensor map's words, word i = i + 2^56
 
 
-def fake_encode(t, box_rows):
+def fake_encode(t, box_rows, seq_len=None, box_cols=tensor_maps.BOX_COLS):
     """Stands in for tensor_maps.encode_tiled (no driver on CPU): CUDA_SUCCESS and
     FAKE_WORDS."""
     return 0, np.array(FAKE_WORDS, dtype=np.uint64)
@@ -261,7 +312,8 @@ def _launches():
         ctx = (torch.zeros(m, d, dtype=torch.float16),) * 2
         mask = torch.ones(2, m // 2, dtype=torch.uint8)
         wide = ops.wgmma_attention_pad(head_dim)
-        variants = [v.name for v in build.ATTENTION_WGMMA[wide]] if wide else [None]
+        variants = [v.name for v in build.ATTENTION_WGMMA[wide]
+                    if not v.refusal(head_dim, wide)] if wide else [None]
         for wgmma, variant in [(False, None)] + [(True, v) for v in variants]:
             ops.attention(k, qkv, ctx, mask, key_info(mask), batch=2, seq_len=m // 2,
                           num_heads=heads, head_dim=head_dim, causal=True, wgmma=wgmma,
@@ -273,15 +325,15 @@ def test_parameters_match_the_compiled_kernels(cupy_selected, compiled):
     """Each launch the host makes (every wgmma attention and GEMM variant too) passes as many
     arguments as its kernel takes, each of the size the cubin records (8 for an address or
     64-bit integer, 4 for int32 or float, 128 for a TMA kernel's two tensor maps, its last
-    parameters), within the kernel's shared-memory limit (227 KiB on sm_90) and a whole
-    number of warps."""
+    parameters; as for the TMA attention's two), within the kernel's shared-memory limit
+    (227 KiB on sm_90) and a whole number of warps."""
     path, lowered = compiled[build.HOPPER]
     info = cubin_kernels(path)
     seen = set()
     for name, grid, block, shared, args in _launches():
         assert name in lowered, name
         assert [_size(a) for a in args] == info[lowered[name]]["params"], name
-        if name.startswith("lb::linear_wgmma_tma<"):
+        if name.startswith(("lb::linear_wgmma_tma<", "lb::flash_attention_wgmma_tma<")):
             assert info[lowered[name]]["params"][-2:] == [128, 128], name
         assert block % 32 == 0 and shared <= 227 * 1024 and all(g >= 1 for g in grid), name
         seen.add(name)
@@ -348,20 +400,38 @@ def test_attention_variants(cupy_selected, monkeypatch):
         assert len({v.name for v in variants}) == len(variants)
         for v in variants:
             assert build.attention_wgmma_name(hp, v) in names
-            shared = ops.attention_wgmma_shared_bytes(hp, v.bq, v.bkv, v.pipelined)
+            shared = ops.attention_variant_shared_bytes(hp, v)
             assert v.min_blocks * (shared + 1024) <= sm_shared, (hp, v)
+    assert [hp for hp, vs in build.ATTENTION_WGMMA.items() if build.WGMMA_TMA in vs] == [32, 64]
+    assert build.attention_wgmma_name(64, build.WGMMA_TMA) == "lb::flash_attention_wgmma_tma<64, 3>"
+    assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA) == 66560  # as the .cu says
+    assert ops.attention_variant_shared_bytes(32, build.WGMMA_TMA) == 33792
+    assert build.WGMMA_TMA.threads == 384 and build.WGMMA_TWO_PER_SM.threads == 256
     heads, seq_len = 2, 20
-    for head_dim, wide in ((24, 32), (64, 64), (128, 128)):
+    for head_dim, wide in ((24, 32), (32, 32), (64, 64), (128, 128)):
         d = heads * head_dim
         qkv = torch.zeros(seq_len, 3 * d, dtype=torch.float16)
         ctx = (torch.zeros(seq_len, d, dtype=torch.float16),) * 2
         shape = dict(batch=1, seq_len=seq_len, num_heads=heads, head_dim=head_dim, causal=True)
         for variant in [None] + [v.name for v in build.ATTENTION_WGMMA[wide]]:
             k = Recorder()
-            ops.attention(k, qkv, ctx, None, None, wgmma=True, variant=variant, **shape)
             v = build.attention_variant(wide, variant)
+            if v.refusal(head_dim, wide):  # the TMA ring below its padded head dim
+                with pytest.raises(ValueError, match=f"needs head dim {wide} exactly"):
+                    ops.attention(k, qkv, ctx, None, None, wgmma=True, variant=variant,
+                                  **shape)
+                assert not k.calls and not k.maps and v.tma and head_dim < wide
+                continue
+            ops.attention(k, qkv, ctx, None, None, wgmma=True, variant=variant, **shape)
             assert k.calls[0][0] == build.attention_wgmma_name(wide, v)
-            assert k.calls[0][2] == 2 * v.bq
+            assert k.calls[0][2] == v.threads
+            assert k.calls[0][3] == ops.attention_variant_shared_bytes(wide, v)
+            if v.tma:  # the 3-D maps of qkv's rows: Q boxes of 128 rows, K/V of 64, wide columns
+                assert k.maps == [((seq_len, 3 * d), (3 * d, 1), 128, seq_len, wide),
+                                  ((seq_len, 3 * d), (3 * d, 1), 64, seq_len, wide)], k.maps
+                assert [a.dtype for a in k.calls[0][4][-2:]] == [tensor_maps.TENSOR_MAP_DTYPE] * 2
+            else:
+                assert not k.maps
         with pytest.raises(ValueError, match="has no variant"):
             ops.attention(Recorder(), qkv, ctx, None, None, wgmma=True, variant="wgmma 1x1",
                           **shape)
@@ -370,20 +440,44 @@ def test_attention_variants(cupy_selected, monkeypatch):
                           **shape)
     with pytest.raises(ValueError, match="attention_variant"):
         CupyBackend(attention_variant="wgmma 1x1")
+    # the TMA ring reads boxes of 64 columns: head dims 33-63 are refused, with no launch
+    d = heads * 48
+    qkv = torch.zeros(seq_len, 3 * d, dtype=torch.float16)
+    ctx = (torch.zeros(seq_len, d, dtype=torch.float16),) * 2
+    k = Recorder()
+    with pytest.raises(ValueError, match="needs head dim 64 exactly"):
+        ops.attention(k, qkv, ctx, None, None, wgmma=True, variant=build.WGMMA_TMA.name,
+                      batch=1, seq_len=seq_len, num_heads=heads, head_dim=48, causal=True)
+    assert not k.calls and not k.maps
+    ops.attention(k, qkv, ctx, None, None, wgmma=True, batch=1, seq_len=seq_len,
+                  num_heads=heads, head_dim=48, causal=True)  # the default runs it
+    assert k.calls[0][0] == build.attention_wgmma_name(64, build.WGMMA_TWO_PER_SM)
+    # qkv rows whose stride TMA cannot take (not a multiple of 16 bytes): refused
+    odd = torch.zeros(seq_len, 3 * 128 + 4, dtype=torch.float16)[:, :3 * 128]
+    with pytest.raises(ValueError, match="cannot run on this qkv"):
+        ops.attention(Recorder(), odd, (torch.zeros(seq_len, 128, dtype=torch.float16),) * 2,
+                      None, None, wgmma=True, variant=build.WGMMA_TMA.name, batch=1,
+                      seq_len=seq_len, num_heads=2, head_dim=64, causal=True)
 
     class Hopper:  # stands in for ops.Kernels on an sm_90 device
         has_wgmma, wgmma_problem, arch = True, None, "90"
     monkeypatch.setattr(ops, "kernels_for", lambda device: Hopper())
     cpu, two = torch.device("cpu"), build.WGMMA_TWO_PER_SM.name
+    tma = build.WGMMA_TMA.name
     for cfg, variant, ok in ((LayerConfig(2, 12, 128, 2, 64, 1), two, True),
                              (LayerConfig(2, 12, 256, 2, 64, 1), two, False),  # head dim 128
-                             (LayerConfig(2, 12, 512, 2, 64, 1), two, False)):  # head dim 256
+                             (LayerConfig(2, 12, 512, 2, 64, 1), two, False),  # head dim 256
+                             (LayerConfig(2, 12, 128, 2, 64, 1), tma, True),
+                             (LayerConfig(2, 12, 96, 2, 64, 1), tma, False),  # head dim 48
+                             (LayerConfig(2, 12, 64, 2, 64, 1), tma, True),  # head dim 32
+                             (LayerConfig(2, 12, 48, 2, 64, 1), tma, False)):  # head dim 24
         sd = make_reference(cfg, seed=3).state_dict()
         backend = CupyBackend(attention_variant=variant)
         if ok:
             assert backend._build(cfg, sd, cpu, torch.float32).attention_variant == variant
         else:
-            with pytest.raises(Unsupported, match="attention_variant|no variant"):
+            with pytest.raises(Unsupported,
+                               match="attention_variant|no variant|needs head dim"):
                 backend._build(cfg, sd, cpu, torch.float32)
     Hopper.has_wgmma = False  # not sm_90: no wgmma attention to pick a variant of
     cfg = LayerConfig(2, 12, 128, 2, 64, 1)
@@ -856,11 +950,15 @@ def _wgmma_group_event(name, e, mma_open, mma_groups) -> None:
 
 
 def ws_picks(seeds: int = 20):
-    """Schedulers: the producer first, the consumers first, and seeded random choices."""
+    """Schedulers: the producer first, the consumers first, the warpgroups first with TMA
+    copies landing newest first, and seeded random choices."""
     import random
 
     yield lambda ready: ready[0]  # P first
     yield lambda ready: ready[-1]  # C1, then C0, then P
+    # warpgroups before landings (TMA copies, named L...), those newest first: an early copy
+    # lands as late as it can
+    yield lambda ready: ([n for n in ready if not n.startswith("L")] or ready)[-1]
     for seed in range(seeds):
         yield random.Random(seed).choice
 
@@ -977,12 +1075,24 @@ def check_tma_ring(k_tiles: int, stages: int, bn: int, pick, full_count: int = 1
     consumer = {k: v for k, v in mistake.items() if k in ("release_early", "full_flip")}
     agents = {"P": tma_producer(k_tiles, stages, bn, **producer)}
     agents |= {f"C{c}": ws_consumer(k_tiles, stages, **consumer) for c in range(2)}
+    counts = {(kind, s): full_count if kind == "full" else TMA_COUNTS[kind]
+              for kind in TMA_COUNTS for s in range(stages)}
+    run_tma_ring(agents, counts, k_tiles,
+                 lambda s, tile: [((s, "A"), tile), ((s, "W"), tile)], pick)
+
+
+def run_tma_ring(agents: dict, counts: dict, k_tiles: int, reads, pick) -> None:
+    """check_tma_ring's scheduler and checks for any TMA ring: agents (name -> generator of
+    events; consumers named C0 and C1), counts (barrier -> its init count), reads(stage, tile)
+    -> the ((stage, part), tile) boxes an ("mma", stage, tile) event reads, pick the
+    scheduler. Besides
+    check_tma_ring's events: ("tma", stage, part, tile, bytes, barrier) completes on barrier
+    (default ("full", stage)), and ("pass", stage, tile) a consumer's leaving a tile unread
+    (it needs none of it) counts as its having read it."""
     nxt = {name: next(gen, None) for name, gen in agents.items()}
-    counts = {"full": full_count, "empty": TMA_COUNTS["empty"]}
-    bars = {(kind, s): {"pending": counts[kind], "tx": 0, "phase": 0}
-            for kind in counts for s in range(stages)}
+    bars = {bar: {"pending": count, "tx": 0, "phase": 0} for bar, count in counts.items()}
     stage = {}  # (stage, part) -> [tile, "flight" | "landed"]
-    flight = {}  # landing agent name -> (stage, part, tile, bytes)
+    flight = {}  # landing agent name -> (stage, part, tile, bytes, barrier)
     mma_open = {c: [] for c in ("C0", "C1")}
     mma_groups = {c: [] for c in ("C0", "C1")}
     read = {c: [] for c in ("C0", "C1")}
@@ -990,7 +1100,7 @@ def check_tma_ring(k_tiles: int, stages: int, bn: int, pick, full_count: int = 1
     def settle(bar):
         b = bars[bar]
         if b["pending"] == 0 and b["tx"] == 0:
-            b["pending"], b["phase"] = counts[bar[0]], b["phase"] + 1
+            b["pending"], b["phase"] = counts[bar], b["phase"] + 1
 
     def runnable(name):
         if name in flight:
@@ -1011,12 +1121,12 @@ def check_tma_ring(k_tiles: int, stages: int, bn: int, pick, full_count: int = 1
         ready = [n for n in list(agents) + list(flight) if runnable(n)]
         assert ready, f"deadlock: {nxt}, barriers {bars}"
         name = pick(ready)
-        if name in flight:  # a TMA copy lands and completes its bytes on full[s]
-            s, part, tile, size = flight.pop(name)
+        if name in flight:  # a TMA copy lands and completes its bytes on its barrier
+            s, part, tile, size, bar = flight.pop(name)
             writable(s, part, tile)
             stage[s, part] = [tile, "landed"]
-            bars["full", s]["tx"] -= size
-            settle(("full", s))
+            bars[bar]["tx"] -= size
+            settle(bar)
             continue
         e = nxt[name]
         kind = e[0]
@@ -1031,16 +1141,20 @@ def check_tma_ring(k_tiles: int, stages: int, bn: int, pick, full_count: int = 1
             assert b["pending"] >= 0, f"too many arrivals on {e[1]}"
             settle(e[1])
         elif kind == "tma":
-            _, s, part, tile, size = e
+            s, part, tile, size = e[1:5]
+            bar = e[5] if len(e) > 5 else ("full", s)
             writable(s, part, tile)
             stage[s, part] = [tile, "flight"]
-            flight[f"L{s}{part}{tile}"] = (s, part, tile, size)
+            flight[f"L{s}{part}{tile}"] = (s, part, tile, size, bar)
         elif kind == "mma":
             _, s, tile = e
-            held = [stage.get((s, part)) for part in ("A", "W")]
-            assert held == [[tile, "landed"]] * 2, f"{name} reads tile {tile} from {s}: {held}"
+            for box, want in reads(s, tile):
+                held = stage.get(box)
+                assert held == [want, "landed"], f"{name} reads tile {want} from {box}: {held}"
             mma_open[name].append((s, tile))
             read[name].append(tile)
+        elif kind == "pass":
+            read[name].append(e[2])
         else:
             _wgmma_group_event(name, e, mma_open, mma_groups)
         nxt[name] = next(agents[name], None)
@@ -1104,6 +1218,145 @@ def test_tma_ring_model_catches_mistakes(cupy_selected, mistake):
                 check_tma_ring(k_tiles, pick=pick, **args)
 
 
+# A model of flash_attention_wgmma_tma's ring (the schedule above it in attention_wgmma.cu), run
+# by run_tma_ring: the producer thread loads Q once (its own barrier ("q", 0), count 1), then
+# each key tile's K and V boxes into stage it % stages; each consumer warpgroup waits for Q,
+# then per tile waits full, computes S and P V (one wgmma group here, waited for: it reads Q
+# and the stage's K and V) or passes a tile it sees none of, and arrives on empty.
+def attention_tma_bytes(hp: int = 64) -> dict[str, int]:
+    """Bytes of the Q box (128 rows) and of one K or V box (64 rows) of hp halves a row."""
+    return {"Q": 128 * hp * 2, "K": 64 * hp * 2, "V": 64 * hp * 2}
+
+
+def attention_tma_producer(n_tiles: int, stages: int, kv_tx: int | None = None,
+                           wait_empty: bool = True, q_expect: bool = True):
+    """The producer thread (kv_tx: a tile's expect_tx count, default both boxes; wait_empty:
+    step 1 kept; q_expect: Q's arrive.expect_tx kept)."""
+    size = attention_tma_bytes()
+    if not n_tiles:
+        return
+    if q_expect:
+        yield ("expect_tx", ("q", 0), size["Q"])
+    yield ("tma", "Q", "Q", 0, size["Q"], ("q", 0))
+    for it in range(n_tiles):
+        s, r = it % stages, it // stages
+        if wait_empty:
+            yield ("wait", ("empty", s), (r & 1) ^ 1)  # 1
+        yield ("expect_tx", ("full", s), size["K"] + size["V"] if kv_tx is None else kv_tx)
+        yield ("tma", s, "K", it, size["K"])  # 2
+        yield ("tma", s, "V", it, size["V"])
+
+
+def attention_tma_consumer(n_tiles: int, stages: int, skip=(), wait_q: bool = True,
+                           wait_on_skip: bool = True, release_early: bool = False):
+    """A consumer warpgroup, skip the tiles it sees none of (wait_q: its wait for Q kept;
+    wait_on_skip: its full wait kept on a skipped tile; release_early: arrive on empty
+    right after the commit, before the wgmma wait)."""
+    if n_tiles and wait_q:
+        yield ("wait", ("q", 0), 0)
+    for it in range(n_tiles):
+        s, r = it % stages, it // stages
+        if wait_on_skip or it not in skip:
+            yield ("wait", ("full", s), r & 1)  # 1
+        if it in skip:
+            yield ("pass", s, it)
+        else:  # 2
+            yield ("mma", s, it)
+            yield ("mma_commit",)
+            if release_early:
+                yield ("arrive", ("empty", s))
+            yield ("mma_wait", 0)
+        if not (release_early and it not in skip):
+            yield ("arrive", ("empty", s))  # 3
+    yield ("epilogue",)
+
+
+def check_attention_tma_ring(n_tiles: int, stages: int, pick, skips=((), ()),
+                             **mistake) -> None:
+    """run_tma_ring's checks on the attention ring, consumer c skipping the tiles skips[c]:
+    a wgmma reads Q and the stage's K and V only once they hold the tiles wanted and have
+    landed, no box lands under a wgmma or over a tile a consumer still needs, no deadlock."""
+    producer = {k: v for k, v in mistake.items() if k in ("kv_tx", "wait_empty", "q_expect")}
+    consumer = {k: v for k, v in mistake.items()
+                if k in ("wait_q", "wait_on_skip", "release_early")}
+    agents = {"P": attention_tma_producer(n_tiles, stages, **producer)}
+    agents |= {f"C{c}": attention_tma_consumer(n_tiles, stages, skips[c], **consumer)
+               for c in range(2)}
+    counts = {("q", 0): 1} | {(kind, s): TMA_COUNTS[kind] for kind in TMA_COUNTS
+                              for s in range(stages)}
+    run_tma_ring(agents, counts, n_tiles,
+                 lambda s, tile: [(("Q", "Q"), 0), ((s, "K"), tile), ((s, "V"), tile)], pick)
+
+
+def attention_skips(n_tiles: int):
+    """Skip patterns of the two consumers: none; causal (the first warpgroup's rows precede
+    the block's last tile); the second warpgroup past seq_len (it skips every tile)."""
+    yield ((), ())
+    if n_tiles:
+        yield ((n_tiles - 1,), ())
+    yield ((), tuple(range(n_tiles)))
+
+
+def test_attention_tma_ring_keeps_stages_safe(cupy_selected):
+    """flash_attention_wgmma_tma is the ring attention_tma_producer and
+    attention_tma_consumer model (the lines below, in the kernel's TMA branch), and with
+    every TMA variant's stages (and 1 and 2) it passes check_attention_tma_ring for 0 to 9
+    key tiles, every skip pattern, under every scheduler of ws_picks."""
+    text = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
+    text = text[text.index("if constexpr (PIPELINE == ad::TMA_RING) {"):
+                text.index("} else if constexpr (PIPELINE == 0) {")]
+    at = 0
+    for line in ("ad::mbarrier_init(q_full, 1);", "ad::mbarrier_init(full0 + 8 * st, 1);",
+                 "ad::mbarrier_init(empty0 + 8 * st, 256);", "ad::fence_mbarrier_init();",
+                 "__syncthreads();", "if (threadIdx.x == 0 && n_tiles > 0) {",
+                 "ad::mbarrier_arrive_expect_tx(q_full, Q_BYTES);",
+                 "ad::tma_load_3d(sQ, q_map, q_full, q_col, qb0, b);",
+                 "ad::mbarrier_wait(empty0 + 8 * st, ((it / KV_STAGES) & 1) ^ 1);",
+                 "ad::mbarrier_arrive_expect_tx(full, 2 * KV_BYTES);",
+                 "ad::tma_load_3d(sK + st * KV_BYTES, kv_map, full, k_col, it * BKV, b);",
+                 "ad::tma_load_3d(sV + st * KV_BYTES, kv_map, full, v_col, it * BKV, b);",
+                 "if (n_tiles > 0) ad::mbarrier_wait(q_full, 0);",
+                 "ad::mbarrier_wait(full0 + 8 * st, (it / KV_STAGES) & 1);",
+                 "if (work) {", "issue_scores(s, st);", "ad::wgmma_wait<0>();",
+                 "issue_pv(p, st);", "ad::wgmma_wait<0>();",
+                 "ad::mbarrier_arrive(empty0 + 8 * st);"):
+        found = text.find(line, at)
+        assert found >= 0, line
+        at = found + len(line)
+    assert text.count("mbarrier_arrive(") == 1 and text.count("tma_load_3d(") == 3
+    assert text.count("__syncthreads()") == 1 and "cp_async" not in text
+    assert attention_tma_bytes()["Q"] == 128 * 128 and attention_tma_bytes()["K"] == 64 * 128
+    tma = [v for hp, vs in build.ATTENTION_WGMMA.items() for v in vs if v.tma]
+    assert tma
+    for stages in sorted({v.kv_stages for v in tma} | {1, 2}):
+        for n_tiles in range(10):
+            for skips in attention_skips(n_tiles):
+                for pick in ws_picks(8):
+                    check_attention_tma_ring(n_tiles, stages, pick, skips)
+
+
+@pytest.mark.parametrize("mistake", [dict(kv_tx=64 * 128), dict(kv_tx=3 * 64 * 128),
+                                     dict(wait_empty=False), dict(q_expect=False),
+                                     dict(wait_q=False), dict(wait_on_skip=False),
+                                     dict(release_early=True)],
+                         ids=["expect-tx-K-only", "expect-tx-too-many", "no-empty-wait",
+                              "no-q-expect-tx", "no-q-wait", "no-full-wait-on-skip",
+                              "release-before-wgmma-wait"])
+def test_attention_tma_ring_model_catches_mistakes(cupy_selected, mistake):
+    """check_attention_tma_ring fails the ring (3 stages) when a tile's expect_tx announces
+    K's bytes alone (V read in flight) or more than land (deadlock), the producer skips its
+    empty wait (a box lands under a wgmma or over a tile still needed) or Q's expect_tx
+    (deadlock), a consumer reads Q without waiting for it, arrives on empty for a tile it
+    skips without waiting for its full barrier (its arrivals run a round ahead and complete
+    the other consumer's phase), or releases a stage before its wgmma wait."""
+    with pytest.raises(AssertionError):
+        for n_tiles in range(1, 9):
+            for skips in attention_skips(n_tiles):
+                for pick in ws_picks(5):
+                    check_attention_tma_ring(n_tiles, build.WGMMA_TMA.kv_stages, pick, skips,
+                                             **mistake)
+
+
 def test_tensor_maps(cupy_selected, monkeypatch):
     """tensor_maps.tensor_map passes the driver's cuTensorMapEncodeTiled a 64-byte-aligned map,
     FLOAT16, rank 2, the tensor's base, global dims [K, rows], the row stride in bytes, box
@@ -1111,19 +1364,25 @@ def test_tensor_maps(cupy_selected, monkeypatch):
     promotion and zero OOB fill (the enum values cuda.bindings has), and packs the 16 words
     it writes in order into 128 bytes; it refuses a misaligned row stride or base, non-fp16,
     non-contiguous rows, empty tensors and boxes past 256 rows (ValueError) and names the
-    shape when the driver fails (RuntimeError). ops.linear refuses a TMA variant on such
-    operands, and the layer does not pick it for them; the map cache memoises on the
-    tensor's address, shape and strides."""
+    shape when the driver fails (RuntimeError). Given seq_len, the 3-D view: rank 3, dims [K,
+    seq_len, rows / seq_len], strides [row bytes, seq_len row bytes], box [64, box_rows, 1],
+    element strides [1, 1, 1], the same modes; refused where seq_len does not divide the rows;
+    boxes of 32 columns take the 64-byte swizzle, other widths are refused.
+    ops.linear refuses a TMA variant on such operands, and the layer does not pick it for
+    them; the map cache memoises on the tensor's address, shape, strides and sequence
+    length."""
     import ctypes
     from types import SimpleNamespace
 
     from cuda.bindings import driver as d
 
     assert (tensor_maps.FLOAT16, tensor_maps.INTERLEAVE_NONE, tensor_maps.SWIZZLE_128B,
-            tensor_maps.L2_PROMOTION_256B, tensor_maps.OOB_FILL_ZEROS) == (
+            tensor_maps.SWIZZLE_64B, tensor_maps.L2_PROMOTION_256B,
+            tensor_maps.OOB_FILL_ZEROS) == (
         int(d.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16),
         int(d.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE),
         int(d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B),
+        int(d.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B),
         int(d.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B),
         int(d.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE))
     calls, result = [], [0]
@@ -1143,6 +1402,31 @@ def test_tensor_maps(cupy_selected, monkeypatch):
     assert got.tobytes() == np.array(FAKE_WORDS, dtype="<u8").tobytes()
     assert calls == [(0, 6, 2, t.data_ptr(), [136, 300], [288], [64, 128], [1, 1], 0, 3, 3, 0)]
     assert tensor_maps.tensor_map(store, 256) is not None and calls[-1][6] == [64, 256]
+    # the 3-D view (flash_attention_wgmma_tma): [K, seq_len, sequences], strides [row bytes,
+    # seq_len row bytes], boxes [64, box_rows, 1]
+    full3 = []
+
+    def encode3(out, dtype, rank, base, dims, strides, box, elem, *modes):
+        """Records a rank-3 call in full."""
+        full3.append((rank, base, list(dims[:3]), list(strides[:2]), list(box[:3]),
+                      list(elem[:3]), *modes))
+        return encode(out, dtype, rank, base, dims, strides, box, elem, *modes)
+    monkeypatch.setattr(tensor_maps, "_encoder", lambda: encode3)
+    got3 = tensor_maps.tensor_map(t, 64, seq_len=100)
+    assert got3.tobytes() == got.tobytes()
+    assert full3 == [(3, t.data_ptr(), [136, 100, 3], [288, 100 * 288], [64, 64, 1], [1, 1, 1],
+                      0, 3, 3, 0)]
+    assert tensor_maps.layout(t, 64, 100) == ([136, 100, 3], [288, 28800], [64, 64, 1])
+    tensor_maps.tensor_map(t, 128, seq_len=150, box_cols=32)  # 32 columns: the 64B swizzle
+    assert full3[-1] == (3, t.data_ptr(), [136, 150, 2], [288, 150 * 288], [32, 128, 1],
+                         [1, 1, 1], 0, tensor_maps.SWIZZLE_64B, 3, 0)
+    with pytest.raises(ValueError, match="box columns"):
+        tensor_maps.tensor_map(t, 128, seq_len=150, box_cols=16)
+    assert tensor_maps.layout(t, 64) == ([136, 300], [288], [64, 64])
+    with pytest.raises(ValueError, match="multiple of seq_len"):
+        tensor_maps.tensor_map(t, 64, seq_len=7)  # 300 rows are not whole sequences of 7
+    assert not tensor_maps.describable(t, 64, seq_len=0) and tensor_maps.describable(t, 64, 150)
+    monkeypatch.setattr(tensor_maps, "_encoder", lambda: encode)
     bad = {"stride": torch.zeros(8, 140, dtype=torch.float16)[:, :136],
            "base": torch.zeros(8, 144, dtype=torch.float16)[:, 4:],
            "dtype": torch.zeros(8, 64), "columns": store[:, ::2], "empty": store[:0],
@@ -1160,7 +1444,9 @@ def test_tensor_maps(cupy_selected, monkeypatch):
     first = cache(t, 128)
     assert cache(t, 128) is first and cache(store[:, :136], 128) is first
     assert cache(store[:200, :136], 128) is not first and cache(t, 64) is not first
-    assert len(calls) == n_calls + 3
+    assert cache(t, 128, 100) is not first and cache(t, 128, 100) is cache(t, 128, 100)
+    assert cache(t, 128, 100, 32) is not cache(t, 128, 100)
+    assert len(calls) == n_calls + 5
 
     # ops.linear: a TMA variant on a misaligned A is refused, with no launch
     m, n, d = 300, 256, 136
@@ -1369,8 +1655,10 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
     """Flash attention at odd lengths against the fp32 oracle: every padded head dim, causal
     or full, no mask, prefix masks (one sequence empty) and holed masks, on both tiles where
     two are compiled ("many": enough blocks for 128 queries a block), and on the wgmma kernel
-    where the device has it, every variant of the head dim (build.ATTENTION_WGMMA), variants
-    of one BKV bit-identical (the same arithmetic, issued in another order). 200 tokens: the
+    where the device has it, every variant of the head dim (build.ATTENTION_WGMMA; one that
+    refuses the head dim must refuse it), variants of one BKV bit-identical (the same
+    arithmetic, issued in another order; the TMA ring too: the keys it loads where the others
+    zero-fill get P = 0). 200 tokens: the
     last block's second warpgroup has 8 rows; 700: 11 key tiles of 64, and the last block's
     second warpgroup has none."""
     if wgmma and not kernels.has_wgmma:
@@ -1397,6 +1685,12 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
         name = variant.name if variant else None
         ctx = tuple(torch.full((batch * seq_len, d), math.nan, device="cuda",
                                dtype=torch.float16) for _ in range(2))
+        if variant and variant.refusal(head_dim, wide):  # the TMA ring below its head dim
+            with pytest.raises(ValueError, match="needs head dim"):
+                ops.attention(kernels, qkv, ctx, valid, None if valid is None else
+                              key_info(valid), batch=batch, seq_len=seq_len, num_heads=heads,
+                              head_dim=head_dim, causal=causal, wgmma=wgmma, variant=name)
+            continue
         ops.attention(kernels, qkv, ctx, valid, None if valid is None else key_info(valid),
                       batch=batch, seq_len=seq_len, num_heads=heads, head_dim=head_dim,
                       causal=causal, wgmma=wgmma, variant=name)
@@ -1603,33 +1897,58 @@ def test_layer_keeps_the_contract_and_replays(kernels, number, wgmma, fuse_norms
     assert layer.graphed.graphs and not layer.graphed.uncapturable
 
 
-@needs_gpu
-@pytest.mark.parametrize("variant", [build.GEMM_TMA.name, build.GEMM_TMA_WIDE.name])
-def test_layer_with_tma_gemms_keeps_the_contract_and_replays(kernels, variant, monkeypatch):
-    """The layer at d_model 1024 (CI shape 8) with a TMA GEMM variant on every GEMM (its
-    grid thresholds lowered to one SM: 96 rows, partial boxes along M) keeps the contract
-    eager, captured and replayed: the tensor maps made at capture stay right on replay."""
+def _layer_runs_variant(cfg, option: str, variant: str, op: str, monkeypatch) -> None:
+    """CupyBackend(option=variant) at cfg keeps the contract eager, captured and replayed
+    (tensor maps made at capture stay right on replay), every call of ops.<op> asking for
+    variant (its variant keyword: gemm_variant or variant)."""
     from layerbench.backends.cupy import CupyBackend
-    from layerbench.common.shapes import CI
 
-    if not kernels.has_wgmma:
-        pytest.skip(f"no wgmma on sm_{kernels.arch}")
-    monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 1)
-    cfg = CI[8].config
     model = make_reference(cfg, seed=41)
     x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
     expected = reference_forward(model.cuda(), x, mask)
-    layer = CupyBackend(gemm_variant=variant).build(cfg, model.state_dict(), device="cuda")
+    layer = CupyBackend(**{option: variant}).build(cfg, model.state_dict(), device="cuda")
     names = []
-    real = ops.linear
+    real = getattr(ops, op)
+    keyword = "gemm_variant" if op == "linear" else "variant"
 
-    def linear(*args, **kwargs):
-        names.append(kwargs.get("gemm_variant"))
+    def recorded(*args, **kwargs):
+        names.append(kwargs.get(keyword))
         return real(*args, **kwargs)
-    monkeypatch.setattr(ops, "linear", linear)
+    monkeypatch.setattr(ops, op, recorded)
     with torch.no_grad():
         for _ in range(3):  # eager, captured, replayed
             report = compare(layer(x, mask), expected)
             assert report.passed, report.summary()
     assert names and set(names) == {variant}, names
     assert layer.graphed.graphs and not layer.graphed.uncapturable
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", [build.GEMM_TMA.name, build.GEMM_TMA_WIDE.name])
+def test_layer_with_tma_gemms_keeps_the_contract_and_replays(kernels, variant, monkeypatch):
+    """The layer at d_model 1024 (CI shape 8) with a TMA GEMM variant on every GEMM (its
+    grid thresholds lowered to one SM: 96 rows, partial boxes along M) keeps the contract
+    eager, captured and replayed: the tensor maps made at capture stay right on replay."""
+    from layerbench.common.shapes import CI
+
+    if not kernels.has_wgmma:
+        pytest.skip(f"no wgmma on sm_{kernels.arch}")
+    monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 1)
+    _layer_runs_variant(CI[8].config, "gemm_variant", variant, "linear", monkeypatch)
+
+
+@needs_gpu
+@pytest.mark.parametrize("number", [1, 14], ids=["d32", "d64"])
+def test_layer_with_tma_attention_keeps_the_contract_and_replays(kernels, number, monkeypatch):
+    """The layer at CI shapes 1 (head dim 32, 48 tokens) and 14 (head dim 64, 100 tokens:
+    partial query blocks and key tiles) with the TMA-ring attention keeps the contract eager,
+    captured and replayed (its tensor maps made at capture stay right on replay), and runs
+    that variant on every layer."""
+    from layerbench.common.shapes import CI
+
+    if not kernels.has_wgmma:
+        pytest.skip(f"no wgmma on sm_{kernels.arch}")
+    cfg = CI[number].config
+    assert cfg.d_model // cfg.num_heads in (32, 64)
+    _layer_runs_variant(cfg, "attention_variant", build.WGMMA_TMA.name, "attention",
+                        monkeypatch)

@@ -106,7 +106,7 @@ class CupyBackend(Backend):
                 raise Unsupported(f"{self.name}: attention_variant {variant!r} needs the wgmma "
                                   f"attention kernel (sm_90, head dim up to 128)")
             try:
-                build.attention_variant(wide, variant)
+                build.attention_variant(wide, variant, config.head_dim)
             except ValueError as exc:
                 raise Unsupported(f"{self.name}: {exc}") from exc
         if self.gemm_variant is not None and not wgmma:

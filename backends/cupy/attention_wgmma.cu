@@ -1,5 +1,6 @@
-// Flash attention forward on Hopper wgmma.mma_async (FlashAttention-3 basics, no warp
-// specialisation): the same interface and semantics as lb::flash_attention (attention.cu), with
+// Flash attention forward on Hopper wgmma.mma_async (FlashAttention-3 basics; warp
+// specialisation and TMA in lb::flash_attention_wgmma_tma only): the same interface and
+// semantics as lb::flash_attention (attention.cu), with
 // S = Q K^T as wgmma m64nBKVk16 reading Q and K from 128- (or, at HP 32, 64-) byte-swizzled
 // shared memory, P = exp2(...) converted to fp16 in registers and O += P V as wgmma m64nHPk16
 // with A = P from registers and B = V from shared memory, N-major (imm-trans-b 1).
@@ -13,6 +14,9 @@
 // lb::attention_wgmma_shared_bytes(HP, BQ, BKV, PIPELINE) bytes, above 48 KB only after the
 // kernel's max dynamic shared memory attribute has been raised to it. Variants
 // (template parameters): MINB blocks an SM, and the plain or the pipelined schedule (below).
+// lb::flash_attention_wgmma_tma<HP, KV_STAGES> (at the end: a TMA producer warpgroup and two
+// consumers, 384 threads, two tensor maps appended to the parameters) runs the plain
+// schedule's per-tile math from the same source, flash_attention_body.
 //
 // Shared tiles. A tile of ROWS rows x HP halves is stored as HP * 2 / SW panels, SW (the swizzle
 // width) = 128 bytes, or 64 bytes at HP 32; panel p holds columns [p SW/2, (p+1) SW/2) of every
@@ -83,6 +87,7 @@ __device__ __forceinline__ void load_tile(unsigned char* tile, const __half* src
 constexpr int K_BUFFERS = 2;
 constexpr int V_BUFFERS = 2;
 constexpr int PIPELINED_V_BUFFERS = 3;
+constexpr int TMA_RING = 2;  // the PIPELINE value of flash_attention_wgmma_tma's schedule
 
 }  // namespace attn_wgmma_detail
 
@@ -97,6 +102,7 @@ __host__ __device__ constexpr int attention_wgmma_shared_bytes(int hp, int bq, i
     return (bq + (ad::K_BUFFERS + v_buffers) * bkv) * hp * 2 + ad::ALIGN;
 }
 
+// lb::flash_attention_wgmma (its body: attn_wgmma_detail::flash_attention_body, below).
 // Grid (ceil(seq_len / BQ), batch * num_heads), BQ / 64 warpgroups of 64 query rows each; the
 // same semantics as lb::flash_attention in every detail (see attention.cu). MINB: the blocks an
 // SM should hold (__launch_bounds__; 2 caps a thread at 65536 / (2 * 2 BQ) registers, so that
@@ -130,22 +136,25 @@ __host__ __device__ constexpr int attention_wgmma_shared_bytes(int hp, int bq, i
 //   6. o *= alpha; p = fp16(P[it]); wgmma fence; O += P V[it] (V buffer it % 3); commit.
 //   7. wgmma wait 1: S[it + 1] is complete, P V of it runs on into iteration it + 1. Last tile:
 //      wait 0, nothing is left pending.
-template <int HP, int BQ, int BKV, int MINB, int PIPELINE>
-__global__ void __launch_bounds__(BQ * 2, MINB)
-flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
-                      __half* __restrict__ ctx_hi, __half* __restrict__ ctx_lo,
-                      long long ctx_stride, const unsigned char* __restrict__ valid,
-                      const int* __restrict__ key_info, int seq_len, int num_heads,
-                      int head_dim, float scale, int causal) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+namespace attn_wgmma_detail {
+
+// The body of lb::flash_attention_wgmma (PIPELINE 0 and 1, q_map and kv_map null) and of
+// lb::flash_attention_wgmma_tma (PIPELINE TMA_RING, KV_STAGES stages): one definition of the
+// per-tile math (the lambdas below) for every schedule. sm_90a only.
+template <int HP, int BQ, int BKV, int PIPELINE, int KV_STAGES>
+__device__ __forceinline__ void flash_attention_body(
+    const __half* __restrict__ qkv, long long qkv_stride, __half* __restrict__ ctx_hi,
+    __half* __restrict__ ctx_lo, long long ctx_stride, const unsigned char* __restrict__ valid,
+    const int* __restrict__ key_info, int seq_len, int num_heads, int head_dim, float scale,
+    int causal, const TensorMap* q_map, const TensorMap* kv_map) {
     // Qualified names only: attention.cu's and linear_wgmma.cu's device functions share the
     // module.
     namespace ad = attn_wgmma_detail;
     static_assert(HP == 32 || HP == 64 || HP == 128, "padded head dim 32, 64 or 128");
     static_assert(BQ == 64 || BQ == 128, "one or two warpgroups of 64 rows");
     static_assert(BKV == 64 || BKV == 128, "wgmma n64 or n128 score tiles");
-    static_assert(MINB == 1 || MINB == 2, "one or two blocks an SM");
-    static_assert(PIPELINE == 0 || PIPELINE == 1, "plain or pipelined schedule");
+    static_assert(PIPELINE == 0 || PIPELINE == 1 || PIPELINE == ad::TMA_RING,
+                  "plain, pipelined or TMA-ring schedule");
     constexpr int THREADS = BQ * 2;
     constexpr int SW = ad::swizzle_bytes(HP);  // bytes per panel row
     constexpr int Q_BYTES = BQ * HP * 2;       // multiples of 1024: every tile 1024-aligned
@@ -163,9 +172,12 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
     const unsigned sbase = (raw + ad::ALIGN - 1) & ~static_cast<unsigned>(ad::ALIGN - 1);
     unsigned char* smem = attn_wgmma_shared + (sbase - raw);
     // Layout: Q, the K buffers, the V buffers.
-    const unsigned sQ = sbase, sK = sbase + Q_BYTES, sV = sK + ad::K_BUFFERS * KV_BYTES;
+    // (The TMA ring: KV_STAGES K buffers, then KV_STAGES V buffers.)
+    constexpr int K_TILES = PIPELINE == ad::TMA_RING ? KV_STAGES : ad::K_BUFFERS;
+    const unsigned sQ = sbase, sK = sbase + Q_BYTES, sV = sK + K_TILES * KV_BYTES;
 
-    const int group = threadIdx.x / 128;  // warpgroup: rows 64 group .. 64 group + 63
+    // Warpgroup: rows 64 group .. 64 group + 63 (the TMA ring: warpgroup 0 the producer, -1).
+    const int group = static_cast<int>(threadIdx.x / 128) - (PIPELINE == ad::TMA_RING ? 1 : 0);
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int b = blockIdx.y / num_heads, h = blockIdx.y % num_heads;
@@ -347,7 +359,83 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
         }
     };
 
-    if constexpr (PIPELINE == 0) {
+    if constexpr (PIPELINE == ad::TMA_RING) {
+        // setmaxnreg moves registers within the block's pool, the 384 x 168 it was launched
+        // with (__launch_bounds__(384, 1)): 40 for the producer and 232 for the consumers use
+        // all of it. A pool too small would leave setmaxnreg.inc waiting forever. (Two blocks
+        // an SM would launch with 80, leaving the consumers 104: the math at HP 64 spills.)
+        constexpr int LAUNCH_REGISTERS = 65536 / 384 / 8 * 8;
+        constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+        static_assert(BQ == 128 && KV_STAGES >= 1, "two consumer warpgroups, a ring");
+        static_assert(128 * PRODUCER_REGISTERS + 256 * CONSUMER_REGISTERS <=
+                          384 * LAUNCH_REGISTERS,
+                      "the warpgroups' registers must fit the block's pool");
+        // q_full, then full[KV_STAGES], then empty[KV_STAGES].
+        __shared__ __align__(8) unsigned long long attn_tma_bars[1 + 2 * KV_STAGES];
+        const unsigned q_full = static_cast<unsigned>(__cvta_generic_to_shared(attn_tma_bars));
+        const unsigned full0 = q_full + 8, empty0 = full0 + 8 * KV_STAGES;
+        // The warpgroup, uniform across each warp (a shuffle tells the compiler so).
+        const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+        if (threadIdx.x == 0) {
+            ad::prefetch_tensormap(q_map);
+            ad::prefetch_tensormap(kv_map);
+            ad::mbarrier_init(q_full, 1);
+#pragma unroll
+            for (int st = 0; st < KV_STAGES; ++st) {
+                ad::mbarrier_init(full0 + 8 * st, 1);
+                ad::mbarrier_init(empty0 + 8 * st, 256);
+            }
+            ad::fence_mbarrier_init();
+        }
+        __syncthreads();
+        if (role == 0) {
+            ad::setmaxnreg_dec<PRODUCER_REGISTERS>();
+            if (threadIdx.x == 0 && n_tiles > 0) {
+                // Columns of this head's Q, K and V in the qkv rows (head_dim == HP).
+                const int q_col = h * head_dim, k_col = q_col + num_heads * head_dim;
+                const int v_col = k_col + num_heads * head_dim;
+                ad::mbarrier_arrive_expect_tx(q_full, Q_BYTES);
+                ad::tma_load_3d(sQ, q_map, q_full, q_col, qb0, b);
+                for (int it = 0; it < n_tiles; ++it) {
+                    const int st = it % KV_STAGES;
+                    ad::mbarrier_wait(empty0 + 8 * st, ((it / KV_STAGES) & 1) ^ 1);  // 1
+                    const unsigned full = full0 + 8 * st;  // 2
+                    ad::mbarrier_arrive_expect_tx(full, 2 * KV_BYTES);
+                    ad::tma_load_3d(sK + st * KV_BYTES, kv_map, full, k_col, it * BKV, b);
+                    ad::tma_load_3d(sV + st * KV_BYTES, kv_map, full, v_col, it * BKV, b);
+                }
+            }
+            return;
+        }
+        ad::setmaxnreg_inc<CONSUMER_REGISTERS>();
+        float s[NS];
+        unsigned p[KS][4];
+        if (n_tiles > 0) ad::mbarrier_wait(q_full, 0);
+        for (int it = 0; it < n_tiles; ++it) {
+            const int kv0 = it * BKV, st = it % KV_STAGES;
+            ad::mbarrier_wait(full0 + 8 * st, (it / KV_STAGES) & 1);  // 1
+            // A warpgroup whose rows all precede the tile's first key (causal) sees none of it.
+            const bool work = group_rows && !(causal && kv0 > qg0 + 63);
+            if (work) {  // 2
+                ad::wgmma_fence();
+                issue_scores(s, st);
+                ad::wgmma_commit();
+                ad::wgmma_wait<0>();
+                fence_scores(s);
+                float alpha[2];
+                softmax(1, s, kv0, alpha);
+                pack(p, s);
+                fence_outputs();
+                ad::wgmma_fence();
+                issue_pv(p, st);
+                ad::wgmma_commit();
+                ad::wgmma_wait<0>();
+                fence_outputs();
+                fence_probs(p);
+            }
+            ad::mbarrier_arrive(empty0 + 8 * st);  // 3
+        }
+    } else if constexpr (PIPELINE == 0) {
         float s[NS];
         unsigned p[KS][4];
         // One commit group per K tile and per V tile (Q joins the first K): the counts of the
@@ -482,13 +570,99 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
             }
         }
     }
-    cp_async_wait<0>();  // nothing is left in flight (the last groups are empty)
+    if constexpr (PIPELINE != ad::TMA_RING) {
+        cp_async_wait<0>();  // nothing is left in flight (the last groups are empty)
+    }
 
     if (!warp_rows) return;
     store_context<HP / 8>(o, l_run, q0, g, t, seq_len, row_base, ctx_stride, h, head_dim,
                           ctx_hi, ctx_lo);
+}
+
+}  // namespace attn_wgmma_detail
+
+template <int HP, int BQ, int BKV, int MINB, int PIPELINE>
+__global__ void __launch_bounds__(BQ * 2, MINB)
+flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
+                      __half* __restrict__ ctx_hi, __half* __restrict__ ctx_lo,
+                      long long ctx_stride, const unsigned char* __restrict__ valid,
+                      const int* __restrict__ key_info, int seq_len, int num_heads,
+                      int head_dim, float scale, int causal) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(MINB == 1 || MINB == 2, "one or two blocks an SM");
+    static_assert(PIPELINE == 0 || PIPELINE == 1, "plain or pipelined schedule");
+    attn_wgmma_detail::flash_attention_body<HP, BQ, BKV, PIPELINE, 0>(
+        qkv, qkv_stride, ctx_hi, ctx_lo, ctx_stride, valid, key_info, seq_len, num_heads,
+        head_dim, scale, causal, nullptr, nullptr);
 #elif defined(__CUDA_ARCH__)
     __trap();  // wgmma needs sm_90a: compile this kernel for sm_90a
+#endif
+}
+
+// Dynamic shared bytes of one block of lb::flash_attention_wgmma_tma<hp, kv_stages>: Q (128 rows),
+// kv_stages K and kv_stages V buffers (64 rows each), hp halves a row, plus 1024 bytes of slack
+// for aligning the first tile (the mbarriers are static shared memory). <64, 3>: 66560,
+// <32, 3>: 33792.
+__host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int kv_stages) {
+    return (128 + 2 * kv_stages * 64) * hp * 2 + attn_wgmma_detail::ALIGN;
+}
+
+// FlashAttention-3's warp-specialised TMA ring, at BQ 128 and BKV 64: lb::flash_attention_wgmma's
+// semantics, parameters (then q_map and kv_map) and grid; 384 threads; dynamic shared memory
+// lb::attention_wgmma_tma_shared_bytes(HP, KV_STAGES). Warpgroup 0 is the producer (setmaxnreg
+// to 40 registers; one thread issues TMA copies), warpgroups 1 and 2 the consumers (query rows
+// 0-63 and 64-127 of the block, setmaxnreg to 232), each running the plain schedule's math per
+// key tile (S = Q K^T by SS wgmma waited for, mask and online softmax, O += P V by RS wgmma
+// waited for) with no block barrier: the two consumers drift apart, one's softmax overlapping
+// the other's wgmmas. HP 32 or 64: a TMA box of HP columns is one panel (64 bytes with the
+// 64-byte swizzle, 128 with the 128-byte one, as the descriptors expect); head_dim must equal
+// HP: the boxes are HP columns wide, so a narrower head would read its neighbour's columns
+// (ops.attention refuses it).
+// Tensor maps (tensor_maps.py, 3-D): the qkv rows viewed as [batch][seq_len][3 H hd] fp16,
+// dims {3 H hd, seq_len, batch}, strides {row bytes, seq_len row bytes}, the swizzle, zero
+// fill: q_map boxes {HP, 128, 1}, kv_map boxes {HP, 64, 1}; box (c, r, b) is rows r.. of
+// sequence b from column c (Q: h hd, K: (H + h) hd, V: (2 H + h) hd), zero past seq_len. Keys
+// in [kv_end, seq_len) and hole keys are loaded (not zero-filled as the cp.async kernels do)
+// and masked in the softmax as there: their P is 0.
+// Tile it lives in stage st = it % KV_STAGES, round r = it / KV_STAGES. Barriers: q_full
+// (count 1), full[st] (count 1) and empty[st] (count 256: every consumer thread once a round).
+//   Before the split: thread 0 prefetches the maps, initialises the barriers,
+//   fence.mbarrier_init; __syncthreads (the block's only one).
+//   Producer thread (threadIdx.x 0), where n_tiles > 0: arrive.expect_tx(q_full, Q_BYTES), TMA
+//   the Q box (h hd, qb0, b); then for each tile it:
+//   1. wait empty[st] phase r - 1 (parity (r & 1) ^ 1; passes at once in round 0): both
+//      consumers are done with tile it - KV_STAGES (their P V waited for).
+//   2. arrive.expect_tx(full[st], 2 KV_BYTES) (the whole boxes: zero fill counts); TMA the K
+//      box into K buffer st and the V box into V buffer st, both completing on full[st].
+//   Then exit. The other producer threads exit at once.
+//   Consumer warpgroup, where n_tiles > 0: wait q_full parity 0; then for each tile it:
+//   1. wait full[st] parity r & 1 (every consumer, also one skipping the tile: an arrive
+//      without it could complete round r + 1's phase of empty[st] with round r's arrivals).
+//   2. Unless the warpgroup sees none of the tile: S (wgmma, wait 0), mask and online softmax,
+//      P V (wgmma, wait 0).
+//   3. arrive on empty[st].
+//   Then store_context as flash_attention_wgmma. The producer's step 1 at tile it needs only
+//   the consumers' step 3 at tile it - KV_STAGES: any KV_STAGES >= 1 is deadlock-free; up to
+//   KV_STAGES tiles are in flight or landed ahead of the slower consumer.
+template <int HP, int KV_STAGES>
+__global__ void __launch_bounds__(384, 1)
+flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
+                          __half* __restrict__ ctx_hi, __half* __restrict__ ctx_lo,
+                          long long ctx_stride, const unsigned char* __restrict__ valid,
+                          const int* __restrict__ key_info, int seq_len, int num_heads,
+                          int head_dim, float scale, int causal,
+                          const __grid_constant__ TensorMap q_map,
+                          const __grid_constant__ TensorMap kv_map) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    static_assert(HP == 32 || HP == 64, "one TMA box (HP columns, one swizzle row) a row");
+    static_assert(attention_wgmma_tma_shared_bytes(HP, KV_STAGES) <= 227 * 1024,
+                  "the ring must fit one block's shared memory");
+    attn_wgmma_detail::flash_attention_body<HP, 128, 64, attn_wgmma_detail::TMA_RING,
+                                            KV_STAGES>(
+        qkv, qkv_stride, ctx_hi, ctx_lo, ctx_stride, valid, key_info, seq_len, num_heads,
+        head_dim, scale, causal, &q_map, &kv_map);
+#elif defined(__CUDA_ARCH__)
+    __trap();  // wgmma and TMA need sm_90a: compile this kernel for sm_90a
 #endif
 }
 

@@ -36,25 +36,50 @@ ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (1
 class AttentionVariant:
     """One instantiation of flash_attention_wgmma (attention_wgmma.cu): the name sweeps and
     CupyBackend(attention_variant=...) use, BQ queries (2 BQ threads) and BKV keys a tile,
-    the blocks an SM should hold (__launch_bounds__) and the plain or pipelined schedule."""
+    the blocks an SM should hold (__launch_bounds__) and the plain or pipelined schedule.
+    tma: flash_attention_wgmma_tma<HP, kv_stages> instead (BQ 128, BKV 64, ATTENTION_TMA_THREADS
+    threads: a TMA producer warpgroup and two consumers, a ring of kv_stages K/V stages; the
+    tensor maps of Q and of K/V appended to the arguments by ops.attention; head_dim must be
+    the padded head dim, see refusal)."""
 
     name: str
     bq: int
     bkv: int
     min_blocks: int = 1
     pipelined: bool = False
+    tma: bool = False
+    kv_stages: int = 0
+
+    @property
+    def threads(self) -> int:
+        """Threads of one block."""
+        return ATTENTION_TMA_THREADS if self.tma else 2 * self.bq
+
+    def refusal(self, head_dim: int, head_pad: int) -> str | None:
+        """Why this variant cannot run head_dim (padded to head_pad), or None: a TMA variant's
+        boxes are head_pad columns wide, so a narrower head would read its neighbour's."""
+        if self.tma and head_dim != head_pad:
+            return (f"cupy attention variant {self.name!r} needs head dim {head_pad} exactly "
+                    f"(its TMA boxes are {head_pad} columns wide), not {head_dim}")
+        return None
 
 
 WGMMA_PLAIN = AttentionVariant("wgmma 128x128", 128, 128)
 WGMMA_TWO_PER_SM = AttentionVariant("wgmma 128x64 2/SM", 128, 64, min_blocks=2)
 WGMMA_PIPELINED = AttentionVariant("wgmma 128x64 pipelined", 128, 64, pipelined=True)
+ATTENTION_TMA_THREADS = 384  # flash_attention_wgmma_tma: a producer and two consumer warpgroups
+# FlashAttention-3's warp-specialised TMA ring (not yet timed on the H200), head dims 32 and
+# 64 exactly (refused below them: its boxes are the padded head dim wide).
+WGMMA_TMA = AttentionVariant("wgmma 128x64 TMA", 128, 64, tma=True, kv_stages=3)
 # flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (the
 # fastest timed on the H200: two blocks an SM at head dims 32 and 64, shapes 13 and 14).
 # Head dims up to 32 run at 32; 256 has none (the mma.sync kernel runs it). At 128, two
 # blocks an SM (128 registers a thread) spill, and the pipelined schedule at BKV 128 spills
-# at every head dim (two score sets of 64 registers), so it runs BKV 64.
-ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED),
-                   64: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED),
+# at every head dim (two score sets of 64 registers), so it runs BKV 64. The TMA ring runs
+# at 32 and 64 (boxes of 32 columns with the 64-byte swizzle, 64 with the 128-byte one),
+# head dims below those refused.
+ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA),
+                   64: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA),
                    128: (WGMMA_PLAIN, WGMMA_PIPELINED)}
 
 
@@ -176,8 +201,13 @@ def attention_name(head_pad: int, bq: int, bkv: int) -> str:
 
 
 def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
-    """Name expression of the sm_90a flash attention kernel of variant at a padded head dim."""
+    """Name expression of the sm_90a flash attention kernel of variant at a padded head dim
+    (a TMA variant: flash_attention_wgmma_tma<HP, kv_stages>)."""
     v = variant
+    if v.tma:
+        if (v.bq, v.bkv, v.min_blocks, v.pipelined) != (128, 64, 1, False) or v.kv_stages < 1:
+            raise ValueError(f"{v.name} runs BQ 128, BKV 64, one block an SM, a ring")
+        return f"lb::flash_attention_wgmma_tma<{head_pad}, {v.kv_stages}>"
     return (f"lb::flash_attention_wgmma<{head_pad}, {v.bq}, {v.bkv}, {v.min_blocks}, "
             f"{int(v.pipelined)}>")
 
@@ -187,14 +217,19 @@ def attention_variant_names() -> list[str]:
     return list(dict.fromkeys(v.name for vs in ATTENTION_WGMMA.values() for v in vs))
 
 
-def attention_variant(head_pad: int, name: str | None = None) -> AttentionVariant:
+def attention_variant(head_pad: int, name: str | None = None,
+                      head_dim: int | None = None) -> AttentionVariant:
     """The wgmma attention variant called name at a padded head dim (32, 64 or 128), or its
-    default where name is None; ValueError naming those it has otherwise."""
+    default where name is None; ValueError naming those it has otherwise, or (head_dim
+    given) the variant's refusal of head_dim."""
     variants = ATTENTION_WGMMA[head_pad]
     if name is None:
         return variants[0]
     for v in variants:
         if v.name == name:
+            why = None if head_dim is None else v.refusal(head_dim, head_pad)
+            if why:
+                raise ValueError(why)
             return v
     raise ValueError(f"cupy attention at padded head dim {head_pad} has no variant {name!r}; "
                      f"it has {', '.join(repr(v.name) for v in variants)}")

@@ -47,6 +47,20 @@ def attention_wgmma_shared_bytes(head_pad: int, bq: int, bkv: int,
     return (bq + (K_BUFFERS + v_buffers) * bkv) * head_pad * 2 + 1024
 
 
+def attention_wgmma_tma_shared_bytes(head_pad: int, kv_stages: int) -> int:
+    """Dynamic shared memory of a TMA-ring attention block (attention_wgmma.cu
+    attention_wgmma_tma_shared_bytes: Q of 128 rows, kv_stages K and V tiles of 64 rows, 1 KiB
+    to align them; its mbarriers are static)."""
+    return (128 + 2 * kv_stages * 64) * head_pad * 2 + 1024
+
+
+def attention_variant_shared_bytes(head_pad: int, variant: build.AttentionVariant) -> int:
+    """Dynamic shared memory of a block of the wgmma attention variant at head_pad."""
+    if variant.tma:
+        return attention_wgmma_tma_shared_bytes(head_pad, variant.kv_stages)
+    return attention_wgmma_shared_bytes(head_pad, variant.bq, variant.bkv, variant.pipelined)
+
+
 def head_pad(head_dim: int) -> int:
     """The padded head dim attention is compiled for: the power of two >= head_dim, >= 16."""
     return max(16, 1 << (head_dim - 1).bit_length())
@@ -79,10 +93,12 @@ class Kernels:
                     "registers: a trap body); this NVRTC took another target")
         return None
 
-    def tensor_map(self, t: torch.Tensor, box_rows: int):
-        """The TMA tensor map argument of t ([rows, K] fp16) with boxes of 64 x box_rows
-        (tensor_maps.tensor_map, memoised)."""
-        return self.tensor_maps(t, box_rows)
+    def tensor_map(self, t: torch.Tensor, box_rows: int, seq_len: int | None = None,
+                   box_cols: int = tensor_maps.BOX_COLS):
+        """The TMA tensor map argument of t ([rows, K] fp16) with boxes of box_cols (64, or
+        32) x box_rows (seq_len given: its 3-D view as sequences of seq_len rows;
+        tensor_maps.tensor_map, memoised)."""
+        return self.tensor_maps(t, box_rows, seq_len, box_cols)
 
     def function(self, name: str, shared: int):
         """The kernel of name expression name, allowed shared bytes of dynamic memory."""
@@ -244,17 +260,30 @@ def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, nu
     """ctx (an fp16 pair of [tokens, H * hd] rows) = attention of qkv ([tokens, 3 H hd]);
     wgmma: the Hopper kernel where it has the head dim (attention_wgmma.cu), variant: one of
     build.ATTENTION_WGMMA's by name (None: the default); ValueError for a variant where the
-    wgmma kernel does not run or has no such variant."""
+    wgmma kernel does not run or has no such variant, or that refuses the head dim
+    (AttentionVariant.refusal). A TMA variant (flash_attention_wgmma_tma) also takes the
+    3-D tensor maps (k.tensor_map with seq_len) of qkv's first batch x seq_len rows with
+    boxes of the padded head dim's columns by 128 rows (Q) and 64 (K and V); ValueError where
+    qkv cannot be described by one."""
     hp = head_pad(head_dim)
     wide = wgmma_attention_pad(head_dim)
     if variant is not None and not (wgmma and wide):
         raise ValueError(f"cupy attention variant {variant!r} needs the wgmma kernel "
                          f"(wgmma=True, head dim up to 128), not wgmma={wgmma} at {head_dim}")
+    maps = ()
     if wgmma and wide:
-        v = build.attention_variant(wide, variant)
-        bq, threads = v.bq, 2 * v.bq
+        v = build.attention_variant(wide, variant, head_dim)
+        bq, threads = v.bq, v.threads
         name = build.attention_wgmma_name(wide, v)
-        shared = attention_wgmma_shared_bytes(wide, v.bq, v.bkv, v.pipelined)
+        shared = attention_variant_shared_bytes(wide, v)
+        if v.tma:
+            rows = qkv[:batch * seq_len]
+            try:
+                maps = (k.tensor_map(rows, v.bq, seq_len, wide),
+                        k.tensor_map(rows, v.bkv, seq_len, wide))
+            except ValueError as exc:
+                raise ValueError(f"cupy attention variant {v.name!r} cannot run on this qkv: "
+                                 f"{exc}") from exc
     else:
         bq, bkv = attention_tile(hp, cdiv(seq_len, 64) * batch * num_heads, qkv.device)
         name, threads = build.attention_name(hp, bq, bkv), bq // 16 * 32
@@ -262,4 +291,4 @@ def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, nu
     k.launch(name, (cdiv(seq_len, bq), batch * num_heads, 1), threads, shared,
              (qkv, np.int64(qkv.stride(0)), ctx[0], ctx[1], np.int64(ctx[0].stride(0)),
               valid, info, np.int32(seq_len), np.int32(num_heads), np.int32(head_dim),
-              np.float32(1.0 / math.sqrt(head_dim)), np.int32(int(causal))))
+              np.float32(1.0 / math.sqrt(head_dim)), np.int32(int(causal))) + maps)

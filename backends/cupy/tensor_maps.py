@@ -1,7 +1,11 @@
-"""TMA tensor maps for linear_wgmma_tma (linear_wgmma.cu): a 2-D fp16 row-major tensor [rows, K]
-described by the driver's cuTensorMapEncodeTiled (boxes of 64 K columns, 128 bytes, by
-box_rows rows, 128-byte swizzle, zeros outside the tensor; see _encoder for why through
-ctypes), packed as the kernel's 128-byte lb::TensorMap argument.
+"""TMA tensor maps for linear_wgmma_tma (linear_wgmma.cu) and flash_attention_wgmma_tma
+(attention_wgmma.cu): a 2-D fp16 row-major tensor [rows, K] described by the driver's
+cuTensorMapEncodeTiled (boxes of 64 K columns, 128 bytes, by box_rows rows, 128-byte swizzle,
+zeros outside the tensor; see _encoder for why through ctypes), packed as the kernel's
+128-byte lb::TensorMap argument; or, given seq_len, the same rows viewed as [rows / seq_len
+sequences][seq_len][K] (rank 3, boxes of 64 x box_rows x 1), so that TMA zero-fills past
+each sequence's end. Boxes are 64 columns (128-byte swizzle) or, given box_cols 32, 32
+columns (64 bytes, 64-byte swizzle: flash_attention_wgmma_tma at head dim 32).
 
 The argument is a 0-d NumPy array of TENSOR_MAP_DTYPE, not a NumPy scalar: CuPy passes a
 one-element numpy.ndarray by value from its data (cupy/cuda/function.pyx, _pointer:
@@ -23,10 +27,12 @@ MAX_BOX_ROWS = 256  # TMA's limit on a box dimension
 CACHE_SIZE = 256  # maps kept by a TensorMapCache before it starts afresh
 
 
-def check(t: torch.Tensor, box_rows: int) -> None:
+def check(t: torch.Tensor, box_rows: int, seq_len: int | None = None,
+          box_cols: int = BOX_COLS) -> None:
     """ValueError unless t is a 2-D fp16 row-major tensor a tensor map can describe (columns
     contiguous, a row stride of a multiple of 8 elements, a 16-byte-aligned base, at least
-    one row and column) and box_rows is 1 .. 256."""
+    one row and column), box_rows is 1 .. 256, seq_len, where given, is positive and
+    divides the rows (the 3-D view) and box_cols is one of SWIZZLES."""
     shape = tuple(t.shape)
     if t.dim() != 2 or t.dtype != torch.float16:
         raise ValueError(f"TMA tensor map needs a 2-D fp16 tensor, not {t.dtype} {shape}")
@@ -44,12 +50,31 @@ def check(t: torch.Tensor, box_rows: int) -> None:
                          f"for {shape}")
     if not 1 <= box_rows <= MAX_BOX_ROWS:
         raise ValueError(f"TMA box rows must be 1 .. {MAX_BOX_ROWS}, not {box_rows}")
+    if box_cols not in SWIZZLES:
+        raise ValueError(f"TMA box columns must be one of {sorted(SWIZZLES)}, not {box_cols}")
+    if seq_len is not None and (seq_len < 1 or rows % seq_len != 0):
+        raise ValueError(f"TMA sequence view needs rows a multiple of seq_len {seq_len}, not "
+                         f"{shape}")
 
 
-def describable(t: torch.Tensor, box_rows: int = 1) -> bool:
+def layout(t: torch.Tensor, box_rows: int, seq_len: int | None = None,
+           box_cols: int = BOX_COLS):
+    """(global dims, global strides in bytes, box) of t's map, innermost first: 2-D [K, rows],
+    [row bytes], [box_cols, box_rows]; with seq_len 3-D [K, seq_len, rows / seq_len], [row
+    bytes, seq_len row bytes], [box_cols, box_rows, 1]."""
+    rows, cols = t.shape
+    row_bytes = t.stride(0) * t.element_size()
+    if seq_len is None:
+        return [cols, rows], [row_bytes], [box_cols, box_rows]
+    return ([cols, seq_len, rows // seq_len], [row_bytes, seq_len * row_bytes],
+            [box_cols, box_rows, 1])
+
+
+def describable(t: torch.Tensor, box_rows: int = 1, seq_len: int | None = None,
+                box_cols: int = BOX_COLS) -> bool:
     """Whether check passes for t."""
     try:
-        check(t, box_rows)
+        check(t, box_rows, seq_len, box_cols)
     except ValueError:
         return False
     return True
@@ -59,6 +84,8 @@ def describable(t: torch.Tensor, box_rows: int = 1) -> bool:
 # cuda.bindings.driver's CUtensorMapDataType, ...Interleave, ...Swizzle, ...L2promotion and
 # ...FloatOOBfill)
 FLOAT16, INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_ZEROS = 6, 0, 3, 3, 0
+SWIZZLE_64B = 2
+SWIZZLES = {64: SWIZZLE_128B, 32: SWIZZLE_64B}  # box columns -> the swizzle of one box row
 
 
 @functools.cache
@@ -78,22 +105,24 @@ def _encoder():
     return fn
 
 
-def encode_tiled(t: torch.Tensor, box_rows: int) -> tuple[int, np.ndarray]:
+def encode_tiled(t: torch.Tensor, box_rows: int, seq_len: int | None = None,
+                 box_cols: int = BOX_COLS) -> tuple[int, np.ndarray]:
     """cuTensorMapEncodeTiled of t ([rows, K] fp16, row-major) into a 64-byte-aligned buffer:
-    data type FLOAT16, rank 2, global dims [K, rows], global strides [the row stride in
-    bytes], box [64, box_rows], element strides [1, 1], no interleave, 128-byte swizzle,
-    256-byte L2 promotion, zeros outside (OOB fill none). Returns (its CUresult, the map's
-    16 words)."""
-    rows, cols = t.shape
+    data type FLOAT16, rank 2 (3 with seq_len), global dims, strides and box of layout
+    (2-D: [K, rows], [the row stride in bytes], [64, box_rows]), element strides all 1, no
+    interleave, 128-byte swizzle (64-byte for boxes of 32 columns), 256-byte L2 promotion,
+    zeros outside (OOB fill none). Returns (its CUresult, the map's 16 words)."""
+    dims, strides, box = layout(t, box_rows, seq_len, box_cols)
+    rank = len(dims)
     store = np.zeros(WORDS + 8, dtype=np.uint64)
     first = (-store.ctypes.data % 64) // 8  # 64-byte alignment, as CUtensorMap
     words = store[first:first + WORDS]
     assert words.ctypes.data % 64 == 0
     u32, u64 = ctypes.c_uint32, ctypes.c_uint64
-    result = _encoder()(words.ctypes.data, FLOAT16, 2, t.data_ptr(), (u64 * 2)(cols, rows),
-                        (u64 * 1)(t.stride(0) * t.element_size()), (u32 * 2)(BOX_COLS, box_rows),
-                        (u32 * 2)(1, 1), INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B,
-                        OOB_FILL_ZEROS)
+    result = _encoder()(words.ctypes.data, FLOAT16, rank, t.data_ptr(), (u64 * rank)(*dims),
+                        (u64 * (rank - 1))(*strides), (u32 * rank)(*box),
+                        (u32 * rank)(*[1] * rank), INTERLEAVE_NONE, SWIZZLES[box_cols],
+                        L2_PROMOTION_256B, OOB_FILL_ZEROS)
     return int(result), words.copy()
 
 
@@ -107,23 +136,29 @@ def pack(words) -> np.ndarray:
     return out
 
 
-def tensor_map(t: torch.Tensor, box_rows: int, encode=encode_tiled) -> np.ndarray:
-    """The tensor map of t ([rows, K] fp16, row-major; see check) with boxes of 64 columns by
-    box_rows rows, as the kernel argument (a 0-d array of TENSOR_MAP_DTYPE). ValueError
-    where t cannot be described, RuntimeError naming t's shape where the driver refuses
-    (encode: (CUresult, words) of t and box_rows, encode_tiled but in tests)."""
-    check(t, box_rows)
-    result, words = encode(t, box_rows)
+def tensor_map(t: torch.Tensor, box_rows: int, encode=encode_tiled,
+               seq_len: int | None = None, box_cols: int = BOX_COLS) -> np.ndarray:
+    """The tensor map of t ([rows, K] fp16, row-major; see check) with boxes of box_cols
+    columns by box_rows rows (seq_len given: the 3-D view of layout, boxes box_cols x
+    box_rows x 1), as the kernel argument (a 0-d array of TENSOR_MAP_DTYPE). ValueError where
+    t cannot be described, RuntimeError naming t's shape where the driver refuses (encode:
+    (CUresult, words) of t, box_rows, seq_len and box_cols, encode_tiled but in tests)."""
+    check(t, box_rows, seq_len, box_cols)
+    result, words = encode(t, box_rows, seq_len, box_cols)
     if int(result) != 0:
+        view = "" if seq_len is None else f", sequences of {seq_len}"
         raise RuntimeError(f"cuTensorMapEncodeTiled failed for a tensor {tuple(t.shape)} "
-                           f"(strides {t.stride()}, box {BOX_COLS} x {box_rows}): CUresult "
-                           f"{int(result)}")
+                           f"(strides {t.stride()}, box {box_cols} x {box_rows}{view}): "
+                           f"CUresult {int(result)}")
     return pack(words)
 
 
-def key(t: torch.Tensor, box_rows: int) -> tuple:
-    """Everything a tensor map depends on: the base address, shape, strides, dtype, box."""
-    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, box_rows)
+def key(t: torch.Tensor, box_rows: int, seq_len: int | None = None,
+        box_cols: int = BOX_COLS) -> tuple:
+    """Everything a tensor map depends on: the base address, shape, strides, dtype, box, the
+    sequence length of a 3-D view."""
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, box_rows, seq_len,
+            box_cols)
 
 
 class TensorMapCache:
@@ -134,11 +169,12 @@ class TensorMapCache:
         self.encode = encode
         self.maps: dict[tuple, np.ndarray] = {}
 
-    def __call__(self, t: torch.Tensor, box_rows: int) -> np.ndarray:
-        k = key(t, box_rows)
+    def __call__(self, t: torch.Tensor, box_rows: int, seq_len: int | None = None,
+                 box_cols: int = BOX_COLS) -> np.ndarray:
+        k = key(t, box_rows, seq_len, box_cols)
         found = self.maps.get(k)
         if found is None:
             if len(self.maps) >= CACHE_SIZE:
                 self.maps.clear()
-            found = self.maps[k] = tensor_map(t, box_rows, self.encode)
+            found = self.maps[k] = tensor_map(t, box_rows, self.encode, seq_len, box_cols)
         return found

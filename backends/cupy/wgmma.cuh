@@ -1,6 +1,6 @@
 // wgmma building blocks shared by the Hopper kernels (linear_wgmma.cu, attention_wgmma.cu):
 // shared-memory matrix descriptors, the async-proxy and wgmma fences, commit and wait, mbarriers
-// (also with transaction bytes), TMA tensor maps and 2-D tile loads, setmaxnreg, operand
+// (also with transaction bytes), TMA tensor maps and 2-D and 3-D tile loads, setmaxnreg, operand
 // fences, and the m64nNk16 f32 += f16 x f16 instructions with A from shared memory (SS) or from
 // registers (RS). The instructions exist only on sm_90a (mbarrier try_wait, TMA and
 // setmaxnreg: sm_90); callers use them only there.
@@ -103,6 +103,17 @@ __device__ __forceinline__ void tma_load_2d(unsigned dst, const TensorMap* map, 
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
         "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
         "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar)
+        : "memory");
+}
+
+// TMA: copy the box of a 3-D map at coordinates (c0 inner, c1, c2 outer) into shared memory at
+// dst, signalling its bytes on the mbarrier at bar, as tma_load_2d.
+__device__ __forceinline__ void tma_load_3d(unsigned dst, const TensorMap* map, unsigned bar,
+                                            int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+        "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
         : "memory");
 }
 
