@@ -1318,11 +1318,15 @@ def test_attention_tma_ring_keeps_stages_safe(cupy_selected):
                  "if (n_tiles > 0) ad::mbarrier_wait(q_full, 0);",
                  "ad::mbarrier_wait(full0 + 8 * st, (it / KV_STAGES) & 1);",
                  "if (work) {", "issue_scores(s, st);", "ad::wgmma_wait<0>();",
-                 "issue_pv(p, st);", "ad::wgmma_wait<0>();",
-                 "ad::mbarrier_arrive(empty0 + 8 * st);"):
+                 "pv_waited(p, s, st);", "ad::mbarrier_arrive(empty0 + 8 * st);"):
         found = text.find(line, at)
         assert found >= 0, line
         at = found + len(line)
+    # pv_waited, which the branch calls before releasing the stage, waits for its P V
+    source = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
+    pv = source[source.index("auto pv_waited = [&]("):]
+    pv = pv[:pv.index("};")]
+    assert pv.index("issue_pv(p, buf);") < pv.index("ad::wgmma_wait<0>();"), pv
     assert text.count("mbarrier_arrive(") == 1 and text.count("tma_load_3d(") == 3
     assert text.count("__syncthreads()") == 1 and "cp_async" not in text
     assert attention_tma_bytes()["Q"] == 128 * 128 and attention_tma_bytes()["K"] == 64 * 128

@@ -359,6 +359,19 @@ __device__ __forceinline__ void flash_attention_body(
         }
     };
 
+    // The plain and TMA-ring schedules' O += P V of one tile, waited for: P packed from the
+    // probabilities in s into p, V from V buffer buf.
+    auto pv_waited = [&](unsigned (&p)[KS][4], const float (&s)[NS], int buf) {
+        pack(p, s);
+        fence_outputs();
+        ad::wgmma_fence();
+        issue_pv(p, buf);
+        ad::wgmma_commit();
+        ad::wgmma_wait<0>();
+        fence_outputs();
+        fence_probs(p);
+    };
+
     if constexpr (PIPELINE == ad::TMA_RING) {
         // setmaxnreg moves registers within the block's pool, the 384 x 168 it was launched
         // with (__launch_bounds__(384, 1)): 40 for the producer and 232 for the consumers use
@@ -424,14 +437,7 @@ __device__ __forceinline__ void flash_attention_body(
                 fence_scores(s);
                 float alpha[2];
                 softmax(1, s, kv0, alpha);
-                pack(p, s);
-                fence_outputs();
-                ad::wgmma_fence();
-                issue_pv(p, st);
-                ad::wgmma_commit();
-                ad::wgmma_wait<0>();
-                fence_outputs();
-                fence_probs(p);
+                pv_waited(p, s, st);
             }
             ad::mbarrier_arrive(empty0 + 8 * st);  // 3
         }
@@ -483,16 +489,7 @@ __device__ __forceinline__ void flash_attention_body(
             ad::fence_proxy_async();
             __syncthreads();
 
-            if (work) {
-                pack(p, s);
-                fence_outputs();
-                ad::wgmma_fence();
-                issue_pv(p, buf);
-                ad::wgmma_commit();
-                ad::wgmma_wait<0>();
-                fence_outputs();
-                fence_probs(p);
-            }
+            if (work) pv_waited(p, s, buf);
         }
     } else {
         constexpr int KB = ad::K_BUFFERS, VB = ad::PIPELINED_V_BUFFERS;
