@@ -100,11 +100,17 @@ def test_sources_have_no_generic_lambdas(cupy_selected):
 def register_budget(name: str) -> int:
     """The most registers a thread of kernel name may hold: 255, or for a wgmma attention
     variant 65536 / (its blocks an SM x its threads): 128 for two blocks of 256 threads,
-    170 (ptxas: 168) for the TMA ring's one block of 384."""
+    170 (ptxas: 168) for the TMA ring's one block of 384; for a GEMM variant of two blocks an
+    SM, 65536 / (2 x its threads): 113 (ptxas: 112) for two blocks of 288."""
     for hp, variants in build.ATTENTION_WGMMA.items():
         for v in variants:
             if name == build.attention_wgmma_name(hp, v):
                 return min(255, 65536 // (v.min_blocks * v.threads))
+    for v in build.GEMM_VARIANTS:
+        names = {build.gemm_variant_name(v, build.GEMM_VARIANT_PRODUCTS, e)
+                 for e in build.GEMM_VARIANT_EPILOGUES}
+        if v.blocks_per_sm > 1 and name in names:
+            return 65536 // (v.blocks_per_sm * v.threads)
     return 255
 
 
@@ -168,8 +174,12 @@ def test_gemm_variants_sass(cupy_selected, compiled):
                 assert "LDGSTS" in body and "UTMA" not in body, name
             if v.warp_specialised or v.tma:  # registers moved between the roles, mbarriers,
                 # no block barrier but the one after the barriers' initialisation
-                assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", body), name
-                assert re.search(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", body), name
+                if v.blocks_per_sm == 1:
+                    assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", body), name
+                    assert re.search(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b",
+                                     body), name
+                else:
+                    assert "USETMAXREG" not in body, name
                 assert re.search(r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", body), name
                 assert re.search(r"\bSYNCS\.ARRIVE\.TRANS64\b", body), name
                 assert len(re.findall(r"\bBAR\.SYNC\b", body)) == 1, name
@@ -511,9 +521,10 @@ def test_gemm_variants(cupy_selected, monkeypatch):
     assert (build.GEMM_PLAIN.stages, build.GEMM_PLAIN.pending) == (3, 0)
     assert len(set(build.gemm_variant_names())) == len(build.GEMM_VARIANTS)
     for v in build.GEMM_VARIANTS:
-        assert ops.wgmma_shared_bytes(v.bm, v.bn, 1, v.stages) <= limit, v
+        blocks = v.blocks_per_sm  # each block's stages within its share of the SM
+        assert ops.wgmma_shared_bytes(v.bm, v.bn, 1, v.stages) * blocks <= limit, v
         if v != build.GEMM_PLAIN:
-            assert ops.wgmma_shared_bytes(v.bm, v.bn, 3, v.stages) > limit, v
+            assert ops.wgmma_shared_bytes(v.bm, v.bn, 3, v.stages) * blocks > limit, v
     m, n, d = 300, 264, 136
     pair = (torch.zeros(m, d, dtype=torch.float16), None)
     wp = weight_pair(torch.zeros(n, d))
@@ -528,7 +539,8 @@ def test_gemm_variants(cupy_selected, monkeypatch):
         name, grid, block, shared, _ = k.calls[0]
         assert name == build.gemm_variant_name(v, 1, epilogue)
         assert grid == (cdiv(m, v.bm), cdiv(n, v.bn), 1) and block == v.threads
-        assert block == (build.WS_THREADS if v.warp_specialised or v.tma else 2 * v.bm)
+        assert block == (build.TMA_TWO_PER_SM_THREADS if v.tma and v.blocks_per_sm == 2
+                         else build.WS_THREADS if v.warp_specialised or v.tma else 2 * v.bm)
         if v.tma:  # A's map (boxes of BM rows) and W's (BN rows), appended
             assert k.maps == [((m, d), (d, 1), v.bm), ((n, d), (d, 1), v.bn)], k.maps
             assert [a.dtype for a in k.calls[0][4][-2:]] == [tensor_maps.TENSOR_MAP_DTYPE] * 2
@@ -1172,7 +1184,7 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
     for line in ("constexpr int STAGE = A_TILE + W_TILE;",
                  "wd::mbarrier_init(full0 + 8 * s, 1);",
                  "wd::mbarrier_init(empty0 + 8 * s, 256);", "wd::fence_mbarrier_init();",
-                 "if (threadIdx.x == 0) {",
+                 "if (threadIdx.x == PRODUCER_THREAD) {",
                  "wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);",
                  "wd::mbarrier_arrive_expect_tx(full, STAGE);\n"
                  "                wd::tma_load_2d(st, &a_map, full, kt * BK, m0);\n"
@@ -1184,12 +1196,14 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
     check_consumer_source()
     names = build.name_expressions(build.HOPPER)
     tma = [v for v in build.GEMM_VARIANTS if v.tma]
-    assert {build.GEMM_TMA_WIDE, build.GEMM_TMA} <= set(tma)
+    assert {build.GEMM_TMA_WIDE, build.GEMM_TMA, build.GEMM_TMA_TWO_PER_SM} <= set(tma)
     for v in tma:
-        assert (v.bm, v.pending, v.threads, v.warp_specialised) == (128, 1, build.WS_THREADS,
-                                                                     False)
+        two = v.blocks_per_sm == 2
+        assert (v.bm, v.pending, v.threads, v.warp_specialised) == (
+            128, 1, build.TMA_TWO_PER_SM_THREADS if two else build.WS_THREADS, False)
         name = build.gemm_variant_name(v, 1, "half")
-        assert name in names and name == f"lb::linear_wgmma_tma<{v.bn}, 0, {v.stages}>"
+        assert name in names and name == (f"lb::linear_wgmma_tma<{v.bn}, 0, {v.stages}"
+                                          f"{', 2' if two else ''}>")
         for k_tiles in range(12):
             for pick in ws_picks():
                 check_tma_ring(k_tiles, v.stages, v.bn, pick)
@@ -1475,6 +1489,20 @@ def test_tensor_maps(cupy_selected, monkeypatch):
     assert pick(layer, "half", 1, wp, m) is None  # no operand to describe
     layer.gemm_variant = build.GEMM_WS
     assert pick(layer, "half", 1, wp, m, (shifted, None)) == build.GEMM_WS.name
+    # none named: build.LAYER_GEMM_VARIANT from a reduction of LAYER_TMA_MIN_K columns, at
+    # one product, where its maps describe both operands; else the plain schedule
+    layer.gemm_variant = None
+    long_k = build.LAYER_TMA_MIN_K
+    wide = weight_pair(torch.zeros(n, long_k))
+    a_long = (torch.zeros(m, long_k, dtype=torch.float16), None)
+    assert pick(layer, "half", 1, wide, m, a_long) == build.LAYER_GEMM_VARIANT.name
+    assert pick(layer, "residual", 1, wide, m, a_long) == build.LAYER_GEMM_VARIANT.name
+    assert pick(layer, "residual", 3, wide, m, a_long) is None  # compiled at one product
+    assert pick(layer, "half", 1, wp, m, a) is None  # d 136: below LAYER_TMA_MIN_K
+    misaligned = torch.zeros(m, long_k + 8, dtype=torch.float16)[:, 4:]
+    assert pick(layer, "half", 1, wide, m, (misaligned, None)) is None
+    layer.wgmma = False
+    assert pick(layer, "half", 1, wide, m, a_long) is None
 
 
 @pytest.fixture
@@ -1857,6 +1885,32 @@ def test_fused_norms_by_default_only_where_no_parallelism_is_lost(cupy_selected,
     assert not fused(8) and not fused(8, True)
 
 
+def test_long_sequences_run_the_tma_attention_by_default(cupy_selected):
+    """Where no attention variant is named, the layer runs layer.LONG_ATTENTION (a TMA ring
+    variant) on the wgmma attention at head dim 64 from LONG_ATTENTION_MIN_KEYS tokens (shape
+    14), the head dim's default below that and at other head dims (shapes 10 and 13), and a
+    named variant or the mma.sync attention whatever the length."""
+    from types import SimpleNamespace
+
+    from layerbench.backends.cupy.layer import CupyLayer
+    from layerbench.common.shapes import OFFICIAL
+
+    assert layer_module.LONG_ATTENTION.tma
+    pick = CupyLayer.attention_variant_for
+    long_keys = layer_module.LONG_ATTENTION_MIN_KEYS
+
+    def layer(number, variant=None, wgmma=True):
+        return SimpleNamespace(config=OFFICIAL[number].config, attention_variant=variant,
+                               wgmma=wgmma)
+    assert pick(layer(14), 100000) == layer_module.LONG_ATTENTION.name
+    assert pick(layer(14), long_keys) == layer_module.LONG_ATTENTION.name
+    assert pick(layer(14), long_keys - 1) is None
+    assert pick(layer(10), 128) is None and pick(layer(13), 1024) is None
+    assert pick(layer(13), 100000) is None  # head dim 32
+    assert pick(layer(14, build.WGMMA_PLAIN.name), 100000) == build.WGMMA_PLAIN.name
+    assert pick(layer(14, wgmma=False), 100000) is None
+
+
 @pytest.mark.parametrize("mutation", ["pre_residual", "skip_next_norm1"])
 def test_fused_norms_mutations_fail(cupy_selected, mutation, monkeypatch):
     """The fused-norm launch sequence misses the contract when residual_norm norms the rows
@@ -1928,7 +1982,7 @@ def _layer_runs_variant(cfg, option: str, variant: str, op: str, monkeypatch) ->
 
 
 @needs_gpu
-@pytest.mark.parametrize("variant", [build.GEMM_TMA.name, build.GEMM_TMA_WIDE.name])
+@pytest.mark.parametrize("variant", [v.name for v in build.GEMM_VARIANTS if v.tma])
 def test_layer_with_tma_gemms_keeps_the_contract_and_replays(kernels, variant, monkeypatch):
     """The layer at d_model 1024 (CI shape 8) with a TMA GEMM variant on every GEMM (its
     grid thresholds lowered to one SM: 96 rows, partial boxes along M) keeps the contract

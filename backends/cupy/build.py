@@ -92,7 +92,8 @@ class GemmVariant:
     warpgroup and two consumers, an mbarrier ring of `stages` stages, one wgmma group left
     running: pending 1). tma: linear_wgmma_tma instead (as linear_wgmma_ws, but one producer
     thread copies each stage with TMA from the tensor maps of A and W, appended to the
-    arguments by ops.linear)."""
+    arguments by ops.linear; blocks_per_sm 2: two blocks an SM, TMA_TWO_PER_SM_THREADS threads,
+    the producer a warp after the consumers)."""
 
     name: str
     bm: int
@@ -101,6 +102,7 @@ class GemmVariant:
     pending: int = 0
     warp_specialised: bool = False
     tma: bool = False
+    blocks_per_sm: int = 1
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -115,6 +117,8 @@ class GemmVariant:
     @property
     def threads(self) -> int:
         """Threads of one block."""
+        if self.tma and self.blocks_per_sm == 2:
+            return TMA_TWO_PER_SM_THREADS
         return WS_THREADS if self.warp_specialised or self.tma else 2 * self.bm
 
 
@@ -130,13 +134,23 @@ GEMM_WS = GemmVariant("wgmma 128x128 warp-specialised 6-stage", 128, 128, stages
 # 4 stages (48 KiB a stage), 128x128 at 6 (32 KiB a stage).
 GEMM_TMA_WIDE = GemmVariant("wgmma 128x256 TMA", 128, 256, stages=4, pending=1, tma=True)
 GEMM_TMA = GemmVariant("wgmma 128x128 TMA 6-stage", 128, 128, stages=6, pending=1, tma=True)
+# ... and at two blocks an SM (3 stages of 32 KiB each), so that one block's epilogue runs
+# under the other's wgmmas, as the plain kernel's do.
+TMA_TWO_PER_SM_THREADS = 288  # two consumer warpgroups and a producer warp
+GEMM_TMA_TWO_PER_SM = GemmVariant("wgmma 128x128 TMA 2/SM", 128, 128, stages=3, pending=1,
+                                  tma=True, blocks_per_sm=2)
+# The layer's GEMMs run it where no variant is named and it fits (layer.gemm_variant_for), from
+# a reduction of LAYER_TMA_MIN_K columns on: faster than every other variant on shape 8's GEMMs
+# on the H200, each epilogue. Shorter reductions (two K tiles at d_model 128) keep the plain.
+LAYER_GEMM_VARIANT = GEMM_TMA_TWO_PER_SM
+LAYER_TMA_MIN_K = 512
 # linear_wgmma's variants, the default first: its schedule runs every tile (WGMMA_TILES,
 # NORM_TILES), epilogue and product count, and ops.gemm_tile picks its tile where no variant
 # is named. The others are compiled for GEMM_VARIANT_EPILOGUES at one product (three products
 # would double their shared memory, past a block's 227 KiB); timed on the H200, each was
 # slower than the default and stays an option.
 GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS, GEMM_TMA_WIDE,
-                 GEMM_TMA)
+                 GEMM_TMA, GEMM_TMA_TWO_PER_SM)
 GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
 GEMM_VARIANT_PRODUCTS = 1
 
@@ -164,12 +178,14 @@ def wgmma_name(tile, products: int, epilogue: str, stages: int = GEMM_PLAIN.stag
 def gemm_variant_name(variant: GemmVariant, products: int, epilogue: str) -> str:
     """Name expression of the Hopper GEMM kernel of variant for products and epilogue (a
     warp-specialised variant: linear_wgmma_ws<BN, epilogue, stages>, a TMA one
-    linear_wgmma_tma<BN, epilogue, stages>, one product only)."""
+    linear_wgmma_tma<BN, epilogue, stages> or, two blocks an SM,
+    linear_wgmma_tma<BN, epilogue, stages, 2>, one product only)."""
     if variant.warp_specialised or variant.tma:
         if products != 1 or variant.bm != 128 or variant.pending != 1:
             raise ValueError(f"{variant.name} runs one product on BM 128, one group pending")
         kernel = "linear_wgmma_tma" if variant.tma else "linear_wgmma_ws"
-        return f"lb::{kernel}<{variant.bn}, {EPILOGUES[epilogue]}, {variant.stages}>"
+        blocks = f", {variant.blocks_per_sm}" if variant.blocks_per_sm != 1 else ""
+        return f"lb::{kernel}<{variant.bn}, {EPILOGUES[epilogue]}, {variant.stages}{blocks}>"
     return wgmma_name(variant.tile, products, epilogue, variant.stages, variant.pending)
 
 

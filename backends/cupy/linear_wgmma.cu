@@ -17,7 +17,7 @@
 // linear_wgmma_shared_bytes(128, BN, 1, STAGES) bytes (its mbarriers are static shared memory).
 // lb::linear_wgmma_tma (its TMA variant: one producer thread, tensor maps a_map and w_map
 // appended to the parameters) takes the same threads, grid and shared bytes as
-// linear_wgmma_ws.
+// linear_wgmma_ws; at BLOCKS 2 (two blocks an SM), 288 threads.
 #include "common.cuh"
 #include "wgmma.cuh"
 
@@ -80,6 +80,16 @@ __device__ __forceinline__ void load_tile_lean(unsigned char* tile_ptr, const __
 // offset 0 (atoms 1024-aligned).
 __device__ __forceinline__ unsigned long long operand_desc(unsigned addr) {
     return smem_desc<128>(addr, 16, 1024);
+}
+
+// The first row and column of this block's tile: the grid (ceil(M / BM), ceil(N / BN)) is
+// walked N tile first in the order blocks are dispatched (blockIdx.x fastest), so that the
+// blocks running at once share their rows of A (read from DRAM once) and all of W (it stays in
+// L2) rather than each reading rows of A the others do not.
+__device__ __forceinline__ int2 tile_origin(int bm, int bn) {
+    const unsigned block = blockIdx.x + blockIdx.y * gridDim.x;
+    return make_int2(static_cast<int>(block / gridDim.y) * bm,
+                     static_cast<int>(block % gridDim.y) * bn);
 }
 
 // The HALF, GELU_PAIR and RESIDUAL epilogues of one thread's m64nBNk16 accumulator fragment:
@@ -230,7 +240,8 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     const unsigned base = (raw + ALIGN - 1) & ~static_cast<unsigned>(ALIGN - 1);
     unsigned char* smem = wgmma_shared + (base - raw);
 
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int2 origin = wd::tile_origin(BM, BN);
+    const int m0 = origin.x, n0 = origin.y;
     const int group = threadIdx.x / 128;  // warpgroup: rows 64 group .. 64 group + 63 of the tile
     const int k_tiles = (K + BK - 1) / BK;
 
@@ -309,7 +320,7 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
         // A row's N columns lie in the 4 lanes of one quad (n0 = 0): each lane sums its own
         // over j, two shuffles within the quad give the row's sum. Rows past M take part in
         // the shuffles with zeros and store nothing.
-        if (blockIdx.y != 0 || N > BN) __trap();  // a block must hold whole rows
+        if (gridDim.y != 1 || N > BN) __trap();  // a block must hold whole rows
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = m0 + group * 64 + warp * 16 + g + h * 8;
@@ -441,7 +452,8 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
     const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full_bar));
     const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty_bar));
 
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int2 origin = wd::tile_origin(BM, BN);
+    const int m0 = origin.x, n0 = origin.y;
     const int k_tiles = (K + BK - 1) / BK;
     // The warpgroup, uniform across each warp (a shuffle tells the compiler so).
     const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
@@ -504,6 +516,9 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
 // 64 x 128) and W ([N, K] fp16, box 64 x BN), 128B swizzle, zero fill (tensor_maps.py); the
 // a_hi and w_hi pointers and strides are not read (the maps hold them); a_lo and w_lo unused.
 // Each map is a __grid_constant__ parameter whose generic address the TMA instructions take.
+// BLOCKS 2 (BN 128, STAGES 3): two blocks an SM, so that one block's epilogue runs under the
+// other's wgmmas; 288 threads, the consumers warpgroups 0 and 1 and the producer thread
+// threadIdx.x 256 (warp 8), no setmaxnreg (launch bounds cap a thread at 112 registers).
 //
 // Tile kt lives in stage s = kt % STAGES in round r = kt / STAGES. full[s] has count 1 (the
 // producer's arrive.expect_tx of STAGE_BYTES = (128 + BN) x 128 bytes: TMA counts the whole
@@ -521,8 +536,8 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
 // The producer at tile kt needs tile kt - STAGES released, which the consumers do at tile
 // kt - STAGES + 1 after its full wait, announced at producer step kt - STAGES + 1 < kt: any
 // STAGES >= 2 is deadlock-free; up to STAGES tiles are copied ahead of the one computed.
-template <int BN, int EPI, int STAGES>
-__global__ void __launch_bounds__(384, 1)
+template <int BN, int EPI, int STAGES, int BLOCKS = 1>
+__global__ void __launch_bounds__(BLOCKS == 1 ? 384 : 288, BLOCKS)
 linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
                  const __half* __restrict__ w_hi, const __half* __restrict__ w_lo,
                  long long w_stride, const float* __restrict__ bias, int M, int N, int K,
@@ -536,6 +551,10 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     namespace wd = wgmma_detail;
     constexpr int BM = 128, BK = wd::BK, ROW_BYTES = wd::ROW_BYTES, ALIGN = wd::ALIGN;
     constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
+    static_assert(BLOCKS == 1 || BLOCKS == 2, "one block an SM (384 threads) or two (288)");
+    static_assert(BLOCKS == 1 || BN == 128, "two blocks an SM: 64 accumulators a thread");
+    static_assert(BLOCKS == 1 || 2 * (linear_wgmma_shared_bytes(BM, BN, 1, STAGES) + 1024) <=
+                                     228 * 1024, "two blocks' stages must fit an SM");
     static_assert(BN == 128 || BN == 256, "wgmma n128 or n256; a TMA box of at most 256 rows");
     static_assert(EPI == HALF || EPI == GELU_PAIR || EPI == RESIDUAL, "no RESIDUAL_NORM");
     static_assert(STAGES >= 2, "fewer stages deadlock (the schedule above)");
@@ -553,9 +572,12 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full_bar));
     const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty_bar));
 
-    const int m0 = blockIdx.x * BM, n0 = blockIdx.y * BN;
+    const int2 origin = wd::tile_origin(BM, BN);
+    const int m0 = origin.x, n0 = origin.y;
     const int k_tiles = (K + BK - 1) / BK;
     const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+    // The producer: warpgroup 0 (BLOCKS 1), or warp 8 after the two consumers (BLOCKS 2).
+    constexpr int PRODUCER_ROLE = BLOCKS == 1 ? 0 : 2, PRODUCER_THREAD = 128 * PRODUCER_ROLE;
 
     if (threadIdx.x == 0) {
         wd::prefetch_tensormap(&a_map);
@@ -569,9 +591,9 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     }
     __syncthreads();
 
-    if (role == 0) {
-        wd::setmaxnreg_dec<PRODUCER_REGISTERS>();
-        if (threadIdx.x == 0) {
+    if (role == PRODUCER_ROLE) {
+        if constexpr (BLOCKS == 1) wd::setmaxnreg_dec<PRODUCER_REGISTERS>();
+        if (threadIdx.x == PRODUCER_THREAD) {
             for (int kt = 0; kt < k_tiles; ++kt) {
                 const int s = kt % STAGES;
                 wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);  // 1
@@ -584,9 +606,9 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
         return;
     }
 
-    // Consumers: warpgroup role - 1 computes rows 64 (role - 1) .. 64 (role - 1) + 63.
-    wd::setmaxnreg_inc<CONSUMER_REGISTERS>();
-    const int group = role - 1;
+    // Consumers: warpgroup group computes rows 64 group .. 64 group + 63.
+    if constexpr (BLOCKS == 1) wd::setmaxnreg_inc<CONSUMER_REGISTERS>();
+    const int group = BLOCKS == 1 ? role - 1 : role;
     float acc[BN / 2];
     wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group);
 
