@@ -34,14 +34,17 @@ class CupyBackend(Backend):
     warp-specialised 6-stage" (a producer warpgroup's copies handed to two consumer
     warpgroups through mbarriers), or "wgmma 128x256 TMA" / "wgmma 128x128 TMA 6-stage" (the
     same consumers fed by TMA tensor copies from one thread; only where tensor maps can
-    describe both operands). A GEMM runs it where the module has it for the GEMM's
-    epilogue and product count (the non-default ones: half, gelu_pair and residual at one
-    product, so every GEMM from d_model 512, Q/K/V alone below), the output is at least one
-    tile wide and the grid has a block for every SM; the other GEMMs keep the default. Needs
-    the wgmma GEMMs. None (default): the default schedule, its tile picked per GEMM; the
-    others were slower on the H200 and stay options. attention_variant: a variant of the wgmma attention kernel
-    by name (build.ATTENTION_WGMMA; None: "wgmma 128x64 2/SM" at head dims up to 64,
-    "wgmma 128x128" above); needs the wgmma attention (sm_90, head dims up to 128).
+    describe both operands) or "wgmma 128x128 TMA 2/SM" (the same at two blocks an SM). A
+    GEMM runs it where the module has it for the GEMM's epilogue and product count (the
+    non-default ones: half, gelu_pair and residual at one product, so every GEMM from
+    d_model 512, Q/K/V alone below), the output is at least one tile wide and the grid has a
+    block for every SM; the other GEMMs keep the plain schedule. Needs the wgmma GEMMs.
+    None (default): "wgmma 128x128 TMA 2/SM" where it fits on reductions of 512 columns or
+    more, elsewhere the plain schedule, its tile picked per GEMM (layer.gemm_variant_for).
+    attention_variant: a variant of the wgmma attention kernel by name
+    (build.ATTENTION_WGMMA; None: "wgmma 128x64 TMA" at head dim 64 from 4096 tokens,
+    "wgmma 128x64 2/SM" at other head dims up to 64 and shorter sequences, "wgmma 128x128"
+    above); needs the wgmma attention (sm_90, head dims up to 128).
     """
 
     name = "cupy"
