@@ -71,17 +71,20 @@ __device__ __forceinline__ float gelu(float x) {
 // GEMM epilogues (linear.cu, linear_wgmma.cu; RESIDUAL_NORM in linear_wgmma.cu only).
 enum Epilogue { HALF = 0, GELU_PAIR = 1, RESIDUAL = 2, RESIDUAL_NORM = 3 };
 
-// The residual update of columns o and o + 1 of a row: res + (x, y) where keep, else res
-// (zero_sum 0) or 0, stored to out_f and returned (res may be out_f: read before written).
+// The residual update of two columns of a row whose residual values are r: r + (x, y) where
+// keep, else r (zero_sum 0) or 0.
+__device__ __forceinline__ float2 residual_value(float x, float y, float2 r, bool keep,
+                                                 int zero_sum) {
+    if (keep) return make_float2(r.x + x, r.y + y);
+    return zero_sum ? make_float2(0.0f, 0.0f) : r;
+}
+
+// residual_value of columns o and o + 1 of res, stored to out_f and returned (res may be
+// out_f: read before written).
 __device__ __forceinline__ float2 residual_pair(float x, float y, long long o, bool keep,
                                                 int zero_sum, const float* res, float* out_f) {
-    float2 r = *reinterpret_cast<const float2*>(res + o);
-    float2 v;
-    if (keep) {
-        v = make_float2(r.x + x, r.y + y);
-    } else {
-        v = zero_sum ? make_float2(0.0f, 0.0f) : r;
-    }
+    const float2 v = residual_value(x, y, *reinterpret_cast<const float2*>(res + o), keep,
+                                    zero_sum);
     *reinterpret_cast<float2*>(out_f + o) = v;
     return v;
 }

@@ -92,12 +92,16 @@ __device__ __forceinline__ int2 tile_origin(int bm, int bn) {
                      static_cast<int>(block % gridDim.y) * bn);
 }
 
+// Column groups of a row whose residuals load together (RESIDUAL): 8, or 4 where a thread
+// has at most 112 registers (linear_wgmma_tma at two blocks an SM: 8 spill there).
+constexpr int RESIDUAL_BATCH = 8, RESIDUAL_BATCH_LEAN = 4;
+
 // The HALF, GELU_PAIR and RESIDUAL epilogues of one thread's m64nBNk16 accumulator fragment:
 // acc[4 j + 2 h + e] + bias is output row row0 + 8 h, column n0 + 8 j + 2 t + e (row0: the
 // row of the thread's g = lane / 4 within its warp's 16, n0: the tile's first column, t =
-// lane % 4), stored by store_pair where row < M and column < N. The kernels' restrict
-// qualifiers carry through inlining (none here: linear_wgmma's SASS stays as before).
-template <int BN, int EPI>
+// lane % 4), stored where row < M and column < N (RESIDUAL: BATCH column groups' residuals
+// read, then written). The kernels' restrict qualifiers carry through inlining.
+template <int BN, int EPI, int BATCH = RESIDUAL_BATCH>
 __device__ __forceinline__ void store_fragment(const float (&acc)[BN / 2], int row0, int n0,
                                                int t, int M, int N, const float* bias,
                                                __half* out_hi, __half* out_lo,
@@ -110,12 +114,37 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[BN / 2], int r
         if (row >= M) continue;
         bool keep = EPI != RESIDUAL || valid == nullptr || valid[row] != 0;
         long long o_row = (long long)row * out_stride;
+        if constexpr (EPI == RESIDUAL) {
+            // res may be out_f, but each of its elements is read and written by this thread
+            // alone: a batch's reads all go before its writes, so that they overlap (in
+            // source order the compiler would wait for each store before the next read).
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            int col = n0 + j * 8 + 2 * t;
-            if (col >= N) continue;
-            store_pair<EPI>(acc[4 * j + 2 * h] + bias[col], acc[4 * j + 2 * h + 1] + bias[col + 1],
-                            o_row + col, keep, zero_sum, out_hi, out_lo, res, out_f);
+            for (int j0 = 0; j0 < BN / 8; j0 += BATCH) {
+                float2 r[BATCH];
+#pragma unroll
+                for (int jj = 0; jj < BATCH; ++jj) {
+                    const int col = n0 + (j0 + jj) * 8 + 2 * t;
+                    r[jj] = col < N ? *reinterpret_cast<const float2*>(res + o_row + col)
+                                    : make_float2(0.0f, 0.0f);
+                }
+#pragma unroll
+                for (int jj = 0; jj < BATCH; ++jj) {
+                    const int j = j0 + jj, col = n0 + j * 8 + 2 * t;
+                    if (col >= N) continue;
+                    *reinterpret_cast<float2*>(out_f + o_row + col) = residual_value(
+                        acc[4 * j + 2 * h] + bias[col], acc[4 * j + 2 * h + 1] + bias[col + 1],
+                        r[jj], keep, zero_sum);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                int col = n0 + j * 8 + 2 * t;
+                if (col >= N) continue;
+                store_pair<EPI>(acc[4 * j + 2 * h] + bias[col],
+                                acc[4 * j + 2 * h + 1] + bias[col + 1], o_row + col, keep,
+                                zero_sum, out_hi, out_lo, res, out_f);
+            }
         }
     }
 }
@@ -327,15 +356,26 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
             const bool in_rows = row < M;
             const bool keep = valid == nullptr || (in_rows && valid[row] != 0);
             const long long o_row = (long long)row * out_stride;
+            // The row's residuals read before any is written (res may be out_f), as in
+            // store_fragment's RESIDUAL, the whole row at once.
+            float2 r[BN / 8];
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                const int col = j * 8 + 2 * t;
+                r[j] = in_rows && col < N ? *reinterpret_cast<const float2*>(res + o_row + col)
+                                          : make_float2(0.0f, 0.0f);
+            }
             float sum = 0.0f;
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
                 const int col = j * 8 + 2 * t;
                 float2 v = make_float2(0.0f, 0.0f);
-                if (in_rows && col < N)
-                    v = residual_pair(acc[4 * j + 2 * h] + bias[col],
-                                      acc[4 * j + 2 * h + 1] + bias[col + 1], o_row + col, keep,
-                                      zero_sum, res, out_f);
+                if (in_rows && col < N) {
+                    v = residual_value(acc[4 * j + 2 * h] + bias[col],
+                                       acc[4 * j + 2 * h + 1] + bias[col + 1], r[j], keep,
+                                       zero_sum);
+                    *reinterpret_cast<float2*>(out_f + o_row + col) = v;
+                }
                 acc[4 * j + 2 * h] = v.x;  // the row's new values, normed below
                 acc[4 * j + 2 * h + 1] = v.y;
                 sum += v.x + v.y;
@@ -613,9 +653,10 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group);
 
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    wd::store_fragment<BN, EPI>(acc, m0 + group * 64 + warp * 16 + lane / 4, n0, lane % 4, M,
-                                N, bias, out_hi, out_lo, out_stride, res, out_f, valid,
-                                zero_sum);
+    constexpr int BATCH = BLOCKS == 1 ? wd::RESIDUAL_BATCH : wd::RESIDUAL_BATCH_LEAN;
+    wd::store_fragment<BN, EPI, BATCH>(acc, m0 + group * 64 + warp * 16 + lane / 4, n0,
+                                       lane % 4, M, N, bias, out_hi, out_lo, out_stride, res,
+                                       out_f, valid, zero_sum);
 #elif defined(__CUDA_ARCH__)
     __trap();  // wgmma and TMA need sm_90a: compile this kernel for sm_90a
 #endif

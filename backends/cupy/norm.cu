@@ -7,10 +7,13 @@ namespace lb {
 enum NormOut { PAIR = 0, ONE_HALF = 1, FLOAT = 2 };
 
 constexpr int NORM_WARPS = 4;  // rows per block
+constexpr int NORM_HELD = 8;   // float4s a lane holds in registers: rows up to 1024 wide
 
 // Row r of x ([M, D], D a multiple of 4, rows 16-byte aligned): y = (x - mean) / sqrt(var +
 // eps) * weight + bias, the variance from a second pass over the row. PAIR writes hi and lo,
 // ONE_HALF hi alone, FLOAT writes out_f, 0 on rows whose valid byte is 0 (valid may be null).
+// Rows up to 128 NORM_HELD wide are read from global memory once, all of a lane's loads in
+// flight together, and held in registers; wider ones are read by each pass.
 template <int OUT>
 __global__ void __launch_bounds__(NORM_WARPS * 32)
 layer_norm(const float* __restrict__ x, long long x_stride, const float* __restrict__ weight,
@@ -21,21 +24,44 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
     if (row >= M) return;
     const float4* src = reinterpret_cast<const float4*>(x + (long long)row * x_stride);
     const int quads = D / 4;
+    const bool held = quads <= 32 * NORM_HELD;
 
+    float4 v_held[NORM_HELD];
     float sum = 0.0f;
-    for (int q = lane; q < quads; q += 32) {
-        float4 v = src[q];
-        sum += (v.x + v.y) + (v.z + v.w);
+    if (held) {
+#pragma unroll
+        for (int i = 0; i < NORM_HELD; ++i) {
+            const int q = lane + 32 * i;
+            v_held[i] = q < quads ? src[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int i = 0; i < NORM_HELD; ++i)
+            sum += (v_held[i].x + v_held[i].y) + (v_held[i].z + v_held[i].w);
+    } else {
+        for (int q = lane; q < quads; q += 32) {
+            float4 v = src[q];
+            sum += (v.x + v.y) + (v.z + v.w);
+        }
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float mean = sum / D;
 
     float sq = 0.0f;
-    for (int q = lane; q < quads; q += 32) {
-        float4 v = src[q];
-        float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
-        sq += (a * a + b * b) + (c * c + d * d);
+    if (held) {
+#pragma unroll
+        for (int i = 0; i < NORM_HELD; ++i) {
+            if (lane + 32 * i >= quads) continue;  // padding: not part of the row
+            const float4 v = v_held[i];
+            float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
+            sq += (a * a + b * b) + (c * c + d * d);
+        }
+    } else {
+        for (int q = lane; q < quads; q += 32) {
+            float4 v = src[q];
+            float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
+            sq += (a * a + b * b) + (c * c + d * d);
+        }
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
@@ -45,8 +71,9 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
     const float4* w4 = reinterpret_cast<const float4*>(weight);
     const float4* b4 = reinterpret_cast<const float4*>(bias);
     const long long o = (long long)row * out_stride;
-    for (int q = lane; q < quads; q += 32) {
-        float4 v = src[q], w = w4[q], b = b4[q];
+    // Normalise quad q (values v) of the row and store it.
+    auto emit = [&](float4 v, int q) {
+        const float4 w = w4[q], b = b4[q];
         float y[4] = {(v.x - mean) * rstd * w.x + b.x, (v.y - mean) * rstd * w.y + b.y,
                       (v.z - mean) * rstd * w.z + b.z, (v.w - mean) * rstd * w.w + b.w};
         if (OUT == FLOAT) {
@@ -65,6 +92,13 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
                 lo[1] = __halves2half2(l[2], l[3]);
             }
         }
+    };
+    if (held) {
+#pragma unroll
+        for (int i = 0; i < NORM_HELD; ++i)
+            if (lane + 32 * i < quads) emit(v_held[i], lane + 32 * i);
+    } else {
+        for (int q = lane; q < quads; q += 32) emit(src[q], q);
     }
 }
 
