@@ -146,7 +146,8 @@ def test_gemm_variants_sass(cupy_selected, compiled):
     linear_wgmma_ws) copy with LDGSTS and no TMA; the TMA ones (linear_wgmma_tma) with two
     2-D TMA loads (UTMALDG.2D, A and W) and no LDGSTS, prefetch both tensor maps
     (UTMACCTL.PF) and arrive with transaction bytes (SYNCS.ARRIVE.TRANS64 with a byte-count
-    register, the consumers' plain arrives A1T0)."""
+    register, the consumers' plain arrives A1T0); at two blocks an SM, without setmaxnreg
+    (no USETMAXREG) and in at most 112 registers (two blocks of 288 threads)."""
     from layerbench.common.cuda_host import cuda_tool
 
     path, lowered = compiled[build.HOPPER]
@@ -189,13 +190,18 @@ def test_gemm_variants_sass(cupy_selected, compiled):
 
 def test_attention_tma_sass(cupy_selected, compiled):
     """sm_90a SASS of every TMA-ring attention variant: S = Q K^T as HD / 16 SS wgmmas
-    (HGMMA.64x64x16 on two descriptors) and O += P V as 64 / 16 RS ones (registers, then V's
+    (HGMMA.64xBKVx16 on two descriptors) and O += P V as BKV / 16 RS ones (registers, then V's
     descriptor, .tnspB: N-major), each group waited for to 0 (two WARPGROUP.DEPBAR, two
     fences: no serialisation); three 3-D TMA loads (Q, K, V: UTMALDG.3D), both maps
     prefetched, the expect_tx arrives with a byte-count register and the consumers' plain
     arrive (A1T0), mbarrier waits; setmaxnreg to 40 (producer) and 232 (consumers), launched
-    with 168 registers (their pool); one block barrier; no cp.async (LDGSTS) and no local
-    memory (no LDL/STL, stack 0)."""
+    with 168 registers (their pool; three consumers: 24, 160 and 128); one block barrier; no
+    cp.async (LDGSTS) and no local memory (no LDL/STL, stack 0). Ping-pong: the same wgmmas
+    and waits, and the turns: named barriers of 256 threads (0x100) whose id is a register
+    (1 + the consumer), besides the last consumer's first arrive on 1. Overlap: every S and
+    P V group as above, issued from several copies of an iteration, one group end (gsb0) a
+    group (no serialisation), the waits leaving 0, 1 or 2 groups pending (2: S of the next
+    tile and P V of the last stay running), at most one fence a group, the same turns."""
     from bench.sass import kernels as sass_kernels
     from layerbench.common.cuda_host import cuda_tool
 
@@ -213,25 +219,50 @@ def test_attention_tma_sass(cupy_selected, compiled):
         name = f"{v.name} at {hp}"
         ss = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, gdesc\[UR\d+\], (?:RZ|R\d+)", body)
         rs = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", body)
-        assert ss == [str(v.bkv)] * (hp // 16), (name, ss)
-        assert rs == [str(hp)] * (v.bkv // 16), (name, rs)
-        assert len(re.findall(r"\bHGMMA\b", body)) == hp // 16 + v.bkv // 16, name
-        assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", body) == ["0x0"] * 2, name
-        assert len(re.findall(r"WARPGROUP\.ARRIVE", body)) == 2, name
+        waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", body)
+        fences = len(re.findall(r"WARPGROUP\.ARRIVE", body))
+        named = re.findall(r"\bBAR\.(SYNC\.DEFER_BLOCKING|ARV) (R\d+|0x\d+), 0x100\b", body)
+        if v.schedule == build.TMA_OVERLAP:
+            groups = len(ss) // (hp // 16) + len(rs) // (v.bkv // 16)
+            assert set(ss) == {str(v.bkv)} and len(ss) % (hp // 16) == 0, (name, ss)
+            assert set(rs) == {str(hp)} and len(rs) % (v.bkv // 16) == 0, (name, rs)
+            assert len(re.findall(r"\bHGMMA\b", body)) == len(ss) + len(rs), name
+            # one group end (gsb0) a group: serialised wgmmas would each end one
+            assert len(re.findall(r"\bHGMMA\.[^;]*\bgsb0\b", body)) == groups, name
+            assert set(waits) == {"0x0", "0x1", "0x2"} and len(waits) <= 2 * groups, waits
+            assert fences <= groups, name
+        else:
+            assert ss == [str(v.bkv)] * (hp // 16), (name, ss)
+            assert rs == [str(hp)] * (v.bkv // 16), (name, rs)
+            assert len(re.findall(r"\bHGMMA\b", body)) == hp // 16 + v.bkv // 16, name
+            assert waits == ["0x0"] * 2, name
+            assert fences == 2, name
+        if v.schedule == build.TMA_PLAIN:
+            assert not named and "BAR.ARV" not in body, name
+        else:  # warpgroup 1's first arrive on 1, then turns on registers 1 + c and 2 - c
+            assert named.count(("ARV", "0x1")) == 1, (name, named)
+            assert {op for op, bar in named if bar.startswith("R")} == {
+                "SYNC.DEFER_BLOCKING", "ARV"}, (name, named)
+            assert all(bar.startswith("R") or bar == "0x1" for op, bar in named), name
+            assert len(re.findall(r"\bBAR\.(?:SYNC|ARV)\b", body)) == len(named) + 1, name
         assert len(re.findall(r"\bUTMALDG\.3D\b", body)) == 3, name
         assert "UTMALDG.2D" not in body and "LDGSTS" not in body, name
         assert len(re.findall(r"\bUTMACCTL\.PF\b", body)) == 2, name
         assert len(re.findall(r"\bSYNCS\.ARRIVE\.TRANS64 RZ, \[[^\]]+\], R\d+", body)) == 2, name
         assert re.search(r"\bSYNCS\.ARRIVE\.TRANS64\.A1T0\b", body), name
         assert re.search(r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", body), name
-        assert re.search(r"\bUSETMAXREG\.DEALLOC\.CTAPOOL 0x28\b", body), name
-        assert re.search(r"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, 0xe8\b", body), name
-        assert len(re.findall(r"\bBAR\.SYNC\b", body)) == 1, name
+        # two consumers: 40 and 232 registers; three (BQ 192): 24 and 160
+        producer, consumer = (40, 232) if v.bq == 128 else (24, 160)
+        assert re.search(rf"\bUSETMAXREG\.DEALLOC\.CTAPOOL {producer:#x}\b", body), name
+        assert re.search(rf"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, {consumer:#x}\b", body), name
+        assert len(re.findall(r"\bBAR\.SYNC\.DEFER_BLOCKING 0x0\b", body)) == 1, name
         assert not re.search(r"\b(LDL|STL)\b", body), name
         assert row["stack_bytes"] == 0 and row["spill_stores"] == 0, (name, row)
-        # launched with all 168 (384 threads, one block an SM): the pool setmaxnreg moves
-        # 40 x 128 + 232 x 256 registers within; fewer would leave the consumers waiting
-        assert row["registers"] == 168 and 40 * 128 + 232 * 256 <= 384 * 168, (name, row)
+        # launched with all 168 (384 threads, one block an SM; 512: 128): the pool setmaxnreg
+        # moves 40 x 128 + 232 x 256 registers within; fewer would leave the consumers waiting
+        launch = 65536 // v.threads // 8 * 8
+        assert row["registers"] == launch, (name, row)
+        assert 128 * producer + (v.threads - 128) * consumer <= v.threads * launch, name
 
 
 class Recorder:
@@ -413,10 +444,31 @@ def test_attention_variants(cupy_selected, monkeypatch):
             shared = ops.attention_variant_shared_bytes(hp, v)
             assert v.min_blocks * (shared + 1024) <= sm_shared, (hp, v)
     assert [hp for hp, vs in build.ATTENTION_WGMMA.items() if build.WGMMA_TMA in vs] == [32, 64]
-    assert build.attention_wgmma_name(64, build.WGMMA_TMA) == "lb::flash_attention_wgmma_tma<64, 3>"
+    assert (build.attention_wgmma_name(64, build.WGMMA_TMA) ==
+            "lb::flash_attention_wgmma_tma<64, 128, 64, 3, 0>")
     assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA) == 66560  # as the .cu says
     assert ops.attention_variant_shared_bytes(32, build.WGMMA_TMA) == 33792
     assert build.WGMMA_TMA.threads == 384 and build.WGMMA_TWO_PER_SM.threads == 256
+    # the FlashAttention-3 steps after the ring, timed separately: after it, at 32 and 64
+    for hp in (32, 64):
+        assert build.ATTENTION_WGMMA[hp][3:] == (build.WGMMA_TMA, build.WGMMA_TMA_PINGPONG,
+                                                 build.WGMMA_TMA_OVERLAP,
+                                                 build.WGMMA_TMA_PINGPONG_128,
+                                                 build.WGMMA_TMA_PINGPONG_3WG)
+    assert (build.attention_wgmma_name(64, build.WGMMA_TMA_PINGPONG) ==
+            "lb::flash_attention_wgmma_tma<64, 128, 64, 3, 1>")
+    assert (build.attention_wgmma_name(32, build.WGMMA_TMA_OVERLAP) ==
+            "lb::flash_attention_wgmma_tma<32, 128, 64, 5, 2>")
+    assert (build.attention_wgmma_name(64, build.WGMMA_TMA_PINGPONG_128) ==
+            "lb::flash_attention_wgmma_tma<64, 128, 128, 3, 1>")
+    assert (build.attention_wgmma_name(64, build.WGMMA_TMA_PINGPONG_3WG) ==
+            "lb::flash_attention_wgmma_tma<64, 192, 64, 3, 1>")
+    assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_OVERLAP) == 99328
+    assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_PINGPONG_128) == 115712
+    assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_PINGPONG_3WG) == 74752
+    assert build.WGMMA_TMA_PINGPONG.threads == build.WGMMA_TMA_OVERLAP.threads == 384
+    assert build.WGMMA_TMA_PINGPONG_128.threads == 384
+    assert build.WGMMA_TMA_PINGPONG_3WG.threads == 512
     heads, seq_len = 2, 20
     for head_dim, wide in ((24, 32), (32, 32), (64, 64), (128, 128)):
         d = heads * head_dim
@@ -436,9 +488,9 @@ def test_attention_variants(cupy_selected, monkeypatch):
             assert k.calls[0][0] == build.attention_wgmma_name(wide, v)
             assert k.calls[0][2] == v.threads
             assert k.calls[0][3] == ops.attention_variant_shared_bytes(wide, v)
-            if v.tma:  # the 3-D maps of qkv's rows: Q boxes of 128 rows, K/V of 64, wide columns
-                assert k.maps == [((seq_len, 3 * d), (3 * d, 1), 128, seq_len, wide),
-                                  ((seq_len, 3 * d), (3 * d, 1), 64, seq_len, wide)], k.maps
+            if v.tma:  # the 3-D maps of qkv's rows: Q boxes of BQ rows, K/V of BKV, wide columns
+                assert k.maps == [((seq_len, 3 * d), (3 * d, 1), v.bq, seq_len, wide),
+                                  ((seq_len, 3 * d), (3 * d, 1), v.bkv, seq_len, wide)], k.maps
                 assert [a.dtype for a in k.calls[0][4][-2:]] == [tensor_maps.TENSOR_MAP_DTYPE] * 2
             else:
                 assert not k.maps
@@ -505,7 +557,8 @@ def test_attention_variants(cupy_selected, monkeypatch):
 def test_gemm_variants(cupy_selected, monkeypatch):
     """The wgmma GEMM variants: the default first, the plain schedule on the large wgmma
     tile; unique names; every variant's stages fit a block's 227 KiB at one product (the
-    others' would not at three, so they have no three-product kernels); ops.linear launches
+    others' would not at three, so they have no three-product kernels; two blocks an SM: each
+    within half of it); ops.linear launches
     the named variant's kernel (2 BM threads, or 384 for a warp-specialised one's
     linear_wgmma_ws; its shared bytes, a grid of its tiles), the default's where none is
     named, and refuses unknown names, the mma.sync GEMMs, epilogues
@@ -1093,21 +1146,30 @@ def check_tma_ring(k_tiles: int, stages: int, bn: int, pick, full_count: int = 1
                  lambda s, tile: [((s, "A"), tile), ((s, "W"), tile)], pick)
 
 
-def run_tma_ring(agents: dict, counts: dict, k_tiles: int, reads, pick) -> None:
+def run_tma_ring(agents: dict, counts: dict, k_tiles: int, reads, pick,
+                 trace: list | None = None) -> None:
     """check_tma_ring's scheduler and checks for any TMA ring: agents (name -> generator of
-    events; consumers named C0 and C1), counts (barrier -> its init count), reads(stage, tile)
+    events; consumers named C0, C1 (and C2)), counts (barrier -> its init count), reads(stage, tile)
     -> the ((stage, part), tile) boxes an ("mma", stage, tile) event reads, pick the
     scheduler. Besides
     check_tma_ring's events: ("tma", stage, part, tile, bytes, barrier) completes on barrier
     (default ("full", stage)), and ("pass", stage, tile) a consumer's leaving a tile unread
-    (it needs none of it) counts as its having read it."""
+    (it needs none of it) counts as its having read it. The attention ring's also: ("mma",
+    stage, tile, gemm) reads reads(stage, tile, gemm) (the tile counts as read at its "PV"),
+    and the consumers' named barriers of 256 threads (both warpgroups): ("bar_arrive", id),
+    and ("bar_sync", id), an arrive that then waits for the phase to complete; a warpgroup
+    arriving twice in one phase, or an arrival left over at the end, fails. trace: where
+    given, gets (agent, event) of each agent event as it runs (a sync's wait as ("bar_wait",
+    id, phase))."""
     nxt = {name: next(gen, None) for name, gen in agents.items()}
+    named = {}  # named barrier id -> {"arrived": warpgroups this phase, "phase": completed}
     bars = {bar: {"pending": count, "tx": 0, "phase": 0} for bar, count in counts.items()}
     stage = {}  # (stage, part) -> [tile, "flight" | "landed"]
     flight = {}  # landing agent name -> (stage, part, tile, bytes, barrier)
-    mma_open = {c: [] for c in ("C0", "C1")}
-    mma_groups = {c: [] for c in ("C0", "C1")}
-    read = {c: [] for c in ("C0", "C1")}
+    consumers = [name for name in agents if name.startswith("C")]
+    mma_open = {c: [] for c in consumers}
+    mma_groups = {c: [] for c in consumers}
+    read = {c: [] for c in consumers}
 
     def settle(bar):
         b = bars[bar]
@@ -1118,6 +1180,8 @@ def run_tma_ring(agents: dict, counts: dict, k_tiles: int, reads, pick) -> None:
         if name in flight:
             return True
         e = nxt[name]
+        if e is not None and e[0] == "bar_wait":
+            return named[e[1]]["phase"] > e[2]
         return e is not None and (e[0] != "wait" or bars[e[1]]["phase"] % 2 != e[2])
 
     def writable(s, part, tile):
@@ -1142,7 +1206,21 @@ def run_tma_ring(agents: dict, counts: dict, k_tiles: int, reads, pick) -> None:
             continue
         e = nxt[name]
         kind = e[0]
-        if kind == "arrive":
+        if trace is not None:
+            trace.append((name, e))
+        if kind in ("bar_arrive", "bar_sync"):
+            b = named.setdefault(e[1], {"arrived": set(), "phase": 0})
+            assert name not in b["arrived"], f"{name} arrives twice on barrier {e[1]}"
+            b["arrived"].add(name)
+            phase = b["phase"]
+            if len(b["arrived"]) == 2:  # 256 threads
+                b["arrived"], b["phase"] = set(), phase + 1
+            if kind == "bar_sync":
+                nxt[name] = ("bar_wait", e[1], phase)
+                continue
+        elif kind == "bar_wait":
+            pass
+        elif kind == "arrive":
             bars[e[1]]["pending"] -= 128
             assert bars[e[1]]["pending"] >= 0, f"too many arrivals on {e[1]}"
             settle(e[1])
@@ -1159,19 +1237,24 @@ def run_tma_ring(agents: dict, counts: dict, k_tiles: int, reads, pick) -> None:
             stage[s, part] = [tile, "flight"]
             flight[f"L{s}{part}{tile}"] = (s, part, tile, size, bar)
         elif kind == "mma":
-            _, s, tile = e
-            for box, want in reads(s, tile):
+            s, tile = e[1:3]
+            for box, want in reads(s, tile, *e[3:]):
                 held = stage.get(box)
                 assert held == [want, "landed"], f"{name} reads tile {want} from {box}: {held}"
             mma_open[name].append((s, tile))
-            read[name].append(tile)
+            if e[3:] in ((), ("PV",)):
+                read[name].append(tile)
         elif kind == "pass":
             read[name].append(e[2])
+        elif kind == "done":  # registers of tile e[1] used: none of its wgmmas pending
+            pending = [m for g in mma_groups[name] + [mma_open[name]] for m in g]
+            assert all(m[1] != e[1] for m in pending), f"{name} uses tile {e[1]}: {pending}"
         else:
             _wgmma_group_event(name, e, mma_open, mma_groups)
         nxt[name] = next(agents[name], None)
     assert all(r == list(range(k_tiles)) for r in read.values()), read
     assert all(b["tx"] == 0 for b in bars.values()), bars
+    assert all(not b["arrived"] for b in named.values()), f"arrivals left over: {named}"
 
 
 def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
@@ -1296,10 +1379,154 @@ def check_attention_tma_ring(n_tiles: int, stages: int, pick, skips=((), ()),
     agents = {"P": attention_tma_producer(n_tiles, stages, **producer)}
     agents |= {f"C{c}": attention_tma_consumer(n_tiles, stages, skips[c], **consumer)
                for c in range(2)}
-    counts = {("q", 0): 1} | {(kind, s): TMA_COUNTS[kind] for kind in TMA_COUNTS
-                              for s in range(stages)}
-    run_tma_ring(agents, counts, n_tiles,
-                 lambda s, tile: [(("Q", "Q"), 0), ((s, "K"), tile), ((s, "V"), tile)], pick)
+    run_attention_ring(agents, n_tiles, stages, pick)
+
+
+def attention_ring_reads(s: int, tile: int, gemm: str | None = None):
+    """The boxes a wgmma reads: S Q and K of stage s, P V its V, one group of both all
+    three."""
+    q, k, v = (("Q", "Q"), 0), ((s, "K"), tile), ((s, "V"), tile)
+    return {"S": [q, k], "PV": [v], None: [q, k, v]}[gemm]
+
+
+def run_attention_ring(agents: dict, n_tiles: int, stages: int, pick,
+                       trace: list | None = None) -> None:
+    """run_tma_ring with the attention ring's barriers (q, full and empty: 128 arrivals a
+    consumer) and reads."""
+    consumers = sum(name.startswith("C") for name in agents)
+    counts = {("q", 0): 1} | {(kind, s): 1 if kind == "full" else 128 * consumers
+                              for kind in TMA_COUNTS for s in range(stages)}
+    run_tma_ring(agents, counts, n_tiles, attention_ring_reads, pick, trace)
+
+
+# The consumers of the ping-pong and overlap schedules (above flash_attention_wgmma_tma, their
+# steps numbered as there): of k consumers, warpgroup c's turn is named barrier 1 + c, the
+# next one's 1 + (c + 1) % k.
+def attention_pingpong_consumer(c: int, n_tiles: int, stages: int, skip=(), k: int = 2,
+                                first_turn: bool = True, turn_on_skip: bool = True,
+                                last_arrive: tuple | None = None,
+                                early_handover: bool = False):
+    """Ping-pong consumer c of k, skipping the tiles skip (first_turn: the last consumer's
+    first arrive kept; turn_on_skip: a skipped tile's arrive and sync kept; last_arrive: the
+    warpgroups arriving after the loop, default all but the last; early_handover: the turn
+    handed over before S is issued)."""
+    mine, other = 1 + c, 1 + (c + 1) % k
+    last_arrive = tuple(range(k - 1)) if last_arrive is None else last_arrive
+    if n_tiles:
+        yield ("wait", ("q", 0), 0)
+    if c == k - 1 and first_turn:
+        yield ("bar_arrive", 1)
+    yield ("bar_sync", mine)  # 0
+    for it in range(n_tiles):
+        s, r = it % stages, it // stages
+        yield ("wait", ("full", s), r & 1)  # 1
+        if it not in skip:
+            if early_handover:
+                yield ("bar_arrive", other)
+            yield from [("mma", s, it, "S"), ("mma_commit",)]  # 2
+            if not early_handover:
+                yield ("bar_arrive", other)
+            yield ("mma_wait", 0)  # 3
+            yield ("done", it)
+            yield from [("mma", s, it, "PV"), ("mma_commit",)]  # 4
+            yield ("bar_sync", mine)
+            yield ("mma_wait", 0)  # 5
+        else:
+            if turn_on_skip:
+                yield from [("bar_arrive", other), ("bar_sync", mine)]
+            yield ("pass", s, it)
+        yield ("arrive", ("empty", s))  # 6
+    if c in last_arrive:
+        yield ("bar_arrive", other)  # 7
+    yield ("epilogue",)
+
+
+def attention_overlap_consumer(c: int, n_tiles: int, stages: int, k: int = 2,
+                               release_early: bool = False, s_wait: int = 0,
+                               last_arrive: tuple | None = None):
+    """Overlap consumer c of k, computing every tile (release_early: stage it - 1 released
+    before the wait for its P V; s_wait: added to step 3's wait count; last_arrive: the
+    warpgroups handing the turn over in the last iteration, default all but the last)."""
+    if not n_tiles:
+        yield ("epilogue",)
+        return
+    mine, other = 1 + c, 1 + (c + 1) % k
+    last_arrive = tuple(range(k - 1)) if last_arrive is None else last_arrive
+    yield ("wait", ("q", 0), 0)
+    if c == k - 1:  # 0
+        yield ("bar_arrive", 1)
+    yield ("wait", ("full", 0), 0)
+    yield ("bar_sync", mine)
+    yield from [("mma", 0, 0, "S"), ("mma_commit",), ("bar_arrive", other), ("mma_wait", 0)]
+    for it in range(n_tiles):
+        first, ahead = it == 0, it + 1 < n_tiles
+        nxt = (it + 1) % stages
+        if ahead:
+            yield ("wait", ("full", nxt), ((it + 1) // stages) & 1)  # 1
+        yield ("bar_sync", mine)  # 2
+        if not first:
+            yield from [("mma", (it - 1) % stages, it - 1, "PV"), ("mma_commit",)]
+        if ahead:
+            yield from [("mma", nxt, it + 1, "S"), ("mma_commit",)]
+        if ahead or c in last_arrive:
+            yield ("bar_arrive", other)
+        yield ("mma_wait", (not first) + ahead + s_wait)  # 3
+        yield ("done", it)  # 4: the softmax reads S[it]
+        if release_early and not first:
+            yield ("arrive", ("empty", (it - 1) % stages))
+        yield ("mma_wait", int(ahead))  # 5
+        if not first:
+            yield ("done", it - 1)
+            if not release_early:
+                yield ("arrive", ("empty", (it - 1) % stages))
+    last = (n_tiles - 1) % stages  # 7
+    yield from [("mma", last, n_tiles - 1, "PV"), ("mma_commit",), ("mma_wait", 0),
+                ("done", n_tiles - 1), ("arrive", ("empty", last)), ("epilogue",)]
+
+
+def check_turns(trace: list, n_tiles: int, overlap: bool, k: int = 2) -> None:
+    """The k consumers' turns (from passing the sync on their own barrier to their next arrive
+    on the next one's) never overlap and come in order C0, C1, ..., C0, ...; S of tile t is
+    issued in its warpgroup's turn t, and with overlap P V of tile t < n_tiles - 1 in turn
+    t + 2."""
+    owner, turns, order = None, {f"C{c}": -1 for c in range(k)}, 0
+    for name, e in trace:
+        if name not in turns:
+            continue
+        c = int(name[1])
+        if e[0] == "bar_wait" and e[1] == 1 + c:
+            assert owner is None, f"{name}'s turn while {owner}'s is open"
+            assert c == order % k, f"{name}'s turn out of order ({order})"
+            owner, order = name, order + 1
+            turns[name] += 1
+        elif e[0] == "bar_arrive" and owner == name:
+            owner = None
+        elif e[0] == "mma":
+            tile, gemm = e[2], e[3]
+            if gemm == "S":
+                assert owner == name and turns[name] == tile, (name, e, turns)
+            elif overlap and tile < n_tiles - 1:
+                assert owner == name and turns[name] == tile + 2, (name, e, turns)
+    assert len(set(turns.values())) == 1, turns
+
+
+def check_attention_turns(n_tiles: int, stages: int, pick, overlap: bool = False,
+                          skips=((), ()), **mistake) -> None:
+    """run_tma_ring's checks (check_attention_tma_ring's) on the ping-pong (or, overlap, the
+    overlap) consumers, len(skips) of them, consumer c skipping the tiles skips[c]
+    (ping-pong), and check_turns: no deadlock, no arrival left over, no warpgroup arriving
+    twice in a phase."""
+    k = len(skips)
+    agents = {"P": attention_tma_producer(n_tiles, stages)}
+    for c in range(k):
+        if overlap:
+            agents[f"C{c}"] = attention_overlap_consumer(c, n_tiles, stages, k, **mistake)
+        else:
+            agents[f"C{c}"] = attention_pingpong_consumer(c, n_tiles, stages, skips[c], k,
+                                                          **mistake)
+    trace = []
+    run_attention_ring(agents, n_tiles, stages, pick, trace)
+    check_turns(trace, n_tiles, overlap, k)
 
 
 def attention_skips(n_tiles: int):
@@ -1311,6 +1538,18 @@ def attention_skips(n_tiles: int):
     yield ((), tuple(range(n_tiles)))
 
 
+def attention_skips3(n_tiles: int):
+    """Skip patterns of three consumers (BQ 192): none; causal (the first warpgroup's rows
+    precede the block's last two tiles, the second's its last); the third, and the second
+    and third, past seq_len."""
+    every = tuple(range(n_tiles))
+    yield ((), (), ())
+    yield (tuple(range(max(0, n_tiles - 2), n_tiles)), tuple(range(max(0, n_tiles - 1),
+                                                                   n_tiles)), ())
+    yield ((), (), every)
+    yield ((), every, every)
+
+
 def test_attention_tma_ring_keeps_stages_safe(cupy_selected):
     """flash_attention_wgmma_tma is the ring attention_tma_producer and
     attention_tma_consumer model (the lines below, in the kernel's TMA branch), and with
@@ -1318,10 +1557,11 @@ def test_attention_tma_ring_keeps_stages_safe(cupy_selected):
     key tiles, every skip pattern, under every scheduler of ws_picks."""
     text = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
     text = text[text.index("if constexpr (PIPELINE == ad::TMA_RING) {"):
-                text.index("} else if constexpr (PIPELINE == 0) {")]
+                text.index("} else if constexpr (SCHEDULE == ad::TMA_PINGPONG) {")]
     at = 0
     for line in ("ad::mbarrier_init(q_full, 1);", "ad::mbarrier_init(full0 + 8 * st, 1);",
-                 "ad::mbarrier_init(empty0 + 8 * st, 256);", "ad::fence_mbarrier_init();",
+                 "ad::mbarrier_init(empty0 + 8 * st, 128 * CONSUMERS);",
+                 "ad::fence_mbarrier_init();",
                  "__syncthreads();", "if (threadIdx.x == 0 && n_tiles > 0) {",
                  "ad::mbarrier_arrive_expect_tx(q_full, Q_BYTES);",
                  "ad::tma_load_3d(sQ, q_map, q_full, q_col, qb0, b);",
@@ -1330,6 +1570,7 @@ def test_attention_tma_ring_keeps_stages_safe(cupy_selected):
                  "ad::tma_load_3d(sK + st * KV_BYTES, kv_map, full, k_col, it * BKV, b);",
                  "ad::tma_load_3d(sV + st * KV_BYTES, kv_map, full, v_col, it * BKV, b);",
                  "if (n_tiles > 0) ad::mbarrier_wait(q_full, 0);",
+                 "if constexpr (SCHEDULE == ad::TMA_PLAIN) {",
                  "ad::mbarrier_wait(full0 + 8 * st, (it / KV_STAGES) & 1);",
                  "if (work) {", "issue_scores(s, st);", "ad::wgmma_wait<0>();",
                  "pv_waited(p, s, st);", "ad::mbarrier_arrive(empty0 + 8 * st);"):
@@ -1344,7 +1585,8 @@ def test_attention_tma_ring_keeps_stages_safe(cupy_selected):
     assert text.count("mbarrier_arrive(") == 1 and text.count("tma_load_3d(") == 3
     assert text.count("__syncthreads()") == 1 and "cp_async" not in text
     assert attention_tma_bytes()["Q"] == 128 * 128 and attention_tma_bytes()["K"] == 64 * 128
-    tma = [v for hp, vs in build.ATTENTION_WGMMA.items() for v in vs if v.tma]
+    tma = [v for hp, vs in build.ATTENTION_WGMMA.items() for v in vs
+           if v.tma and v.schedule == build.TMA_PLAIN]
     assert tma
     for stages in sorted({v.kv_stages for v in tma} | {1, 2}):
         for n_tiles in range(10):
@@ -1373,6 +1615,112 @@ def test_attention_tma_ring_model_catches_mistakes(cupy_selected, mistake):
                 for pick in ws_picks(5):
                     check_attention_tma_ring(n_tiles, build.WGMMA_TMA.kv_stages, pick, skips,
                                              **mistake)
+
+
+def test_attention_turns_keep_ring_safe(cupy_selected):
+    """The ping-pong and overlap consumers of flash_attention_wgmma_tma are the models
+    attention_pingpong_consumer and attention_overlap_consumer (the lines below, in order, in
+    their branches), and with two and three consumers and every such variant's stages (and
+    more; ping-pong also 2) they pass check_attention_turns for 0 to 9 key tiles (ping-pong:
+    every skip pattern) under every scheduler of ws_picks: the ring stays safe, the turns
+    come in order, no deadlock."""
+    source = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
+    pingpong = source[source.index("} else if constexpr (SCHEDULE == ad::TMA_PINGPONG) {"):
+                      source.index("float s_odd[NS];")]
+    overlap = source[source.index("float s_odd[NS];"):
+                     source.index("} else if constexpr (PIPELINE == 0) {")]
+    for text, lines in (
+            (pingpong, ("const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;",
+                        "if (group == CONSUMERS - 1) ad::named_arrive(1);",
+                        "ad::named_sync(mine);",
+                        "ad::mbarrier_wait(full0 + 8 * st, (it / KV_STAGES) & 1);",
+                        "if (work) {", "issue_scores(s, st);", "ad::wgmma_commit();",
+                        "ad::named_arrive(other);", "ad::wgmma_wait<0>();",
+                        "issue_pv(p, st);", "ad::wgmma_commit();", "ad::named_sync(mine);",
+                        "ad::wgmma_wait<0>();", "} else {", "ad::named_arrive(other);",
+                        "ad::named_sync(mine);", "ad::mbarrier_arrive(empty0 + 8 * st);",
+                        "if (group != CONSUMERS - 1) ad::named_arrive(other);")),
+            (overlap, ("const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;",
+                       "ad::mbarrier_wait(full0 + 8 * (it % KV_STAGES), (it / KV_STAGES) & 1);",
+                       "if (ahead) wait_full(it + 1);", "ad::named_sync(mine);",
+                       "if (!first) {", "issue_pv(p, (it - 1) % KV_STAGES);",
+                       "ad::wgmma_commit();", "if (ahead) {",
+                       "issue_scores(next, (it + 1) % KV_STAGES);", "ad::wgmma_commit();",
+                       "ad::named_arrive_if(ahead || group != CONSUMERS - 1, other);",
+                       "if (!first && ahead) {", "ad::wgmma_wait<2>();",
+                       "} else if (!first || ahead) {", "ad::wgmma_wait<1>();",
+                       "ad::wgmma_wait<0>();", "fence_scores(cur);",
+                       "const bool rows = softmax(0, cur, it * BKV, alpha);",
+                       "if (ahead) ad::wgmma_wait<1>(); else ad::wgmma_wait<0>();",
+                       "if (!first) ad::mbarrier_arrive(empty0 + 8 * ((it - 1) % KV_STAGES));",
+                       "pack(p, cur);", "if (n_tiles > 0) {",
+                       "if (group == CONSUMERS - 1) ad::named_arrive(1);", "wait_full(0);",
+                       "ad::named_sync(mine);", "issue_scores(s, 0);", "ad::wgmma_commit();",
+                       "ad::named_arrive(other);", "ad::wgmma_wait<0>();",
+                       "iteration(1, 0, 0, s, s_odd);", "iteration(1, 1, 0, s, s_odd);",
+                       "iteration(0, 1, it, s_odd, s);", "iteration(0, 1, it + 1, s, s_odd);",
+                       "iteration(0, 1, it, s_odd, s);", "iteration(0, 0, it + 1, s, s_odd);",
+                       "iteration(0, 0, it, s_odd, s);",
+                       "const int st = (n_tiles - 1) % KV_STAGES;", "issue_pv(p, st);",
+                       "ad::wgmma_commit();", "ad::wgmma_wait<0>();",
+                       "ad::mbarrier_arrive(empty0 + 8 * st);"))):
+        at = 0
+        for line in lines:
+            found = text.find(line, at)
+            assert found >= 0, line
+            at = found + len(line)
+        assert "__syncthreads()" not in text and "tma_load" not in text
+    assert pingpong.count("mbarrier_arrive(") == 1 and overlap.count("mbarrier_arrive(") == 2
+    turns = [v for hp, vs in build.ATTENTION_WGMMA.items() for v in vs
+             if v.tma and v.schedule != build.TMA_PLAIN]
+    assert {v.schedule for v in turns} == {build.TMA_PINGPONG, build.TMA_OVERLAP}
+    for overlap_ in (False, True):
+        for k in (2, 3):
+            stages = {v.kv_stages for v in turns if v.bq == 64 * k and
+                      (v.schedule == build.TMA_OVERLAP) == overlap_}
+            stages |= {3, 4} if overlap_ else {2, 3}
+            for st in sorted(stages):
+                for n_tiles in range(10):
+                    if overlap_:
+                        patterns = [((),) * k]
+                    else:
+                        patterns = attention_skips(n_tiles) if k == 2 else attention_skips3(
+                            n_tiles)
+                    for skips in patterns:
+                        for pick in ws_picks(8):
+                            check_attention_turns(n_tiles, st, pick, overlap_, skips)
+
+
+@pytest.mark.parametrize("mistake", [
+    dict(first_turn=False), dict(turn_on_skip=False), dict(last_arrive=(0, 1)),
+    dict(last_arrive=()), dict(early_handover=True), dict(stages=1),
+    dict(overlap=True, stages=2), dict(overlap=True, release_early=True),
+    dict(overlap=True, s_wait=1), dict(overlap=True, last_arrive=(0, 1)),
+    dict(overlap=True, last_arrive=()), dict(k=3, first_turn=False),
+    dict(k=3, turn_on_skip=False), dict(k=3, last_arrive=(0,)), dict(k=3, stages=1)],
+    ids=["no-first-turn", "skip-without-turn", "both-arrive-last", "none-arrive-last",
+         "hand-over-before-S", "pingpong-one-stage", "overlap-two-stages",
+         "overlap-release-before-pv-wait", "overlap-softmax-before-S-wait",
+         "overlap-both-arrive-last", "overlap-none-arrive-last", "3wg-no-first-turn",
+         "3wg-skip-without-turn", "3wg-second-not-arriving-last", "3wg-one-stage"])
+def test_attention_turns_model_catches_mistakes(cupy_selected, mistake):
+    """check_attention_turns fails the ping-pong ring (3 stages) when warpgroup 1 does not
+    give warpgroup 0 the first turn (deadlock), a skipped tile skips the turn's arrive and
+    sync (deadlock, or a warpgroup arriving twice in a phase), both or neither warpgroup
+    arrives after the loop (an arrival left over; deadlock), the turn is handed over before
+    S is issued (turns overlap), or the ring has one stage (deadlock); and the overlap ring
+    (5 stages) with two stages (deadlock), a stage released before its P V's wait, the
+    softmax reading S before its wait, or the last handover by both or neither; and the
+    ping-pong ring of three consumers with such mistakes (k=3)."""
+    args = dict(stages=5 if mistake.get("overlap") else 3) | mistake
+    k = args.pop("k", 2)
+    with pytest.raises(AssertionError):
+        for n_tiles in range(1, 9):
+            for skips in attention_skips(n_tiles) if k == 2 else attention_skips3(n_tiles):
+                for pick in ws_picks(5):
+                    if args.get("overlap"):
+                        skips = ((), ())
+                    check_attention_turns(n_tiles, pick=pick, skips=skips, **args)
 
 
 def test_tensor_maps(cupy_selected, monkeypatch):
@@ -1996,17 +2344,18 @@ def test_layer_with_tma_gemms_keeps_the_contract_and_replays(kernels, variant, m
 
 
 @needs_gpu
+@pytest.mark.parametrize("variant", [v.name for v in build.ATTENTION_WGMMA[64] if v.tma])
 @pytest.mark.parametrize("number", [1, 14], ids=["d32", "d64"])
-def test_layer_with_tma_attention_keeps_the_contract_and_replays(kernels, number, monkeypatch):
+def test_layer_with_tma_attention_keeps_the_contract_and_replays(kernels, number, variant,
+                                                                 monkeypatch):
     """The layer at CI shapes 1 (head dim 32, 48 tokens) and 14 (head dim 64, 100 tokens:
-    partial query blocks and key tiles) with the TMA-ring attention keeps the contract eager,
-    captured and replayed (its tensor maps made at capture stay right on replay), and runs
-    that variant on every layer."""
+    partial query blocks and key tiles) with each TMA-ring attention variant keeps the
+    contract eager, captured and replayed (its tensor maps made at capture stay right on
+    replay), and runs that variant on every layer."""
     from layerbench.common.shapes import CI
 
     if not kernels.has_wgmma:
         pytest.skip(f"no wgmma on sm_{kernels.arch}")
     cfg = CI[number].config
     assert cfg.d_model // cfg.num_heads in (32, 64)
-    _layer_runs_variant(cfg, "attention_variant", build.WGMMA_TMA.name, "attention",
-                        monkeypatch)
+    _layer_runs_variant(cfg, "attention_variant", variant, "attention", monkeypatch)

@@ -14,9 +14,10 @@
 // lb::attention_wgmma_shared_bytes(HP, BQ, BKV, PIPELINE) bytes, above 48 KB only after the
 // kernel's max dynamic shared memory attribute has been raised to it. Variants
 // (template parameters): MINB blocks an SM, and the plain or the pipelined schedule (below).
-// lb::flash_attention_wgmma_tma<HP, KV_STAGES> (at the end: a TMA producer warpgroup and two
-// consumers, 384 threads, two tensor maps appended to the parameters) runs the plain
-// schedule's per-tile math from the same source, flash_attention_body.
+// lb::flash_attention_wgmma_tma<HP, BQ, BKV, KV_STAGES, SCHEDULE> (at the end: a TMA producer
+// warpgroup and two consumers, 384 threads, two tensor maps appended to the parameters) runs
+// the plain (or the pipelined) schedule's per-tile math from the same source,
+// flash_attention_body.
 //
 // Shared tiles. A tile of ROWS rows x HP halves is stored as HP * 2 / SW panels, SW (the swizzle
 // width) = 128 bytes, or 64 bytes at HP 32; panel p holds columns [p SW/2, (p+1) SW/2) of every
@@ -88,6 +89,24 @@ constexpr int K_BUFFERS = 2;
 constexpr int V_BUFFERS = 2;
 constexpr int PIPELINED_V_BUFFERS = 3;
 constexpr int TMA_RING = 2;  // the PIPELINE value of flash_attention_wgmma_tma's schedule
+// flash_attention_wgmma_tma's consumer schedules (its SCHEDULE; see above the kernel).
+constexpr int TMA_PLAIN = 0, TMA_PINGPONG = 1, TMA_OVERLAP = 2;
+
+// Named barriers of the two consumer warpgroups' turns (256 threads: both warpgroups).
+__device__ __forceinline__ void named_sync(unsigned id) {
+    asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_arrive(unsigned id) {
+    asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
+}
+// named_arrive where on, predicated (no branch: a pending wgmma may cross it).
+__device__ __forceinline__ void named_arrive_if(bool on, unsigned id) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.u32 p, %0, 0;\n@p bar.arrive %1, 256;\n}" ::"r"(
+            static_cast<unsigned>(on)),
+        "r"(id)
+        : "memory");
+}
 
 }  // namespace attn_wgmma_detail
 
@@ -141,7 +160,7 @@ namespace attn_wgmma_detail {
 // The body of lb::flash_attention_wgmma (PIPELINE 0 and 1, q_map and kv_map null) and of
 // lb::flash_attention_wgmma_tma (PIPELINE TMA_RING, KV_STAGES stages): one definition of the
 // per-tile math (the lambdas below) for every schedule. sm_90a only.
-template <int HP, int BQ, int BKV, int PIPELINE, int KV_STAGES>
+template <int HP, int BQ, int BKV, int PIPELINE, int KV_STAGES, int SCHEDULE = 0>
 __device__ __forceinline__ void flash_attention_body(
     const __half* __restrict__ qkv, long long qkv_stride, __half* __restrict__ ctx_hi,
     __half* __restrict__ ctx_lo, long long ctx_stride, const unsigned char* __restrict__ valid,
@@ -151,7 +170,8 @@ __device__ __forceinline__ void flash_attention_body(
     // module.
     namespace ad = attn_wgmma_detail;
     static_assert(HP == 32 || HP == 64 || HP == 128, "padded head dim 32, 64 or 128");
-    static_assert(BQ == 64 || BQ == 128, "one or two warpgroups of 64 rows");
+    static_assert(BQ == 64 || BQ == 128 || (BQ == 192 && PIPELINE == ad::TMA_RING),
+                  "one or two warpgroups of 64 rows (the TMA ring: two or three)");
     static_assert(BKV == 64 || BKV == 128, "wgmma n64 or n128 score tiles");
     static_assert(PIPELINE == 0 || PIPELINE == 1 || PIPELINE == ad::TMA_RING,
                   "plain, pipelined or TMA-ring schedule");
@@ -375,13 +395,24 @@ __device__ __forceinline__ void flash_attention_body(
     if constexpr (PIPELINE == ad::TMA_RING) {
         // setmaxnreg moves registers within the block's pool, the 384 x 168 it was launched
         // with (__launch_bounds__(384, 1)): 40 for the producer and 232 for the consumers use
-        // all of it. A pool too small would leave setmaxnreg.inc waiting forever. (Two blocks
-        // an SM would launch with 80, leaving the consumers 104: the math at HP 64 spills.)
-        constexpr int LAUNCH_REGISTERS = 65536 / 384 / 8 * 8;
-        constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
-        static_assert(BQ == 128 && KV_STAGES >= 1, "two consumer warpgroups, a ring");
-        static_assert(128 * PRODUCER_REGISTERS + 256 * CONSUMER_REGISTERS <=
-                          384 * LAUNCH_REGISTERS,
+        // all of it (three consumers: 512 x 128, 24 and 160). A pool too small would leave
+        // setmaxnreg.inc waiting forever. (Two blocks an SM would launch with 80, leaving the
+        // consumers 104: the math at HP 64 spills.)
+        constexpr int CONSUMERS = BQ / 64, BLOCK_THREADS = 128 * (CONSUMERS + 1);
+        constexpr int LAUNCH_REGISTERS = 65536 / BLOCK_THREADS / 8 * 8;
+        constexpr int PRODUCER_REGISTERS = CONSUMERS == 2 ? 40 : 24;
+        constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 232 : 160;
+        static_assert(CONSUMERS >= 2 && KV_STAGES >= 1, "two or three consumers, a ring");
+        static_assert(SCHEDULE == ad::TMA_PLAIN || SCHEDULE == ad::TMA_PINGPONG ||
+                          SCHEDULE == ad::TMA_OVERLAP,
+                      "plain, ping-pong or overlapped consumers");
+        // Ping-pong: a consumer's stage is released after the other's next S is issued (one
+        // stage would deadlock); overlap: a consumer waits for tile it + 1's full barrier
+        // while holding the stages of it - 1 (P V pending) and it (V; two would deadlock).
+        static_assert(SCHEDULE != ad::TMA_PINGPONG || KV_STAGES >= 2, "ping-pong: 2 stages");
+        static_assert(SCHEDULE != ad::TMA_OVERLAP || KV_STAGES >= 3, "overlap: 3 stages");
+        static_assert(128 * PRODUCER_REGISTERS + 128 * CONSUMERS * CONSUMER_REGISTERS <=
+                          BLOCK_THREADS * LAUNCH_REGISTERS,
                       "the warpgroups' registers must fit the block's pool");
         // q_full, then full[KV_STAGES], then empty[KV_STAGES].
         __shared__ __align__(8) unsigned long long attn_tma_bars[1 + 2 * KV_STAGES];
@@ -396,7 +427,7 @@ __device__ __forceinline__ void flash_attention_body(
 #pragma unroll
             for (int st = 0; st < KV_STAGES; ++st) {
                 ad::mbarrier_init(full0 + 8 * st, 1);
-                ad::mbarrier_init(empty0 + 8 * st, 256);
+                ad::mbarrier_init(empty0 + 8 * st, 128 * CONSUMERS);
             }
             ad::fence_mbarrier_init();
         }
@@ -424,22 +455,137 @@ __device__ __forceinline__ void flash_attention_body(
         float s[NS];
         unsigned p[KS][4];
         if (n_tiles > 0) ad::mbarrier_wait(q_full, 0);
-        for (int it = 0; it < n_tiles; ++it) {
-            const int kv0 = it * BKV, st = it % KV_STAGES;
-            ad::mbarrier_wait(full0 + 8 * st, (it / KV_STAGES) & 1);  // 1
-            // A warpgroup whose rows all precede the tile's first key (causal) sees none of it.
-            const bool work = group_rows && !(causal && kv0 > qg0 + 63);
-            if (work) {  // 2
+        if constexpr (SCHEDULE == ad::TMA_PLAIN) {
+            for (int it = 0; it < n_tiles; ++it) {
+                const int kv0 = it * BKV, st = it % KV_STAGES;
+                ad::mbarrier_wait(full0 + 8 * st, (it / KV_STAGES) & 1);  // 1
+                // A warpgroup whose rows all precede the tile's first key (causal) sees none of it.
+                const bool work = group_rows && !(causal && kv0 > qg0 + 63);
+                if (work) {  // 2
+                    ad::wgmma_fence();
+                    issue_scores(s, st);
+                    ad::wgmma_commit();
+                    ad::wgmma_wait<0>();
+                    fence_scores(s);
+                    float alpha[2];
+                    softmax(1, s, kv0, alpha);
+                    pv_waited(p, s, st);
+                }
+                ad::mbarrier_arrive(empty0 + 8 * st);  // 3
+            }
+        } else if constexpr (SCHEDULE == ad::TMA_PINGPONG) {
+            // Turns: named barrier 1 + group is this warpgroup's, other the next one's.
+            const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;
+            if (group == CONSUMERS - 1) ad::named_arrive(1);  // warpgroup 0 goes first
+            ad::named_sync(mine);                 // 0
+            for (int it = 0; it < n_tiles; ++it) {
+                const int kv0 = it * BKV, st = it % KV_STAGES;
+                ad::mbarrier_wait(full0 + 8 * st, (it / KV_STAGES) & 1);  // 1
+                const bool work = group_rows && !(causal && kv0 > qg0 + 63);
+                if (work) {  // 2-5
+                    ad::wgmma_fence();
+                    issue_scores(s, st);
+                    ad::wgmma_commit();
+                    ad::named_arrive(other);
+                    ad::wgmma_wait<0>();
+                    fence_scores(s);
+                    float alpha[2];
+                    softmax(1, s, kv0, alpha);
+                    pack(p, s);
+                    fence_outputs();
+                    ad::wgmma_fence();
+                    issue_pv(p, st);
+                    ad::wgmma_commit();
+                    ad::named_sync(mine);
+                    ad::wgmma_wait<0>();
+                    fence_outputs();
+                    fence_probs(p);
+                } else {  // the same turns, no math
+                    ad::named_arrive(other);
+                    ad::named_sync(mine);
+                }
+                ad::mbarrier_arrive(empty0 + 8 * st);  // 6
+            }
+            if (group != CONSUMERS - 1) ad::named_arrive(other);  // 7
+        } else {
+            float s_odd[NS];  // s: the scores of even tiles, s_odd of odd ones
+            const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;
+            auto wait_full = [&](int it) {
+                ad::mbarrier_wait(full0 + 8 * (it % KV_STAGES), (it / KV_STAGES) & 1);
+            };
+            // Iteration it, steps 1-6, cur holding S[it] (issued, maybe pending), next to
+            // take S[it + 1]; first: it == 0 (no P V before it); ahead: it + 1 < n_tiles.
+            auto iteration = [&](int first, int ahead, int it, float (&cur)[NS],
+                                 float (&next)[NS]) {
+                if (ahead) wait_full(it + 1);  // 1
+                ad::named_sync(mine);          // 2
+                fence_outputs();
                 ad::wgmma_fence();
-                issue_scores(s, st);
+                if (!first) {
+                    issue_pv(p, (it - 1) % KV_STAGES);
+                    ad::wgmma_commit();
+                }
+                if (ahead) {
+                    issue_scores(next, (it + 1) % KV_STAGES);
+                    ad::wgmma_commit();
+                }
+                ad::named_arrive_if(ahead || group != CONSUMERS - 1, other);
+                // 3: S[it] is complete (P V of it - 1 and S[it + 1] may run on).
+                if (!first && ahead) {
+                    ad::wgmma_wait<2>();
+                } else if (!first || ahead) {
+                    ad::wgmma_wait<1>();
+                } else {
+                    ad::wgmma_wait<0>();
+                }
+                fence_scores(cur);
+                float alpha[2];
+                const bool rows = softmax(0, cur, it * BKV, alpha);  // 4
+                if (ahead) ad::wgmma_wait<1>(); else ad::wgmma_wait<0>();  // 5
+                fence_outputs();
+                fence_probs(p);
+                if (!first) ad::mbarrier_arrive(empty0 + 8 * ((it - 1) % KV_STAGES));
+                if (rows) rescale(alpha);  // 6
+                pack(p, cur);
+            };
+            if (n_tiles > 0) {  // 0
+                if (group == CONSUMERS - 1) ad::named_arrive(1);  // warpgroup 0 goes first
+                wait_full(0);
+                ad::named_sync(mine);
+                ad::wgmma_fence();
+                issue_scores(s, 0);
                 ad::wgmma_commit();
+                ad::named_arrive(other);
                 ad::wgmma_wait<0>();
                 fence_scores(s);
-                float alpha[2];
-                softmax(1, s, kv0, alpha);
-                pv_waited(p, s, st);
+                // Two tiles a trip, so that the score sets alternate without copies.
+                if (n_tiles == 1) {
+                    iteration(1, 0, 0, s, s_odd);
+                } else {
+                    iteration(1, 1, 0, s, s_odd);
+                    int it = 1;
+                    for (; it + 2 < n_tiles; it += 2) {
+                        iteration(0, 1, it, s_odd, s);
+                        iteration(0, 1, it + 1, s, s_odd);
+                    }
+                    if (it + 1 < n_tiles) {
+                        iteration(0, 1, it, s_odd, s);
+                        iteration(0, 0, it + 1, s, s_odd);
+                    } else {
+                        iteration(0, 0, it, s_odd, s);
+                    }
+                }
+                // 7: P V of the last tile, outside the turns.
+                const int st = (n_tiles - 1) % KV_STAGES;
+                fence_outputs();
+                ad::wgmma_fence();
+                issue_pv(p, st);
+                ad::wgmma_commit();
+                ad::wgmma_wait<0>();
+                fence_outputs();
+                fence_probs(p);
+                ad::mbarrier_arrive(empty0 + 8 * st);
             }
-            ad::mbarrier_arrive(empty0 + 8 * st);  // 3
         }
     } else if constexpr (PIPELINE == 0) {
         float s[NS];
@@ -596,33 +742,38 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
 #endif
 }
 
-// Dynamic shared bytes of one block of lb::flash_attention_wgmma_tma<hp, kv_stages>: Q (128 rows),
-// kv_stages K and kv_stages V buffers (64 rows each), hp halves a row, plus 1024 bytes of slack
-// for aligning the first tile (the mbarriers are static shared memory). <64, 3>: 66560,
-// <32, 3>: 33792.
-__host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int kv_stages) {
-    return (128 + 2 * kv_stages * 64) * hp * 2 + attn_wgmma_detail::ALIGN;
+// Dynamic shared bytes of one block of lb::flash_attention_wgmma_tma<hp, bq, bkv, kv_stages, *>:
+// Q (bq rows), kv_stages K and kv_stages V buffers (bkv rows each), hp halves a row, plus 1024
+// bytes of slack for aligning the first tile (the mbarriers are static shared memory).
+// <64, 128, 64, 3>: 66560, <32, 128, 64, 3>: 33792, <64, 128, 128, 3>: 115712.
+__host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int bq, int bkv,
+                                                                   int kv_stages) {
+    return (bq + 2 * kv_stages * bkv) * hp * 2 + attn_wgmma_detail::ALIGN;
 }
 
-// FlashAttention-3's warp-specialised TMA ring, at BQ 128 and BKV 64: lb::flash_attention_wgmma's
-// semantics, parameters (then q_map and kv_map) and grid; 384 threads; dynamic shared memory
-// lb::attention_wgmma_tma_shared_bytes(HP, KV_STAGES). Warpgroup 0 is the producer (setmaxnreg
-// to 40 registers; one thread issues TMA copies), warpgroups 1 and 2 the consumers (query rows
-// 0-63 and 64-127 of the block, setmaxnreg to 232), each running the plain schedule's math per
-// key tile (S = Q K^T by SS wgmma waited for, mask and online softmax, O += P V by RS wgmma
-// waited for) with no block barrier: the two consumers drift apart, one's softmax overlapping
-// the other's wgmmas. HP 32 or 64: a TMA box of HP columns is one panel (64 bytes with the
-// 64-byte swizzle, 128 with the 128-byte one, as the descriptors expect); head_dim must equal
-// HP: the boxes are HP columns wide, so a narrower head would read its neighbour's columns
-// (ops.attention refuses it).
+// FlashAttention-3's warp-specialised TMA ring, at BQ 128 (or 192) and BKV 64 or 128:
+// lb::flash_attention_wgmma's semantics, parameters (then q_map and kv_map) and grid; 384
+// threads (BQ 192: 512); dynamic shared memory lb::attention_wgmma_tma_shared_bytes(HP, BQ,
+// BKV, KV_STAGES). Warpgroup 0 is the producer (setmaxnreg to 40 registers; one thread issues
+// TMA copies), warpgroups 1 and 2 the consumers (query rows 0-63 and 64-127 of the block,
+// setmaxnreg to 232; at BQ 192 also warpgroup 3, rows 128-191, and 24 and 160 registers).
+// SCHEDULE (attn_wgmma_detail::TMA_*) picks the consumers' schedule: TMA_PLAIN, each running
+// the plain schedule's math per key tile (S = Q K^T by SS wgmma waited for, mask and online
+// softmax, O += P V by RS wgmma waited for) with no block barrier: the two consumers drift
+// apart, one's softmax overlapping the other's wgmmas; TMA_PINGPONG and TMA_OVERLAP,
+// FlashAttention-3's next steps (below). HP 32 or 64: a TMA box of HP columns is one panel (64
+// bytes with the 64-byte swizzle, 128 with the 128-byte one, as the descriptors expect);
+// head_dim must equal HP: the boxes are HP columns wide, so a narrower head would read its
+// neighbour's columns (ops.attention refuses it).
 // Tensor maps (tensor_maps.py, 3-D): the qkv rows viewed as [batch][seq_len][3 H hd] fp16,
 // dims {3 H hd, seq_len, batch}, strides {row bytes, seq_len row bytes}, the swizzle, zero
-// fill: q_map boxes {HP, 128, 1}, kv_map boxes {HP, 64, 1}; box (c, r, b) is rows r.. of
+// fill: q_map boxes {HP, BQ, 1}, kv_map boxes {HP, BKV, 1}; box (c, r, b) is rows r.. of
 // sequence b from column c (Q: h hd, K: (H + h) hd, V: (2 H + h) hd), zero past seq_len. Keys
 // in [kv_end, seq_len) and hole keys are loaded (not zero-filled as the cp.async kernels do)
 // and masked in the softmax as there: their P is 0.
 // Tile it lives in stage st = it % KV_STAGES, round r = it / KV_STAGES. Barriers: q_full
-// (count 1), full[st] (count 1) and empty[st] (count 256: every consumer thread once a round).
+// (count 1), full[st] (count 1) and empty[st] (count 128 BQ / 64: every consumer thread once a
+// round).
 //   Before the split: thread 0 prefetches the maps, initialises the barriers,
 //   fence.mbarrier_init; __syncthreads (the block's only one).
 //   Producer thread (threadIdx.x 0), where n_tiles > 0: arrive.expect_tx(q_full, Q_BYTES), TMA
@@ -641,8 +792,42 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int k
 //   Then store_context as flash_attention_wgmma. The producer's step 1 at tile it needs only
 //   the consumers' step 3 at tile it - KV_STAGES: any KV_STAGES >= 1 is deadlock-free; up to
 //   KV_STAGES tiles are in flight or landed ahead of the slower consumer.
-template <int HP, int KV_STAGES>
-__global__ void __launch_bounds__(384, 1)
+// TMA_PINGPONG (FlashAttention-3's ping-pong scheduling): the consumers take turns issuing
+// wgmmas, so that one's softmax runs under the other's. Consumer c's turn starts when it
+// passes bar.sync 1 + c, 256 and ends with its bar.arrive 1 + (c + 1) % C, 256 (the next
+// one's; C consumers, 2 or 3, in a cycle). The producer and the arithmetic are TMA_PLAIN's.
+// Consumer, n_tiles >= 0 (the turns balance at 0):
+//   0. The last consumer arrives on 1 (warpgroup 0 goes first); sync on its own barrier (turn
+//      0).
+//   Tile it (every tile, the same barriers where the warpgroup skips it):
+//   1. wait full[st] parity r & 1.
+//   2. S = Q K^T issued (committed); arrive on the next one's barrier: turn it ends.
+//   3. wgmma wait 0; mask and online softmax (under the others' S).
+//   4. O += P V issued; sync on its own barrier (turn it + 1: the others have issued their S).
+//   5. wgmma wait 0.
+//   6. arrive on empty[st].
+//   7. After the loop every consumer but the last arrives once more (the next one's last
+//   sync; every phase: one sync, one arrive).
+//   A warpgroup's release of tile it waits for the others' S of tile it + 1: KV_STAGES >= 2.
+// TMA_OVERLAP: ping-pong, and S of tile it + 1 issued before the softmax of tile it (two score
+// register sets, as flash_attention_wgmma's PIPELINE 1); every consumer computes every tile (P
+// = 0 where a warp sees none of it: a branch around a pending wgmma serialises them). A turn
+// issues P V of it - 1 and S of it + 1 back to back. Consumer, where n_tiles > 0:
+//   0. The last consumer arrives on 1; wait full[0]; sync; S[0] issued; arrive; wait 0.
+//   Iteration it (ahead: it + 1 < n_tiles):
+//   1. If ahead: wait full[(it + 1) % KV_STAGES].
+//   2. Sync (turn it + 1); O += P[it - 1] V[it - 1] (it > 0), S[it + 1] (if ahead) issued;
+//      arrive on the next one's barrier, except the last consumer on the last tile (as 7).
+//   3. wgmma wait until S[it] is complete (P V of it - 1 and S[it + 1] may run on).
+//   4. Mask and online softmax of S[it] (o untouched).
+//   5. wgmma wait 1 (0 if not ahead): P V of it - 1 is complete; arrive on its stage's empty.
+//   6. o *= alpha; p = fp16(P[it]).
+//   7. After the loop: O += P V of the last tile (outside the turns), wait 0, arrive on empty.
+//   Step 1 waits for tile it + 1 while the stages of it - 1 and it are held: KV_STAGES >= 3;
+//   with S of it + 1 in flight a consumer holds three, so more stages let the producer run
+//   ahead (build.py's variant: 5).
+template <int HP, int BQ, int BKV, int KV_STAGES, int SCHEDULE>
+__global__ void __launch_bounds__(128 * (BQ / 64 + 1), 1)
 flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
                           __half* __restrict__ ctx_hi, __half* __restrict__ ctx_lo,
                           long long ctx_stride, const unsigned char* __restrict__ valid,
@@ -652,10 +837,10 @@ flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
                           const __grid_constant__ TensorMap kv_map) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(HP == 32 || HP == 64, "one TMA box (HP columns, one swizzle row) a row");
-    static_assert(attention_wgmma_tma_shared_bytes(HP, KV_STAGES) <= 227 * 1024,
+    static_assert(attention_wgmma_tma_shared_bytes(HP, BQ, BKV, KV_STAGES) <= 227 * 1024,
                   "the ring must fit one block's shared memory");
-    attn_wgmma_detail::flash_attention_body<HP, 128, 64, attn_wgmma_detail::TMA_RING,
-                                            KV_STAGES>(
+    attn_wgmma_detail::flash_attention_body<HP, BQ, BKV, attn_wgmma_detail::TMA_RING,
+                                            KV_STAGES, SCHEDULE>(
         qkv, qkv_stride, ctx_hi, ctx_lo, ctx_stride, valid, key_info, seq_len, num_heads,
         head_dim, scale, causal, &q_map, &kv_map);
 #elif defined(__CUDA_ARCH__)

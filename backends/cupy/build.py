@@ -37,10 +37,13 @@ class AttentionVariant:
     """One instantiation of flash_attention_wgmma (attention_wgmma.cu): the name sweeps and
     CupyBackend(attention_variant=...) use, BQ queries (2 BQ threads) and BKV keys a tile,
     the blocks an SM should hold (__launch_bounds__) and the plain or pipelined schedule.
-    tma: flash_attention_wgmma_tma<HP, kv_stages> instead (BQ 128, BKV 64, ATTENTION_TMA_THREADS
-    threads: a TMA producer warpgroup and two consumers, a ring of kv_stages K/V stages; the
-    tensor maps of Q and of K/V appended to the arguments by ops.attention; head_dim must be
-    the padded head dim, see refusal)."""
+    tma: flash_attention_wgmma_tma<HP, BQ, BKV, kv_stages, schedule> instead (BQ 128 or 192,
+    BKV 64 or 128, ATTENTION_TMA_THREADS threads at BQ 128, 512 at 192: a TMA producer
+    warpgroup and BQ / 64 consumers, a ring of kv_stages K/V stages; the tensor maps of Q and
+    of K/V appended to the arguments by ops.attention; head_dim must be the padded head dim,
+    see refusal). schedule: the TMA ring's consumer schedule (its SCHEDULE):
+    TMA_PLAIN, TMA_PINGPONG (the consumers take turns issuing wgmmas) or TMA_OVERLAP (turns,
+    and S of the next tile issued before this tile's softmax)."""
 
     name: str
     bq: int
@@ -49,11 +52,12 @@ class AttentionVariant:
     pipelined: bool = False
     tma: bool = False
     kv_stages: int = 0
+    schedule: int = 0
 
     @property
     def threads(self) -> int:
         """Threads of one block."""
-        return ATTENTION_TMA_THREADS if self.tma else 2 * self.bq
+        return 128 * (self.bq // 64 + 1) if self.tma else 2 * self.bq
 
     def refusal(self, head_dim: int, head_pad: int) -> str | None:
         """Why this variant cannot run head_dim (padded to head_pad), or None: a TMA variant's
@@ -68,9 +72,27 @@ WGMMA_PLAIN = AttentionVariant("wgmma 128x128", 128, 128)
 WGMMA_TWO_PER_SM = AttentionVariant("wgmma 128x64 2/SM", 128, 64, min_blocks=2)
 WGMMA_PIPELINED = AttentionVariant("wgmma 128x64 pipelined", 128, 64, pipelined=True)
 ATTENTION_TMA_THREADS = 384  # flash_attention_wgmma_tma: a producer and two consumer warpgroups
-# FlashAttention-3's warp-specialised TMA ring (not yet timed on the H200), head dims 32 and
-# 64 exactly (refused below them: its boxes are the padded head dim wide).
+# FlashAttention-3's warp-specialised TMA ring (H200, 100000 tokens, 16 heads of 64, causal:
+# 269.4 TFLOP/s, the default 238.5), head dims 32 and 64 exactly (refused below them: its
+# boxes are the padded head dim wide).
 WGMMA_TMA = AttentionVariant("wgmma 128x64 TMA", 128, 64, tma=True, kv_stages=3)
+TMA_PLAIN, TMA_PINGPONG, TMA_OVERLAP = 0, 1, 2  # flash_attention_wgmma_tma's SCHEDULE
+# FlashAttention-3's next steps on the ring (not yet timed on the H200): ping-pong (the two
+# consumers take turns issuing wgmmas, one's softmax under the other's), the same stages;
+# overlap (ping-pong, and S of tile it + 1 issued before the softmax of tile it): a consumer
+# holds three stages, so five let the producer load two tiles ahead.
+WGMMA_TMA_PINGPONG = AttentionVariant("wgmma 128x64 TMA ping-pong", 128, 64, tma=True,
+                                      kv_stages=3, schedule=TMA_PINGPONG)
+WGMMA_TMA_OVERLAP = AttentionVariant("wgmma 128x64 TMA overlap", 128, 64, tma=True,
+                                     kv_stages=5, schedule=TMA_OVERLAP)
+# Ping-pong with key tiles of 128 (FlashAttention-3's at head dim 64): half the tiles, so half
+# the per-tile barriers, row maxima and rescales of the outputs; S is 64 registers a thread.
+WGMMA_TMA_PINGPONG_128 = AttentionVariant("wgmma 128x128 TMA ping-pong", 128, 128, tma=True,
+                                          kv_stages=3, schedule=TMA_PINGPONG)
+# Three consumers (FlashAttention-3's at head dim 64): BQ 192, 512 threads, setmaxnreg 24 and
+# 160 (ping-pong at BKV 64 needs about 123), the turns in a cycle of three.
+WGMMA_TMA_PINGPONG_3WG = AttentionVariant("wgmma 192x64 TMA ping-pong", 192, 64, tma=True,
+                                          kv_stages=3, schedule=TMA_PINGPONG)
 # flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (the
 # fastest timed on the H200: two blocks an SM at head dims 32 and 64, shapes 13 and 14).
 # Head dims up to 32 run at 32; 256 has none (the mma.sync kernel runs it). At 128, two
@@ -78,8 +100,12 @@ WGMMA_TMA = AttentionVariant("wgmma 128x64 TMA", 128, 64, tma=True, kv_stages=3)
 # at every head dim (two score sets of 64 registers), so it runs BKV 64. The TMA ring runs
 # at 32 and 64 (boxes of 32 columns with the 64-byte swizzle, 64 with the 128-byte one),
 # head dims below those refused.
-ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA),
-                   64: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA),
+ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
+                        WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
+                        WGMMA_TMA_PINGPONG_3WG),
+                   64: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
+                        WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
+                        WGMMA_TMA_PINGPONG_3WG),
                    128: (WGMMA_PLAIN, WGMMA_PIPELINED)}
 
 
@@ -130,8 +156,8 @@ GEMM_WS_WIDE = GemmVariant("wgmma 128x256 warp-specialised", 128, 256, stages=4,
                            warp_specialised=True)
 GEMM_WS = GemmVariant("wgmma 128x128 warp-specialised 6-stage", 128, 128, stages=6, pending=1,
                       warp_specialised=True)
-# linear_wgmma_tma (the warp-specialised ring fed by TMA; not yet timed on the H200): 128x256 at
-# 4 stages (48 KiB a stage), 128x128 at 6 (32 KiB a stage).
+# linear_wgmma_tma (the warp-specialised ring fed by TMA): 128x256 at 4 stages (48 KiB a
+# stage), 128x128 at 6 (32 KiB a stage), one block an SM.
 GEMM_TMA_WIDE = GemmVariant("wgmma 128x256 TMA", 128, 256, stages=4, pending=1, tma=True)
 GEMM_TMA = GemmVariant("wgmma 128x128 TMA 6-stage", 128, 128, stages=6, pending=1, tma=True)
 # ... and at two blocks an SM (3 stages of 32 KiB each), so that one block's epilogue runs
@@ -147,8 +173,8 @@ LAYER_TMA_MIN_K = 512
 # linear_wgmma's variants, the default first: its schedule runs every tile (WGMMA_TILES,
 # NORM_TILES), epilogue and product count, and ops.gemm_tile picks its tile where no variant
 # is named. The others are compiled for GEMM_VARIANT_EPILOGUES at one product (three products
-# would double their shared memory, past a block's 227 KiB); timed on the H200, each was
-# slower than the default and stays an option.
+# would double their shared memory, past a block's 227 KiB); timed on the H200, all but
+# LAYER_GEMM_VARIANT were slower than it on the layer's GEMMs and stay options.
 GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS, GEMM_TMA_WIDE,
                  GEMM_TMA, GEMM_TMA_TWO_PER_SM)
 GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
@@ -218,12 +244,15 @@ def attention_name(head_pad: int, bq: int, bkv: int) -> str:
 
 def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
     """Name expression of the sm_90a flash attention kernel of variant at a padded head dim
-    (a TMA variant: flash_attention_wgmma_tma<HP, kv_stages>)."""
+    (a TMA variant: flash_attention_wgmma_tma<HP, kv_stages, schedule>)."""
     v = variant
     if v.tma:
-        if (v.bq, v.bkv, v.min_blocks, v.pipelined) != (128, 64, 1, False) or v.kv_stages < 1:
-            raise ValueError(f"{v.name} runs BQ 128, BKV 64, one block an SM, a ring")
-        return f"lb::flash_attention_wgmma_tma<{head_pad}, {v.kv_stages}>"
+        if ((v.min_blocks, v.pipelined) != (1, False) or v.bq not in (128, 192)
+                or v.bkv not in (64, 128) or v.kv_stages < 1):
+            raise ValueError(f"{v.name} runs BQ 128 or 192, BKV 64 or 128, one block an SM, "
+                             f"a ring")
+        return (f"lb::flash_attention_wgmma_tma<{head_pad}, {v.bq}, {v.bkv}, {v.kv_stages}, "
+                f"{v.schedule}>")
     return (f"lb::flash_attention_wgmma<{head_pad}, {v.bq}, {v.bkv}, {v.min_blocks}, "
             f"{int(v.pipelined)}>")
 

@@ -47,17 +47,19 @@ def attention_wgmma_shared_bytes(head_pad: int, bq: int, bkv: int,
     return (bq + (K_BUFFERS + v_buffers) * bkv) * head_pad * 2 + 1024
 
 
-def attention_wgmma_tma_shared_bytes(head_pad: int, kv_stages: int) -> int:
+def attention_wgmma_tma_shared_bytes(head_pad: int, kv_stages: int, bkv: int = 64,
+                                     bq: int = 128) -> int:
     """Dynamic shared memory of a TMA-ring attention block (attention_wgmma.cu
-    attention_wgmma_tma_shared_bytes: Q of 128 rows, kv_stages K and V tiles of 64 rows, 1 KiB
+    attention_wgmma_tma_shared_bytes: Q of bq rows, kv_stages K and V tiles of bkv rows, 1 KiB
     to align them; its mbarriers are static)."""
-    return (128 + 2 * kv_stages * 64) * head_pad * 2 + 1024
+    return (bq + 2 * kv_stages * bkv) * head_pad * 2 + 1024
 
 
 def attention_variant_shared_bytes(head_pad: int, variant: build.AttentionVariant) -> int:
     """Dynamic shared memory of a block of the wgmma attention variant at head_pad."""
     if variant.tma:
-        return attention_wgmma_tma_shared_bytes(head_pad, variant.kv_stages)
+        return attention_wgmma_tma_shared_bytes(head_pad, variant.kv_stages, variant.bkv,
+                                                variant.bq)
     return attention_wgmma_shared_bytes(head_pad, variant.bq, variant.bkv, variant.pipelined)
 
 
@@ -214,7 +216,7 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
             hi, lo, np.int64(stride), res, out, valid_rows, np.int32(int(zero_sum)))
     if wgmma:
         bm, bn = tile
-        if variant.warp_specialised or variant.tma:  # linear_wgmma_ws / _tma: 384 threads
+        if variant.warp_specialised or variant.tma:  # linear_wgmma_ws / _tma
             name, threads = build.gemm_variant_name(variant, products, epilogue), variant.threads
         else:
             name = build.wgmma_name(tile, products, epilogue, variant.stages, variant.pending)
@@ -263,7 +265,7 @@ def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, nu
     wgmma kernel does not run or has no such variant, or that refuses the head dim
     (AttentionVariant.refusal). A TMA variant (flash_attention_wgmma_tma) also takes the
     3-D tensor maps (k.tensor_map with seq_len) of qkv's first batch x seq_len rows with
-    boxes of the padded head dim's columns by 128 rows (Q) and 64 (K and V); ValueError where
+    boxes of the padded head dim's columns by BQ rows (Q) and BKV (K and V); ValueError where
     qkv cannot be described by one."""
     hp = head_pad(head_dim)
     wide = wgmma_attention_pad(head_dim)
