@@ -153,9 +153,10 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["plans", "products", "attention", "gemm"])
     parser.add_argument("--shapes", default="1,2,7,8,13,6", help="official shape numbers")
-    parser.add_argument("--plan", choices=["wgmma", "fuse_norms", *build.gemm_variant_names()[1:]],
+    parser.add_argument("--plan", choices=["wgmma", "fuse_norms", *build.gemm_variant_names()],
                         default="wgmma",
-                        help="plans: the option (or GEMM variant) compared on against off")
+                        help="plans: the option (or GEMM variant: \"wgmma 128x128\" forces "
+                             "the plain schedule) compared on against off (the default)")
     parser.add_argument("--products", default="1,3", help="products: the two counts compared")
     parser.add_argument("--padding", type=float, default=0.0, help="padding ratio")
     parser.add_argument("--batch", type=int, default=1, help="attention: sequences")
