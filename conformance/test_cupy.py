@@ -201,7 +201,12 @@ def test_attention_tma_sass(cupy_selected, compiled):
     (1 + the consumer), besides the last consumer's first arrive on 1. Overlap: every S and
     P V group as above, issued from several copies of an iteration, one group end (gsb0) a
     group (no serialisation), the waits leaving 0, 1 or 2 groups pending (2: S of the next
-    tile and P V of the last stay running), at most one fence a group, the same turns."""
+    tile and P V of the last stay running), at most one fence a group, the same turns.
+    Packed overlap: S issued twice (before and in the loop), P V twice (in the loop, the last
+    tile), four group ends, waits 0, 1 (S of the next tile done, P V running), 0 and 0, three
+    fences, the same turns. Poly-exp2 variants: one FADD.RM (exp2_poly's floor) for each
+    exponential it takes over (one in eight of each softmax copy's), and as many MUFU.EX2
+    fewer than the variant without it; the others no FADD.RM."""
     from bench.sass import kernels as sass_kernels
     from layerbench.common.cuda_host import cuda_tool
 
@@ -222,7 +227,14 @@ def test_attention_tma_sass(cupy_selected, compiled):
         waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", body)
         fences = len(re.findall(r"WARPGROUP\.ARRIVE", body))
         named = re.findall(r"\bBAR\.(SYNC\.DEFER_BLOCKING|ARV) (R\d+|0x\d+), 0x100\b", body)
-        if v.schedule == build.TMA_OVERLAP:
+        if v.schedule == build.TMA_OVERLAP_PACKED:  # S: prologue, loop; P V: loop, last tile
+            assert ss == [str(v.bkv)] * (2 * hp // 16), (name, ss)
+            assert rs == [str(hp)] * (2 * v.bkv // 16), (name, rs)
+            assert len(re.findall(r"\bHGMMA\b", body)) == len(ss) + len(rs), name
+            assert len(re.findall(r"\bHGMMA\.[^;]*\bgsb0\b", body)) == 4, name
+            assert sorted(waits) == ["0x0", "0x0", "0x0", "0x1"], (name, waits)
+            assert fences == 3, name
+        elif v.schedule == build.TMA_OVERLAP:
             groups = len(ss) // (hp // 16) + len(rs) // (v.bkv // 16)
             assert set(ss) == {str(v.bkv)} and len(ss) % (hp // 16) == 0, (name, ss)
             assert set(rs) == {str(hp)} and len(rs) % (v.bkv // 16) == 0, (name, rs)
@@ -258,6 +270,19 @@ def test_attention_tma_sass(cupy_selected, compiled):
         assert len(re.findall(r"\bBAR\.SYNC\.DEFER_BLOCKING 0x0\b", body)) == 1, name
         assert not re.search(r"\b(LDL|STL)\b", body), name
         assert row["stack_bytes"] == 0 and row["spill_stores"] == 0, (name, row)
+        # exp2_poly rounds floor(x) down (FADD.RM) where poly_exp2, in place of one MUFU.EX2
+        rounded = len(re.findall(r"\bFADD(?:\.FTZ)?\.RM\b", body))
+        ex2 = len(re.findall(r"\bMUFU\.EX2\b", body))
+        if v.poly_exp2:
+            twin, = [u for u in build.ATTENTION_WGMMA[hp] if not u.poly_exp2 and u.tma and
+                     (u.bq, u.bkv, u.kv_stages, u.schedule) ==
+                     (v.bq, v.bkv, v.kv_stages, v.schedule)]
+            exact = bodies[lowered[build.attention_wgmma_name(hp, twin)]]
+            copies = 1 if v.schedule == build.TMA_PINGPONG else 2  # softmaxes in the source
+            assert rounded == copies * v.bkv // 2 // 8, (name, rounded)
+            assert ex2 + rounded == len(re.findall(r"\bMUFU\.EX2\b", exact)), (name, ex2)
+        else:
+            assert rounded == 0 and ex2 > 0, name
         # launched with all 168 (384 threads, one block an SM; 512: 128): the pool setmaxnreg
         # moves 40 x 128 + 232 x 256 registers within; fewer would leave the consumers waiting
         launch = 65536 // v.threads // 8 * 8
@@ -454,7 +479,10 @@ def test_attention_variants(cupy_selected, monkeypatch):
         assert build.ATTENTION_WGMMA[hp][3:] == (build.WGMMA_TMA, build.WGMMA_TMA_PINGPONG,
                                                  build.WGMMA_TMA_OVERLAP,
                                                  build.WGMMA_TMA_PINGPONG_128,
-                                                 build.WGMMA_TMA_PINGPONG_3WG)
+                                                 build.WGMMA_TMA_PINGPONG_3WG,
+                                                 build.WGMMA_TMA_OVERLAP_128,
+                                                 build.WGMMA_TMA_PINGPONG_128_POLY,
+                                                 build.WGMMA_TMA_OVERLAP_128_POLY)
     assert (build.attention_wgmma_name(64, build.WGMMA_TMA_PINGPONG) ==
             "lb::flash_attention_wgmma_tma<64, 128, 64, 3, 1>")
     assert (build.attention_wgmma_name(32, build.WGMMA_TMA_OVERLAP) ==
@@ -466,9 +494,21 @@ def test_attention_variants(cupy_selected, monkeypatch):
     assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_OVERLAP) == 99328
     assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_PINGPONG_128) == 115712
     assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_PINGPONG_3WG) == 74752
+    # FlashAttention-3's overlap order at BKV 128 (SCHEDULE 3), the polynomial exp2 (+ 4)
+    assert (build.attention_wgmma_name(64, build.WGMMA_TMA_OVERLAP_128) ==
+            "lb::flash_attention_wgmma_tma<64, 128, 128, 5, 3>")
+    assert (build.attention_wgmma_name(32, build.WGMMA_TMA_PINGPONG_128_POLY) ==
+            "lb::flash_attention_wgmma_tma<32, 128, 128, 3, 5>")
+    assert (build.attention_wgmma_name(64, build.WGMMA_TMA_OVERLAP_128_POLY) ==
+            "lb::flash_attention_wgmma_tma<64, 128, 128, 5, 7>")
+    assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_OVERLAP_128) == 181248
+    assert ops.attention_variant_shared_bytes(32, build.WGMMA_TMA_OVERLAP_128) == 91136
+    assert [v.poly_exp2 for v in build.ATTENTION_WGMMA[64]].count(True) == 2
+    assert not any(v.poly_exp2 for v in build.ATTENTION_WGMMA[128])
     assert build.WGMMA_TMA_PINGPONG.threads == build.WGMMA_TMA_OVERLAP.threads == 384
     assert build.WGMMA_TMA_PINGPONG_128.threads == 384
     assert build.WGMMA_TMA_PINGPONG_3WG.threads == 512
+    assert build.WGMMA_TMA_OVERLAP_128.threads == build.WGMMA_TMA_OVERLAP_128_POLY.threads == 384
     heads, seq_len = 2, 20
     for head_dim, wide in ((24, 32), (32, 32), (64, 64), (128, 128)):
         d = heads * head_dim
@@ -1484,11 +1524,57 @@ def attention_overlap_consumer(c: int, n_tiles: int, stages: int, k: int = 2,
                 ("done", n_tiles - 1), ("arrive", ("empty", last)), ("epilogue",)]
 
 
-def check_turns(trace: list, n_tiles: int, overlap: bool, k: int = 2) -> None:
+def attention_packed_consumer(c: int, n_tiles: int, stages: int, k: int = 2,
+                              release_early: bool = False, s_wait: int = 0,
+                              last_arrive: tuple | None = None, pack_early: bool = False):
+    """Packed-overlap consumer c of k (TMA_OVERLAP_PACKED), computing every tile
+    (release_early: stage it released before the wait for its P V; s_wait: added to step 3's
+    wait count; last_arrive: the warpgroups handing the turn over in the last iteration,
+    default all but the last; pack_early: P[it + 1] packed over P[it] before that wait).
+    ("done", t): the softmax reads S[t], or the pack overwrites P[t]."""
+    if not n_tiles:
+        yield ("epilogue",)
+        return
+    mine, other = 1 + c, 1 + (c + 1) % k
+    last_arrive = tuple(range(k - 1)) if last_arrive is None else last_arrive
+    yield ("wait", ("q", 0), 0)
+    if c == k - 1:  # 0
+        yield ("bar_arrive", 1)
+    yield ("wait", ("full", 0), 0)
+    yield ("bar_sync", mine)
+    yield from [("mma", 0, 0, "S"), ("mma_commit",), ("bar_arrive", other), ("mma_wait", 0),
+                ("done", 0)]
+    for it in range(n_tiles):
+        ahead, st, nxt = it + 1 < n_tiles, it % stages, (it + 1) % stages
+        if ahead:
+            yield ("wait", ("full", nxt), ((it + 1) // stages) & 1)  # 1
+        yield ("bar_sync", mine)  # 2
+        if ahead:
+            yield from [("mma", nxt, it + 1, "S"), ("mma_commit",)]
+        yield from [("mma", st, it, "PV"), ("mma_commit",)]
+        if ahead or c in last_arrive:
+            yield ("bar_arrive", other)
+        if ahead:
+            yield ("mma_wait", 1 + s_wait)  # 3
+            yield ("done", it + 1)
+        if release_early:
+            yield ("arrive", ("empty", st))
+        if pack_early and ahead:
+            yield ("done", it)
+        yield ("mma_wait", 0)  # 4
+        if not release_early:
+            yield ("arrive", ("empty", st))
+        if ahead and not pack_early:
+            yield ("done", it)
+    yield ("epilogue",)
+
+
+def check_turns(trace: list, n_tiles: int, overlap: bool, k: int = 2,
+                packed: bool = False) -> None:
     """The k consumers' turns (from passing the sync on their own barrier to their next arrive
     on the next one's) never overlap and come in order C0, C1, ..., C0, ...; S of tile t is
-    issued in its warpgroup's turn t, and with overlap P V of tile t < n_tiles - 1 in turn
-    t + 2."""
+    issued in its warpgroup's turn t, with overlap P V of tile t < n_tiles - 1 in turn t + 2,
+    with packed P V of every tile t in turn t + 1."""
     owner, turns, order = None, {f"C{c}": -1 for c in range(k)}, 0
     for name, e in trace:
         if name not in turns:
@@ -1507,26 +1593,30 @@ def check_turns(trace: list, n_tiles: int, overlap: bool, k: int = 2) -> None:
                 assert owner == name and turns[name] == tile, (name, e, turns)
             elif overlap and tile < n_tiles - 1:
                 assert owner == name and turns[name] == tile + 2, (name, e, turns)
+            elif packed:
+                assert owner == name and turns[name] == tile + 1, (name, e, turns)
     assert len(set(turns.values())) == 1, turns
 
 
 def check_attention_turns(n_tiles: int, stages: int, pick, overlap: bool = False,
-                          skips=((), ()), **mistake) -> None:
+                          skips=((), ()), packed: bool = False, **mistake) -> None:
     """run_tma_ring's checks (check_attention_tma_ring's) on the ping-pong (or, overlap, the
-    overlap) consumers, len(skips) of them, consumer c skipping the tiles skips[c]
-    (ping-pong), and check_turns: no deadlock, no arrival left over, no warpgroup arriving
-    twice in a phase."""
+    overlap; packed, the packed overlap) consumers, len(skips) of them, consumer c skipping
+    the tiles skips[c] (ping-pong), and check_turns: no deadlock, no arrival left over, no
+    warpgroup arriving twice in a phase."""
     k = len(skips)
     agents = {"P": attention_tma_producer(n_tiles, stages)}
     for c in range(k):
-        if overlap:
+        if packed:
+            agents[f"C{c}"] = attention_packed_consumer(c, n_tiles, stages, k, **mistake)
+        elif overlap:
             agents[f"C{c}"] = attention_overlap_consumer(c, n_tiles, stages, k, **mistake)
         else:
             agents[f"C{c}"] = attention_pingpong_consumer(c, n_tiles, stages, skips[c], k,
                                                           **mistake)
     trace = []
     run_attention_ring(agents, n_tiles, stages, pick, trace)
-    check_turns(trace, n_tiles, overlap, k)
+    check_turns(trace, n_tiles, overlap, k, packed)
 
 
 def attention_skips(n_tiles: int):
@@ -1618,17 +1708,20 @@ def test_attention_tma_ring_model_catches_mistakes(cupy_selected, mistake):
 
 
 def test_attention_turns_keep_ring_safe(cupy_selected):
-    """The ping-pong and overlap consumers of flash_attention_wgmma_tma are the models
-    attention_pingpong_consumer and attention_overlap_consumer (the lines below, in order, in
-    their branches), and with two and three consumers and every such variant's stages (and
-    more; ping-pong also 2) they pass check_attention_turns for 0 to 9 key tiles (ping-pong:
-    every skip pattern) under every scheduler of ws_picks: the ring stays safe, the turns
-    come in order, no deadlock."""
+    """The ping-pong, overlap and packed-overlap consumers of flash_attention_wgmma_tma are
+    the models attention_pingpong_consumer, attention_overlap_consumer and
+    attention_packed_consumer (the lines below, in order, in their branches), and with two
+    and three consumers and every such variant's stages (and more; ping-pong and packed also
+    2) they pass check_attention_turns for 0 to 9 key tiles (ping-pong: every skip pattern)
+    under every scheduler of ws_picks: the ring stays safe, the turns come in order, no
+    deadlock."""
     source = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
     pingpong = source[source.index("} else if constexpr (SCHEDULE == ad::TMA_PINGPONG) {"):
                       source.index("float s_odd[NS];")]
     overlap = source[source.index("float s_odd[NS];"):
-                     source.index("} else if constexpr (PIPELINE == 0) {")]
+                     source.index("} else {  // TMA_OVERLAP_PACKED")]
+    packed = source[source.index("} else {  // TMA_OVERLAP_PACKED"):
+                    source.index("} else if constexpr (PIPELINE == 0) {")]
     for text, lines in (
             (pingpong, ("const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;",
                         "if (group == CONSUMERS - 1) ad::named_arrive(1);",
@@ -1663,7 +1756,24 @@ def test_attention_turns_keep_ring_safe(cupy_selected):
                        "iteration(0, 0, it, s_odd, s);",
                        "const int st = (n_tiles - 1) % KV_STAGES;", "issue_pv(p, st);",
                        "ad::wgmma_commit();", "ad::wgmma_wait<0>();",
-                       "ad::mbarrier_arrive(empty0 + 8 * st);"))):
+                       "ad::mbarrier_arrive(empty0 + 8 * st);")),
+            (packed, ("const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;",
+                      "ad::mbarrier_wait(full0 + 8 * (it % KV_STAGES), (it / KV_STAGES) & 1);",
+                      "if (ahead) wait_full(it + 1);", "ad::named_sync(mine);",
+                      "if (ahead) {", "issue_scores(s, (it + 1) % KV_STAGES);",
+                      "ad::wgmma_commit();", "issue_pv(p, it % KV_STAGES);",
+                      "ad::wgmma_commit();",
+                      "ad::named_arrive_if(ahead || group != CONSUMERS - 1, other);",
+                      "if (ahead) {", "ad::wgmma_wait<1>();", "fence_scores(s);",
+                      "rows = softmax(0, s, (it + 1) * BKV, alpha);", "ad::wgmma_wait<0>();",
+                      "ad::mbarrier_arrive(empty0 + 8 * (it % KV_STAGES));", "if (ahead) {",
+                      "pack(p, s);", "if (n_tiles > 0) {",
+                      "if (group == CONSUMERS - 1) ad::named_arrive(1);", "wait_full(0);",
+                      "ad::named_sync(mine);", "issue_scores(s, 0);", "ad::wgmma_commit();",
+                      "ad::named_arrive(other);", "ad::wgmma_wait<0>();", "fence_scores(s);",
+                      "if (softmax(0, s, 0, alpha)) rescale(alpha);", "pack(p, s);",
+                      "for (; it + 1 < n_tiles; ++it) iteration(1, it);",
+                      "iteration(0, it);"))):
         at = 0
         for line in lines:
             found = text.find(line, at)
@@ -1671,13 +1781,21 @@ def test_attention_turns_keep_ring_safe(cupy_selected):
             at = found + len(line)
         assert "__syncthreads()" not in text and "tma_load" not in text
     assert pingpong.count("mbarrier_arrive(") == 1 and overlap.count("mbarrier_arrive(") == 2
+    assert packed.count("mbarrier_arrive(") == 1 and packed.count("issue_pv(") == 1
     turns = [v for hp, vs in build.ATTENTION_WGMMA.items() for v in vs
              if v.tma and v.schedule != build.TMA_PLAIN]
-    assert {v.schedule for v in turns} == {build.TMA_PINGPONG, build.TMA_OVERLAP}
+    assert {v.schedule for v in turns} == {build.TMA_PINGPONG, build.TMA_OVERLAP,
+                                           build.TMA_OVERLAP_PACKED}
+    stages = {v.kv_stages for v in turns if v.schedule == build.TMA_OVERLAP_PACKED} | {2, 3}
+    for st in sorted(stages):
+        for k in (2, 3):
+            for n_tiles in range(10):
+                for pick in ws_picks(8):
+                    check_attention_turns(n_tiles, st, pick, skips=((),) * k, packed=True)
     for overlap_ in (False, True):
         for k in (2, 3):
-            stages = {v.kv_stages for v in turns if v.bq == 64 * k and
-                      (v.schedule == build.TMA_OVERLAP) == overlap_}
+            stages = {v.kv_stages for v in turns if v.bq == 64 * k and v.schedule == (
+                build.TMA_OVERLAP if overlap_ else build.TMA_PINGPONG)}
             stages |= {3, 4} if overlap_ else {2, 3}
             for st in sorted(stages):
                 for n_tiles in range(10):
@@ -1697,12 +1815,17 @@ def test_attention_turns_keep_ring_safe(cupy_selected):
     dict(overlap=True, stages=2), dict(overlap=True, release_early=True),
     dict(overlap=True, s_wait=1), dict(overlap=True, last_arrive=(0, 1)),
     dict(overlap=True, last_arrive=()), dict(k=3, first_turn=False),
-    dict(k=3, turn_on_skip=False), dict(k=3, last_arrive=(0,)), dict(k=3, stages=1)],
+    dict(k=3, turn_on_skip=False), dict(k=3, last_arrive=(0,)), dict(k=3, stages=1),
+    dict(packed=True, release_early=True), dict(packed=True, s_wait=1),
+    dict(packed=True, pack_early=True), dict(packed=True, last_arrive=(0, 1)),
+    dict(packed=True, stages=1)],
     ids=["no-first-turn", "skip-without-turn", "both-arrive-last", "none-arrive-last",
          "hand-over-before-S", "pingpong-one-stage", "overlap-two-stages",
          "overlap-release-before-pv-wait", "overlap-softmax-before-S-wait",
          "overlap-both-arrive-last", "overlap-none-arrive-last", "3wg-no-first-turn",
-         "3wg-skip-without-turn", "3wg-second-not-arriving-last", "3wg-one-stage"])
+         "3wg-skip-without-turn", "3wg-second-not-arriving-last", "3wg-one-stage",
+         "packed-release-before-pv-wait", "packed-softmax-before-S-wait",
+         "packed-pack-before-pv-wait", "packed-both-arrive-last", "packed-one-stage"])
 def test_attention_turns_model_catches_mistakes(cupy_selected, mistake):
     """check_attention_turns fails the ping-pong ring (3 stages) when warpgroup 1 does not
     give warpgroup 0 the first turn (deadlock), a skipped tile skips the turn's arrive and
@@ -1711,16 +1834,96 @@ def test_attention_turns_model_catches_mistakes(cupy_selected, mistake):
     S is issued (turns overlap), or the ring has one stage (deadlock); and the overlap ring
     (5 stages) with two stages (deadlock), a stage released before its P V's wait, the
     softmax reading S before its wait, or the last handover by both or neither; and the
-    ping-pong ring of three consumers with such mistakes (k=3)."""
-    args = dict(stages=5 if mistake.get("overlap") else 3) | mistake
+    ping-pong ring of three consumers with such mistakes (k=3); and the packed overlap ring (5
+    stages) with a stage released, or P[it + 1] packed over P[it], before the wait for P V of
+    it, the softmax reading S before its wait, the last handover by both, or one stage."""
+    overlapped = mistake.get("overlap") or mistake.get("packed")
+    args = dict(stages=5 if overlapped else 3) | mistake
     k = args.pop("k", 2)
     with pytest.raises(AssertionError):
         for n_tiles in range(1, 9):
             for skips in attention_skips(n_tiles) if k == 2 else attention_skips3(n_tiles):
                 for pick in ws_picks(5):
-                    if args.get("overlap"):
+                    if overlapped:
                         skips = ((), ())
                     check_attention_turns(n_tiles, pick=pick, skips=skips, **args)
+
+
+def fma32(a, b, c):
+    """fp32 fmaf(a, b, c), one rounding (to nearest even), of float32 arrays: the product
+    exact in float64, the sum's float64 rounding error kept (TwoSum) to settle the float32
+    ties it would otherwise round twice."""
+    prod = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    hi = prod + c64
+    bb = hi - prod
+    lo = (prod - (hi - bb)) + (c64 - bb)  # hi + lo == prod + c exactly
+    r = hi.astype(np.float32)
+    rb = r.astype(np.float64)
+    toward = np.where(hi > rb, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32)
+    nb = np.nextafter(r, toward).astype(np.float64)  # r's neighbour on hi's side
+    tie = (hi != rb) & (2 * hi == rb + nb) & (lo != 0) & (np.sign(lo) == np.sign(nb - rb))
+    return np.where(tie, nb.astype(np.float32), r)
+
+
+def exp2_poly_emulated(x, coefficients):
+    """attention_wgmma.cu's exp2_poly in numpy, operation by operation in float32:
+    fmaxf(x, -127); t = x + 1.5 * 2^23 rounded down (exactly 1.5 * 2^23 + floor(x): an
+    integer below 2^24); f = x - (t - 1.5 * 2^23) (round to nearest, as the others); p =
+    fmaf(fmaf(fmaf(c3, f, c2), f, c1), f, 1); bits of p + (bits of t << 23), modulo 2^32."""
+    c1, c2, c3 = (np.float32(c) for c in coefficients)
+    magic = np.float32(12582912.0)
+    x = np.maximum(x.astype(np.float32), np.float32(-127.0))
+    t = (magic + np.floor(x)).astype(np.float32)
+    f = (x - (t - magic)).astype(np.float32)
+    one = np.ones_like(f)
+    p = fma32(fma32(fma32(np.full_like(f, c3), f, np.full_like(f, c2)), f,
+                    np.full_like(f, c1)), f, one)
+    return (p.view(np.uint32) + (t.view(np.uint32) << np.uint32(23))).view(np.float32)
+
+
+def test_attention_poly_exp2(cupy_selected):
+    """attention_wgmma.cu's exp2_poly (the poly-exp2 variants' exponential, FlashAttention-4's
+    emulation on the FMA units) is the operation sequence exp2_poly_emulated models, with
+    the coefficients read from the source; emulated exactly in fp32 over x in [-126, 0]
+    (4M points evenly, every fp32 in [-2, -1] (every fraction on a 2^-23 grid), every fp32 in
+    [-126, -125], the integers, tiny negatives) its relative error to 2^x stays below 1e-4
+    (measured: 8.6e-5, the polynomial's own; fp16 P rounds at 4.9e-4); below -126 it gives
+    [0, 2^-126], at -127 and below (-inf: masked scores) exactly 0. The softmax takes it for
+    one column pair in POLY_EVERY (8), exp2f for the others."""
+    source = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
+    body = source[source.index("float exp2_poly(float x) {"):]
+    body = body[:body.index("\n}\n")]
+    at = 0
+    for line in ("x = fmaxf(x, -127.0f);", "const float t = __fadd_rd(x, 12582912.0f);",
+                 "const float f = __fsub_rn(x, __fsub_rn(t, 12582912.0f));",
+                 "const float p = fmaf(fmaf(fmaf(",
+                 "return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));"):
+        found = body.find(line, at)
+        assert found >= 0, line
+        at = found + len(line)
+    c3, c2, c1 = map(float, re.search(
+        r"fmaf\(fmaf\(fmaf\(([0-9.]+)f, f, ([0-9.]+)f\), f,\s*([0-9.]+)f\),\s*f, 1\.0f\)",
+        body).groups())
+    assert "constexpr int TMA_POLY_EXP2 = 4, POLY_EVERY = 8;" in source
+    assert "if (j % EVERY == EVERY - 1) return exp2_poly(x);" in source
+    one_two = np.arange(np.float32(-1.0).view(np.uint32), np.float32(-2.0).view(np.uint32) + 1,
+                        dtype=np.uint32).view(np.float32)
+    low = np.arange(np.float32(-125.0).view(np.uint32), np.float32(-126.0).view(np.uint32) + 1,
+                    dtype=np.uint32).view(np.float32)
+    xs = np.concatenate([np.linspace(-126.0, 0.0, 2**22 + 1).astype(np.float32), one_two, low,
+                         np.arange(-126, 1).astype(np.float32),
+                         -np.logspace(-30, 0, 10001).astype(np.float32)])
+    worst = 0.0
+    for chunk in np.array_split(xs, 8):
+        got = exp2_poly_emulated(chunk, (c1, c2, c3)).astype(np.float64)
+        want = np.exp2(chunk.astype(np.float64))
+        worst = max(worst, float(np.max(np.abs(got - want) / want)))
+    assert 1e-5 < worst < 1e-4, worst
+    below = np.concatenate([np.linspace(-300.0, -126.0, 100001), [-np.inf]]).astype(np.float32)
+    got = exp2_poly_emulated(below, (c1, c2, c3))
+    assert np.all((got >= 0) & (got <= 2.0**-126)), got[(got < 0) | (got > 2.0**-126)]
+    assert np.all(got[below <= -127] == 0)
 
 
 def test_tensor_maps(cupy_selected, monkeypatch):
@@ -2038,7 +2241,8 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
     where the device has it, every variant of the head dim (build.ATTENTION_WGMMA; one that
     refuses the head dim must refuse it), variants of one BKV bit-identical (the same
     arithmetic, issued in another order; the TMA ring too: the keys it loads where the others
-    zero-fill get P = 0). 200 tokens: the
+    zero-fill get P = 0), those with the polynomial exp2 (poly_exp2) among themselves only,
+    as their P differs. 200 tokens: the
     last block's second warpgroup has 8 rows; 700: 11 key tiles of 64, and the last block's
     second warpgroup has none."""
     if wgmma and not kernels.has_wgmma:
@@ -2060,7 +2264,7 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
                                    seq_len=seq_len, heads=heads, causal=causal)
     wide = ops.wgmma_attention_pad(head_dim)
     variants = build.ATTENTION_WGMMA[wide] if wgmma and wide else (None,)
-    by_bkv = {}  # BKV -> (variant name, output) of the first variant with that BKV
+    by_bkv = {}  # (BKV, poly_exp2) -> (variant name, output) of the first variant with them
     for variant in variants:
         name = variant.name if variant else None
         ctx = tuple(torch.full((batch * seq_len, d), math.nan, device="cuda",
@@ -2080,7 +2284,7 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
         assert err < 2e-2, f"{name}: max error {err:.3g}"
         assert torch.equal(got[blind], torch.zeros_like(got[blind])), name
         if variant:
-            first, same = by_bkv.setdefault(variant.bkv, (name, got))
+            first, same = by_bkv.setdefault((variant.bkv, variant.poly_exp2), (name, got))
             assert torch.equal(got, same), f"{name} differs from {first}"
 
 

@@ -90,7 +90,34 @@ constexpr int V_BUFFERS = 2;
 constexpr int PIPELINED_V_BUFFERS = 3;
 constexpr int TMA_RING = 2;  // the PIPELINE value of flash_attention_wgmma_tma's schedule
 // flash_attention_wgmma_tma's consumer schedules (its SCHEDULE; see above the kernel).
-constexpr int TMA_PLAIN = 0, TMA_PINGPONG = 1, TMA_OVERLAP = 2;
+constexpr int TMA_PLAIN = 0, TMA_PINGPONG = 1, TMA_OVERLAP = 2, TMA_OVERLAP_PACKED = 3;
+// Added to SCHEDULE: the softmax computes one column pair in POLY_EVERY (s[4 j ..] where
+// j % POLY_EVERY == POLY_EVERY - 1) with exp2_poly instead of exp2f (MUFU.EX2).
+constexpr int TMA_POLY_EXP2 = 4, POLY_EVERY = 8;
+
+// 2^x on the FMA units (FlashAttention-4's emulation), x <= 0: 2^floor(x) * p(x - floor(x)),
+// p a degree-3 polynomial (p(0) = 1, relative error of p below 8.6e-5 on [0, 1), of the result
+// below 1e-4 for x in [-126, 0]: conformance/test_cupy.py emulates these operations), the
+// exponent added to p's bits with integer ops. floor by the 1.5 * 2^23 trick rounding down:
+// t's low bits hold floor(x). x below -126 gives [0, 2^-126] (-127 and below, -inf too: 0).
+__device__ __forceinline__ float exp2_poly(float x) {
+    x = fmaxf(x, -127.0f);
+    const float t = __fadd_rd(x, 12582912.0f);                // 1.5 * 2^23 + floor(x)
+    const float f = __fsub_rn(x, __fsub_rn(t, 12582912.0f));  // x - floor(x), in [0, 1]
+    const float p = fmaf(fmaf(fmaf(0.07706519961357117f, f, 0.22764700651168823f), f,
+                              0.6951163411140442f),
+                         f, 1.0f);  // 2^f, in [1, 2)
+    return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+}
+
+// exp2f(x), or where EVERY > 0 and j % EVERY == EVERY - 1, exp2_poly(x).
+template <int EVERY>
+__device__ __forceinline__ float softmax_exp2(float x, int j) {
+    if constexpr (EVERY > 0) {
+        if (j % EVERY == EVERY - 1) return exp2_poly(x);
+    }
+    return exp2f(x);
+}
 
 // Named barriers of the two consumer warpgroups' turns (256 threads: both warpgroups).
 __device__ __forceinline__ void named_sync(unsigned id) {
@@ -159,8 +186,9 @@ namespace attn_wgmma_detail {
 
 // The body of lb::flash_attention_wgmma (PIPELINE 0 and 1, q_map and kv_map null) and of
 // lb::flash_attention_wgmma_tma (PIPELINE TMA_RING, KV_STAGES stages): one definition of the
-// per-tile math (the lambdas below) for every schedule. sm_90a only.
-template <int HP, int BQ, int BKV, int PIPELINE, int KV_STAGES, int SCHEDULE = 0>
+// per-tile math (the lambdas below) for every schedule. POLY > 0: one column pair of P in POLY
+// by exp2_poly (softmax_exp2). sm_90a only.
+template <int HP, int BQ, int BKV, int PIPELINE, int KV_STAGES, int SCHEDULE = 0, int POLY = 0>
 __device__ __forceinline__ void flash_attention_body(
     const __half* __restrict__ qkv, long long qkv_stride, __half* __restrict__ ctx_hi,
     __half* __restrict__ ctx_lo, long long ctx_stride, const unsigned char* __restrict__ valid,
@@ -329,10 +357,10 @@ __device__ __forceinline__ void flash_attention_body(
         if (rescale_here == 1) rescale(alpha);
 #pragma unroll
         for (int j = 0; j < NS / 4; ++j) {
-            s[4 * j] = exp2f(s[4 * j] - base[0]);
-            s[4 * j + 1] = exp2f(s[4 * j + 1] - base[0]);
-            s[4 * j + 2] = exp2f(s[4 * j + 2] - base[1]);
-            s[4 * j + 3] = exp2f(s[4 * j + 3] - base[1]);
+            s[4 * j] = ad::softmax_exp2<POLY>(s[4 * j] - base[0], j);
+            s[4 * j + 1] = ad::softmax_exp2<POLY>(s[4 * j + 1] - base[0], j);
+            s[4 * j + 2] = ad::softmax_exp2<POLY>(s[4 * j + 2] - base[1], j);
+            s[4 * j + 3] = ad::softmax_exp2<POLY>(s[4 * j + 3] - base[1], j);
             l_run[0] += s[4 * j] + s[4 * j + 1];
             l_run[1] += s[4 * j + 2] + s[4 * j + 3];
         }
@@ -404,13 +432,15 @@ __device__ __forceinline__ void flash_attention_body(
         constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 232 : 160;
         static_assert(CONSUMERS >= 2 && KV_STAGES >= 1, "two or three consumers, a ring");
         static_assert(SCHEDULE == ad::TMA_PLAIN || SCHEDULE == ad::TMA_PINGPONG ||
-                          SCHEDULE == ad::TMA_OVERLAP,
+                          SCHEDULE == ad::TMA_OVERLAP || SCHEDULE == ad::TMA_OVERLAP_PACKED,
                       "plain, ping-pong or overlapped consumers");
         // Ping-pong: a consumer's stage is released after the other's next S is issued (one
         // stage would deadlock); overlap: a consumer waits for tile it + 1's full barrier
         // while holding the stages of it - 1 (P V pending) and it (V; two would deadlock).
         static_assert(SCHEDULE != ad::TMA_PINGPONG || KV_STAGES >= 2, "ping-pong: 2 stages");
         static_assert(SCHEDULE != ad::TMA_OVERLAP || KV_STAGES >= 3, "overlap: 3 stages");
+        // Packed overlap: a consumer waits for tile it + 1 while holding it (P V not issued).
+        static_assert(SCHEDULE != ad::TMA_OVERLAP_PACKED || KV_STAGES >= 2, "packed: 2 stages");
         static_assert(128 * PRODUCER_REGISTERS + 128 * CONSUMERS * CONSUMER_REGISTERS <=
                           BLOCK_THREADS * LAUNCH_REGISTERS,
                       "the warpgroups' registers must fit the block's pool");
@@ -507,7 +537,7 @@ __device__ __forceinline__ void flash_attention_body(
                 ad::mbarrier_arrive(empty0 + 8 * st);  // 6
             }
             if (group != CONSUMERS - 1) ad::named_arrive(other);  // 7
-        } else {
+        } else if constexpr (SCHEDULE == ad::TMA_OVERLAP) {
             float s_odd[NS];  // s: the scores of even tiles, s_odd of odd ones
             const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;
             auto wait_full = [&](int it) {
@@ -585,6 +615,56 @@ __device__ __forceinline__ void flash_attention_body(
                 fence_outputs();
                 fence_probs(p);
                 ad::mbarrier_arrive(empty0 + 8 * st);
+            }
+        } else {  // TMA_OVERLAP_PACKED: one score set, P of tile it packed while S[it + 1] runs
+            const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;
+            float alpha[2];
+            auto wait_full = [&](int it) {
+                ad::mbarrier_wait(full0 + 8 * (it % KV_STAGES), (it / KV_STAGES) & 1);
+            };
+            // Iteration it, steps 1-4, p holding P[it]; ahead: it + 1 < n_tiles.
+            auto iteration = [&](int ahead, int it) {
+                if (ahead) wait_full(it + 1);  // 1
+                ad::named_sync(mine);          // 2
+                fence_outputs();
+                ad::wgmma_fence();
+                if (ahead) {
+                    issue_scores(s, (it + 1) % KV_STAGES);
+                    ad::wgmma_commit();
+                }
+                issue_pv(p, it % KV_STAGES);
+                ad::wgmma_commit();
+                ad::named_arrive_if(ahead || group != CONSUMERS - 1, other);
+                bool rows = false;
+                if (ahead) {  // 3: S[it + 1] is complete (P V of it may run on)
+                    ad::wgmma_wait<1>();
+                    fence_scores(s);
+                    rows = softmax(0, s, (it + 1) * BKV, alpha);
+                }
+                ad::wgmma_wait<0>();  // 4: P V of it is complete
+                fence_outputs();
+                fence_probs(p);
+                ad::mbarrier_arrive(empty0 + 8 * (it % KV_STAGES));
+                if (ahead) {
+                    if (rows) rescale(alpha);
+                    pack(p, s);
+                }
+            };
+            if (n_tiles > 0) {  // 0
+                if (group == CONSUMERS - 1) ad::named_arrive(1);  // warpgroup 0 goes first
+                wait_full(0);
+                ad::named_sync(mine);
+                ad::wgmma_fence();
+                issue_scores(s, 0);
+                ad::wgmma_commit();
+                ad::named_arrive(other);
+                ad::wgmma_wait<0>();
+                fence_scores(s);
+                if (softmax(0, s, 0, alpha)) rescale(alpha);
+                pack(p, s);
+                int it = 0;
+                for (; it + 1 < n_tiles; ++it) iteration(1, it);
+                iteration(0, it);
             }
         }
     } else if constexpr (PIPELINE == 0) {
@@ -760,9 +840,10 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int b
 // SCHEDULE (attn_wgmma_detail::TMA_*) picks the consumers' schedule: TMA_PLAIN, each running
 // the plain schedule's math per key tile (S = Q K^T by SS wgmma waited for, mask and online
 // softmax, O += P V by RS wgmma waited for) with no block barrier: the two consumers drift
-// apart, one's softmax overlapping the other's wgmmas; TMA_PINGPONG and TMA_OVERLAP,
-// FlashAttention-3's next steps (below). HP 32 or 64: a TMA box of HP columns is one panel (64
-// bytes with the 64-byte swizzle, 128 with the 128-byte one, as the descriptors expect);
+// apart, one's softmax overlapping the other's wgmmas; TMA_PINGPONG, TMA_OVERLAP and
+// TMA_OVERLAP_PACKED, FlashAttention-3's next steps (below), TMA_POLY_EXP2 added to any:
+// FlashAttention-4's exponential for part of P. HP 32 or 64: a TMA box of HP columns is one
+// panel (64 bytes with the 64-byte swizzle, 128 with the 128-byte one, as the descriptors expect);
 // head_dim must equal HP: the boxes are HP columns wide, so a narrower head would read its
 // neighbour's columns (ops.attention refuses it).
 // Tensor maps (tensor_maps.py, 3-D): the qkv rows viewed as [batch][seq_len][3 H hd] fp16,
@@ -826,6 +907,24 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int b
 //   Step 1 waits for tile it + 1 while the stages of it - 1 and it are held: KV_STAGES >= 3;
 //   with S of it + 1 in flight a consumer holds three, so more stages let the producer run
 //   ahead (build.py's variant: 5).
+// TMA_OVERLAP_PACKED (FlashAttention-3's order of the overlap, for BKV 128: TMA_OVERLAP's two
+// score sets of 64 registers spill there): a turn issues S of tile it + 1 and P V of tile it,
+// P[it] held packed in fp16 registers, and the softmax of it + 1 runs under that P V (and the
+// other consumers' wgmmas): one score set. Every consumer computes every tile, as TMA_OVERLAP.
+// Consumer, where n_tiles > 0:
+//   0. The last consumer arrives on 1; wait full[0]; sync; S[0] issued; arrive; wait 0;
+//      softmax of S[0]; o *= alpha; p = fp16(P[0]).
+//   Iteration it (ahead: it + 1 < n_tiles), p holding P[it]:
+//   1. If ahead: wait full[(it + 1) % KV_STAGES].
+//   2. Sync (turn it + 1); S[it + 1] (if ahead), O += P[it] V[it] issued; arrive on the next
+//      one's barrier, except the last consumer on the last tile.
+//   3. If ahead: wgmma wait 1 (S[it + 1] is complete, P V of it runs on); mask and online
+//      softmax of S[it + 1] (o untouched).
+//   4. wgmma wait 0: P V of it is complete; arrive on empty[it % KV_STAGES]; if ahead: o *=
+//      alpha, p = fp16(P[it + 1]).
+//   Step 1 waits for tile it + 1 while holding it: KV_STAGES >= 2 (build.py's variant: 5).
+// SCHEDULE + TMA_POLY_EXP2: the same schedule, the softmax computing one column pair in
+// POLY_EVERY with exp2_poly (FMA units) instead of exp2f (MUFU.EX2): not bit-identical.
 template <int HP, int BQ, int BKV, int KV_STAGES, int SCHEDULE>
 __global__ void __launch_bounds__(128 * (BQ / 64 + 1), 1)
 flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
@@ -839,8 +938,10 @@ flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
     static_assert(HP == 32 || HP == 64, "one TMA box (HP columns, one swizzle row) a row");
     static_assert(attention_wgmma_tma_shared_bytes(HP, BQ, BKV, KV_STAGES) <= 227 * 1024,
                   "the ring must fit one block's shared memory");
-    attn_wgmma_detail::flash_attention_body<HP, BQ, BKV, attn_wgmma_detail::TMA_RING,
-                                            KV_STAGES, SCHEDULE>(
+    namespace ad = attn_wgmma_detail;
+    // SCHEDULE % TMA_POLY_EXP2: the consumers' schedule; TMA_POLY_EXP2 added: exp2_poly.
+    ad::flash_attention_body<HP, BQ, BKV, ad::TMA_RING, KV_STAGES, SCHEDULE % ad::TMA_POLY_EXP2,
+                             SCHEDULE / ad::TMA_POLY_EXP2 ? ad::POLY_EVERY : 0>(
         qkv, qkv_stride, ctx_hi, ctx_lo, ctx_stride, valid, key_info, seq_len, num_heads,
         head_dim, scale, causal, &q_map, &kv_map);
 #elif defined(__CUDA_ARCH__)

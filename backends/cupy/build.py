@@ -42,8 +42,11 @@ class AttentionVariant:
     warpgroup and BQ / 64 consumers, a ring of kv_stages K/V stages; the tensor maps of Q and
     of K/V appended to the arguments by ops.attention; head_dim must be the padded head dim,
     see refusal). schedule: the TMA ring's consumer schedule (its SCHEDULE):
-    TMA_PLAIN, TMA_PINGPONG (the consumers take turns issuing wgmmas) or TMA_OVERLAP (turns,
-    and S of the next tile issued before this tile's softmax)."""
+    TMA_PLAIN, TMA_PINGPONG (the consumers take turns issuing wgmmas), TMA_OVERLAP (turns,
+    and S of the next tile issued before this tile's softmax) or TMA_OVERLAP_PACKED (turns,
+    S of the next tile issued with this tile's P V, one score set). poly_exp2: one column
+    pair in eight of P computed by a polynomial on the FMA units instead of MUFU.EX2
+    (TMA_POLY_EXP2 added to SCHEDULE): P not bit-identical to the other variants'."""
 
     name: str
     bq: int
@@ -53,6 +56,7 @@ class AttentionVariant:
     tma: bool = False
     kv_stages: int = 0
     schedule: int = 0
+    poly_exp2: bool = False
 
     @property
     def threads(self) -> int:
@@ -77,10 +81,13 @@ ATTENTION_TMA_THREADS = 384  # flash_attention_wgmma_tma: a producer and two con
 # boxes are the padded head dim wide).
 WGMMA_TMA = AttentionVariant("wgmma 128x64 TMA", 128, 64, tma=True, kv_stages=3)
 TMA_PLAIN, TMA_PINGPONG, TMA_OVERLAP = 0, 1, 2  # flash_attention_wgmma_tma's SCHEDULE
-# FlashAttention-3's next steps on the ring (not yet timed on the H200): ping-pong (the two
-# consumers take turns issuing wgmmas, one's softmax under the other's), the same stages;
-# overlap (ping-pong, and S of tile it + 1 issued before the softmax of tile it): a consumer
-# holds three stages, so five let the producer load two tiles ahead.
+TMA_OVERLAP_PACKED = 3  # ... and FlashAttention-3's order (see WGMMA_TMA_OVERLAP_128)
+TMA_POLY_EXP2 = 4  # added to SCHEDULE: exp2_poly for one column pair in eight
+# FlashAttention-3's next steps on the ring: ping-pong (the two consumers take turns issuing
+# wgmmas, one's softmax under the other's), the same stages; overlap (ping-pong, and S of
+# tile it + 1 issued before the softmax of tile it): a consumer holds three stages, so five
+# let the producer load two tiles ahead. H200, the shape-14 sequence above: 309.1 and 346.0
+# TFLOP/s; at BKV 128 ping-pong 352.2 (the layer's LONG_ATTENTION), three consumers 340.8.
 WGMMA_TMA_PINGPONG = AttentionVariant("wgmma 128x64 TMA ping-pong", 128, 64, tma=True,
                                       kv_stages=3, schedule=TMA_PINGPONG)
 WGMMA_TMA_OVERLAP = AttentionVariant("wgmma 128x64 TMA overlap", 128, 64, tma=True,
@@ -93,6 +100,21 @@ WGMMA_TMA_PINGPONG_128 = AttentionVariant("wgmma 128x128 TMA ping-pong", 128, 12
 # 160 (ping-pong at BKV 64 needs about 123), the turns in a cycle of three.
 WGMMA_TMA_PINGPONG_3WG = AttentionVariant("wgmma 192x64 TMA ping-pong", 192, 64, tma=True,
                                           kv_stages=3, schedule=TMA_PINGPONG)
+# The next steps toward FlashAttention-3's speed at head dim 64 (not yet timed on the H200).
+# Overlap at BKV 128 in FlashAttention-3's order (TMA_OVERLAP_PACKED): a turn issues S of tile
+# it + 1 and P V of tile it, whose P is held packed in fp16; the softmax of it + 1 runs under
+# that P V, so one score set of 64 registers is live (TMA_OVERLAP's two at BKV 128 spill:
+# 264 bytes of stack). A consumer holds two stages, so five let the producer run three ahead.
+WGMMA_TMA_OVERLAP_128 = AttentionVariant("wgmma 128x128 TMA overlap", 128, 128, tma=True,
+                                         kv_stages=5, schedule=TMA_OVERLAP_PACKED)
+# FlashAttention-4's exponential: one P column pair in eight by a degree-3 polynomial on the
+# FMA units (attention_wgmma.cu exp2_poly, relative error below 1e-4), off the MUFU pipe.
+WGMMA_TMA_PINGPONG_128_POLY = AttentionVariant("wgmma 128x128 TMA ping-pong poly-exp2", 128,
+                                               128, tma=True, kv_stages=3,
+                                               schedule=TMA_PINGPONG, poly_exp2=True)
+WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-exp2", 128, 128,
+                                              tma=True, kv_stages=5,
+                                              schedule=TMA_OVERLAP_PACKED, poly_exp2=True)
 # flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (the
 # fastest timed on the H200: two blocks an SM at head dims 32 and 64, shapes 13 and 14).
 # Head dims up to 32 run at 32; 256 has none (the mma.sync kernel runs it). At 128, two
@@ -102,10 +124,12 @@ WGMMA_TMA_PINGPONG_3WG = AttentionVariant("wgmma 192x64 TMA ping-pong", 192, 64,
 # head dims below those refused.
 ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
                         WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
-                        WGMMA_TMA_PINGPONG_3WG),
+                        WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
+                        WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY),
                    64: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
                         WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
-                        WGMMA_TMA_PINGPONG_3WG),
+                        WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
+                        WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY),
                    128: (WGMMA_PLAIN, WGMMA_PIPELINED)}
 
 
@@ -252,7 +276,7 @@ def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
             raise ValueError(f"{v.name} runs BQ 128 or 192, BKV 64 or 128, one block an SM, "
                              f"a ring")
         return (f"lb::flash_attention_wgmma_tma<{head_pad}, {v.bq}, {v.bkv}, {v.kv_stages}, "
-                f"{v.schedule}>")
+                f"{v.schedule + TMA_POLY_EXP2 * v.poly_exp2}>")
     return (f"lb::flash_attention_wgmma<{head_pad}, {v.bq}, {v.bkv}, {v.min_blocks}, "
             f"{int(v.pipelined)}>")
 
