@@ -1481,6 +1481,19 @@ def attention_pingpong_consumer(c: int, n_tiles: int, stages: int, skip=(), k: i
     yield ("epilogue",)
 
 
+def first_scores_turn(c: int, k: int):
+    """The overlap consumers' step 0 (consumer c of k): wait for Q and tile 0, take the first
+    turn (the last consumer hands it to warpgroup 0 first), issue S of tile 0, hand the turn
+    on and wait for S."""
+    yield ("wait", ("q", 0), 0)
+    if c == k - 1:
+        yield ("bar_arrive", 1)
+    yield ("wait", ("full", 0), 0)
+    yield ("bar_sync", 1 + c)
+    yield from [("mma", 0, 0, "S"), ("mma_commit",), ("bar_arrive", 1 + (c + 1) % k),
+                ("mma_wait", 0)]
+
+
 def attention_overlap_consumer(c: int, n_tiles: int, stages: int, k: int = 2,
                                release_early: bool = False, s_wait: int = 0,
                                last_arrive: tuple | None = None):
@@ -1492,12 +1505,7 @@ def attention_overlap_consumer(c: int, n_tiles: int, stages: int, k: int = 2,
         return
     mine, other = 1 + c, 1 + (c + 1) % k
     last_arrive = tuple(range(k - 1)) if last_arrive is None else last_arrive
-    yield ("wait", ("q", 0), 0)
-    if c == k - 1:  # 0
-        yield ("bar_arrive", 1)
-    yield ("wait", ("full", 0), 0)
-    yield ("bar_sync", mine)
-    yield from [("mma", 0, 0, "S"), ("mma_commit",), ("bar_arrive", other), ("mma_wait", 0)]
+    yield from first_scores_turn(c, k)
     for it in range(n_tiles):
         first, ahead = it == 0, it + 1 < n_tiles
         nxt = (it + 1) % stages
@@ -1537,13 +1545,8 @@ def attention_packed_consumer(c: int, n_tiles: int, stages: int, k: int = 2,
         return
     mine, other = 1 + c, 1 + (c + 1) % k
     last_arrive = tuple(range(k - 1)) if last_arrive is None else last_arrive
-    yield ("wait", ("q", 0), 0)
-    if c == k - 1:  # 0
-        yield ("bar_arrive", 1)
-    yield ("wait", ("full", 0), 0)
-    yield ("bar_sync", mine)
-    yield from [("mma", 0, 0, "S"), ("mma_commit",), ("bar_arrive", other), ("mma_wait", 0),
-                ("done", 0)]
+    yield from first_scores_turn(c, k)
+    yield ("done", 0)
     for it in range(n_tiles):
         ahead, st, nxt = it + 1 < n_tiles, it % stages, (it + 1) % stages
         if ahead:
