@@ -483,26 +483,21 @@ def test_attention_variants(cupy_selected, monkeypatch):
                                                  build.WGMMA_TMA_OVERLAP_128,
                                                  build.WGMMA_TMA_PINGPONG_128_POLY,
                                                  build.WGMMA_TMA_OVERLAP_128_POLY)
-    assert (build.attention_wgmma_name(64, build.WGMMA_TMA_PINGPONG) ==
-            "lb::flash_attention_wgmma_tma<64, 128, 64, 3, 1>")
-    assert (build.attention_wgmma_name(32, build.WGMMA_TMA_OVERLAP) ==
-            "lb::flash_attention_wgmma_tma<32, 128, 64, 5, 2>")
-    assert (build.attention_wgmma_name(64, build.WGMMA_TMA_PINGPONG_128) ==
-            "lb::flash_attention_wgmma_tma<64, 128, 128, 3, 1>")
-    assert (build.attention_wgmma_name(64, build.WGMMA_TMA_PINGPONG_3WG) ==
-            "lb::flash_attention_wgmma_tma<64, 192, 64, 3, 1>")
-    assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_OVERLAP) == 99328
-    assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_PINGPONG_128) == 115712
-    assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_PINGPONG_3WG) == 74752
-    # FlashAttention-3's overlap order at BKV 128 (SCHEDULE 3), the polynomial exp2 (+ 4)
-    assert (build.attention_wgmma_name(64, build.WGMMA_TMA_OVERLAP_128) ==
-            "lb::flash_attention_wgmma_tma<64, 128, 128, 5, 3>")
-    assert (build.attention_wgmma_name(32, build.WGMMA_TMA_PINGPONG_128_POLY) ==
-            "lb::flash_attention_wgmma_tma<32, 128, 128, 3, 5>")
-    assert (build.attention_wgmma_name(64, build.WGMMA_TMA_OVERLAP_128_POLY) ==
-            "lb::flash_attention_wgmma_tma<64, 128, 128, 5, 7>")
-    assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA_OVERLAP_128) == 181248
-    assert ops.attention_variant_shared_bytes(32, build.WGMMA_TMA_OVERLAP_128) == 91136
+    # (head dim, variant) -> its template arguments (FlashAttention-3's overlap order at BKV
+    # 128 is SCHEDULE 3; the polynomial exp2 adds 4) and shared bytes, as the .cu says
+    expected = {(64, build.WGMMA_TMA_PINGPONG): ("128, 64, 3, 1", None),
+                (32, build.WGMMA_TMA_OVERLAP): ("128, 64, 5, 2", None),
+                (64, build.WGMMA_TMA_OVERLAP): ("128, 64, 5, 2", 99328),
+                (64, build.WGMMA_TMA_PINGPONG_128): ("128, 128, 3, 1", 115712),
+                (64, build.WGMMA_TMA_PINGPONG_3WG): ("192, 64, 3, 1", 74752),
+                (64, build.WGMMA_TMA_OVERLAP_128): ("128, 128, 5, 3", 181248),
+                (32, build.WGMMA_TMA_OVERLAP_128): ("128, 128, 5, 3", 91136),
+                (32, build.WGMMA_TMA_PINGPONG_128_POLY): ("128, 128, 3, 5", None),
+                (64, build.WGMMA_TMA_OVERLAP_128_POLY): ("128, 128, 5, 7", None)}
+    for (hp, v), (arguments, shared) in expected.items():
+        assert build.attention_wgmma_name(hp, v) == (
+            f"lb::flash_attention_wgmma_tma<{hp}, {arguments}>"), (hp, v.name)
+        assert shared is None or ops.attention_variant_shared_bytes(hp, v) == shared, v.name
     assert [v.poly_exp2 for v in build.ATTENTION_WGMMA[64]].count(True) == 2
     assert not any(v.poly_exp2 for v in build.ATTENTION_WGMMA[128])
     assert build.WGMMA_TMA_PINGPONG.threads == build.WGMMA_TMA_OVERLAP.threads == 384
