@@ -15,9 +15,10 @@
 // kernel's max dynamic shared memory attribute has been raised to it. Variants
 // (template parameters): MINB blocks an SM, and the plain or the pipelined schedule (below).
 // lb::flash_attention_wgmma_tma<HP, BQ, BKV, KV_STAGES, SCHEDULE> (at the end: a TMA producer
-// warpgroup and two consumers, 384 threads, two tensor maps appended to the parameters) runs
-// the plain (or the pipelined) schedule's per-tile math from the same source,
-// flash_attention_body.
+// warpgroup and BQ / 64 consumers, 384 threads at BQ 128 and 512 at 192, two tensor maps
+// appended to the parameters) runs the per-tile math of the same source,
+// flash_attention_body, in the consumer schedule SCHEDULE picks (plain, ping-pong, overlap or
+// packed overlap; + TMA_POLY_EXP2).
 //
 // Shared tiles. A tile of ROWS rows x HP halves is stored as HP * 2 / SW panels, SW (the swizzle
 // width) = 128 bytes, or 64 bytes at HP 32; panel p holds columns [p SW/2, (p+1) SW/2) of every
@@ -119,7 +120,8 @@ __device__ __forceinline__ float softmax_exp2(float x, int j) {
     return exp2f(x);
 }
 
-// Named barriers of the two consumer warpgroups' turns (256 threads: both warpgroups).
+// Named barriers of the consumers' turns (256 threads: the warpgroup arriving and the next
+// one syncing).
 __device__ __forceinline__ void named_sync(unsigned id) {
     asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
 }
@@ -839,8 +841,8 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int b
 // setmaxnreg to 232; at BQ 192 also warpgroup 3, rows 128-191, and 24 and 160 registers).
 // SCHEDULE (attn_wgmma_detail::TMA_*) picks the consumers' schedule: TMA_PLAIN, each running
 // the plain schedule's math per key tile (S = Q K^T by SS wgmma waited for, mask and online
-// softmax, O += P V by RS wgmma waited for) with no block barrier: the two consumers drift
-// apart, one's softmax overlapping the other's wgmmas; TMA_PINGPONG, TMA_OVERLAP and
+// softmax, O += P V by RS wgmma waited for) with no block barrier: the consumers drift
+// apart, one's softmax overlapping another's wgmmas; TMA_PINGPONG, TMA_OVERLAP and
 // TMA_OVERLAP_PACKED, FlashAttention-3's next steps (below), TMA_POLY_EXP2 added to any:
 // FlashAttention-4's exponential for part of P. HP 32 or 64: a TMA box of HP columns is one
 // panel (64 bytes with the 64-byte swizzle, 128 with the 128-byte one, as the descriptors expect);
@@ -859,8 +861,8 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int b
 //   fence.mbarrier_init; __syncthreads (the block's only one).
 //   Producer thread (threadIdx.x 0), where n_tiles > 0: arrive.expect_tx(q_full, Q_BYTES), TMA
 //   the Q box (h hd, qb0, b); then for each tile it:
-//   1. wait empty[st] phase r - 1 (parity (r & 1) ^ 1; passes at once in round 0): both
-//      consumers are done with tile it - KV_STAGES (their P V waited for).
+//   1. wait empty[st] phase r - 1 (parity (r & 1) ^ 1; passes at once in round 0): every
+//      consumer is done with tile it - KV_STAGES (its P V waited for).
 //   2. arrive.expect_tx(full[st], 2 KV_BYTES) (the whole boxes: zero fill counts); TMA the K
 //      box into K buffer st and the V box into V buffer st, both completing on full[st].
 //   Then exit. The other producer threads exit at once.

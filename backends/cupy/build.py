@@ -115,8 +115,10 @@ WGMMA_TMA_PINGPONG_128_POLY = AttentionVariant("wgmma 128x128 TMA ping-pong poly
 WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-exp2", 128, 128,
                                               tma=True, kv_stages=5,
                                               schedule=TMA_OVERLAP_PACKED, poly_exp2=True)
-# flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (the
-# fastest timed on the H200: two blocks an SM at head dims 32 and 64, shapes 13 and 14).
+# flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (two
+# blocks an SM at head dims 32 and 64: the fastest timed on the H200 at shape 13; on shape
+# 14's long sequences the TMA ring's 128x128 ping-pong is, and the layer runs it there:
+# layer.LONG_ATTENTION).
 # Head dims up to 32 run at 32; 256 has none (the mma.sync kernel runs it). At 128, two
 # blocks an SM (128 registers a thread) spill, and the pipelined schedule at BKV 128 spills
 # at every head dim (two score sets of 64 registers), so it runs BKV 64. The TMA ring runs
@@ -197,8 +199,9 @@ LAYER_TMA_MIN_K = 512
 # linear_wgmma's variants, the default first: its schedule runs every tile (WGMMA_TILES,
 # NORM_TILES), epilogue and product count, and ops.gemm_tile picks its tile where no variant
 # is named. The others are compiled for GEMM_VARIANT_EPILOGUES at one product (three products
-# would double their shared memory, past a block's 227 KiB); timed on the H200, all but
-# LAYER_GEMM_VARIANT were slower than it on the layer's GEMMs and stay options.
+# would double their shared memory, past a block's 227 KiB); timed on the H200, each was
+# slower than LAYER_GEMM_VARIANT on shape 8's GEMMs (the one-block-an-SM TMA ones faster than
+# the plain schedule alone, slower in whole layers) and stays an option.
 GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS, GEMM_TMA_WIDE,
                  GEMM_TMA, GEMM_TMA_TWO_PER_SM)
 GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
@@ -268,7 +271,8 @@ def attention_name(head_pad: int, bq: int, bkv: int) -> str:
 
 def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
     """Name expression of the sm_90a flash attention kernel of variant at a padded head dim
-    (a TMA variant: flash_attention_wgmma_tma<HP, kv_stages, schedule>)."""
+    (a TMA variant: flash_attention_wgmma_tma<HP, BQ, BKV, kv_stages, schedule (+
+    TMA_POLY_EXP2)>)."""
     v = variant
     if v.tma:
         if ((v.min_blocks, v.pipelined) != (1, False) or v.bq not in (128, 192)

@@ -75,10 +75,11 @@ class CupyLayer(BuiltLayer):
     norm2, ffn_in + GELU, ffn_out + residual (one or three fp16 products each); the final
     norm into the output. With wgmma, the GEMMs and attention (head dims up to 128) run on
     Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu; attention_variant names the
-    attention kernel's variant, None its default; gemm_variant names a GEMM variant, used by
-    each GEMM it fits, see gemm_variant_for). With fuse_norms (wgmma, d_model up to 128),
-    out_proj's epilogue writes norm2's rows and ffn_out's the next block's norm1 rows: five
-    launches per block; the first norm1 and the final norm stay separate."""
+    attention kernel's variant, None attention_variant_for's choice; gemm_variant names a
+    GEMM variant, used by each GEMM it fits, see gemm_variant_for). With fuse_norms (wgmma,
+    d_model up to 128), out_proj's epilogue writes norm2's rows and ffn_out's the next
+    block's norm1 rows: five launches per block; the first norm1 and the final norm stay
+    separate."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,
