@@ -196,7 +196,8 @@ def test_attention_tma_sass(cupy_selected, compiled):
     prefetched, the expect_tx arrives with a byte-count register and the consumers' plain
     arrive (A1T0), mbarrier waits; setmaxnreg to 40 (producer) and 232 (consumers), launched
     with 168 registers (their pool; three consumers: 24, 160 and 128); one block barrier; no
-    cp.async (LDGSTS) and no local memory (no LDL/STL, stack 0). Ping-pong: the same wgmmas
+    cp.async (LDGSTS) and no local memory (no LDL/STL, stack 0), no register past the
+    consumers' (232, or 160). Ping-pong: the same wgmmas
     and waits, and the turns: named barriers of 256 threads (0x100) whose id is a register
     (1 + the consumer), besides the last consumer's first arrive on 1. Overlap: every S and
     P V group as above, issued from several copies of an iteration, one group end (gsb0) a
@@ -270,6 +271,9 @@ def test_attention_tma_sass(cupy_selected, compiled):
         assert len(re.findall(r"\bBAR\.SYNC\.DEFER_BLOCKING 0x0\b", body)) == 1, name
         assert not re.search(r"\b(LDL|STL)\b", body), name
         assert row["stack_bytes"] == 0 and row["spill_stores"] == 0, (name, row)
+        # the consumers' code fits their setmaxnreg budget (three: 160; the packed overlap at
+        # BKV 128 keeps S 64, O 32 and P 32 registers a thread live: MASK_IDLE)
+        assert max(int(r) for r in re.findall(r"\bR(\d+)\b", body)) < consumer, name
         # exp2_poly rounds floor(x) down (FADD.RM) where poly_exp2, in place of one MUFU.EX2
         rounded = len(re.findall(r"\bFADD(?:\.FTZ)?\.RM\b", body))
         ex2 = len(re.findall(r"\bMUFU\.EX2\b", body))
@@ -482,7 +486,8 @@ def test_attention_variants(cupy_selected, monkeypatch):
                                                  build.WGMMA_TMA_PINGPONG_3WG,
                                                  build.WGMMA_TMA_OVERLAP_128,
                                                  build.WGMMA_TMA_PINGPONG_128_POLY,
-                                                 build.WGMMA_TMA_OVERLAP_128_POLY)
+                                                 build.WGMMA_TMA_OVERLAP_128_POLY,
+                                                 build.WGMMA_TMA_OVERLAP_3WG)
     # (head dim, variant) -> its template arguments (FlashAttention-3's overlap order at BKV
     # 128 is SCHEDULE 3; the polynomial exp2 adds 4) and shared bytes, as the .cu says
     expected = {(64, build.WGMMA_TMA_PINGPONG): ("128, 64, 3, 1", None),
@@ -493,7 +498,9 @@ def test_attention_variants(cupy_selected, monkeypatch):
                 (64, build.WGMMA_TMA_OVERLAP_128): ("128, 128, 5, 3", 181248),
                 (32, build.WGMMA_TMA_OVERLAP_128): ("128, 128, 5, 3", 91136),
                 (32, build.WGMMA_TMA_PINGPONG_128_POLY): ("128, 128, 3, 5", None),
-                (64, build.WGMMA_TMA_OVERLAP_128_POLY): ("128, 128, 5, 7", None)}
+                (64, build.WGMMA_TMA_OVERLAP_128_POLY): ("128, 128, 5, 7", None),
+                (64, build.WGMMA_TMA_OVERLAP_3WG): ("192, 128, 6, 3", 222208),
+                (32, build.WGMMA_TMA_OVERLAP_3WG): ("192, 128, 6, 3", 111616)}
     for (hp, v), (arguments, shared) in expected.items():
         assert build.attention_wgmma_name(hp, v) == (
             f"lb::flash_attention_wgmma_tma<{hp}, {arguments}>"), (hp, v.name)
@@ -504,6 +511,11 @@ def test_attention_variants(cupy_selected, monkeypatch):
     assert build.WGMMA_TMA_PINGPONG_128.threads == 384
     assert build.WGMMA_TMA_PINGPONG_3WG.threads == 512
     assert build.WGMMA_TMA_OVERLAP_128.threads == build.WGMMA_TMA_OVERLAP_128_POLY.threads == 384
+    assert build.WGMMA_TMA_OVERLAP_3WG.threads == 512
+    # the packed overlap of three consumers takes as many stages as fit 227 KiB at head dim 64
+    v = build.WGMMA_TMA_OVERLAP_3WG
+    assert ops.attention_wgmma_tma_shared_bytes(64, v.kv_stages, v.bkv, v.bq) <= 227 * 1024
+    assert ops.attention_wgmma_tma_shared_bytes(64, v.kv_stages + 1, v.bkv, v.bq) > 227 * 1024
     heads, seq_len = 2, 20
     for head_dim, wide in ((24, 32), (32, 32), (64, 64), (128, 128)):
         d = heads * head_dim
@@ -1780,10 +1792,25 @@ def test_attention_turns_keep_ring_safe(cupy_selected):
         assert "__syncthreads()" not in text and "tma_load" not in text
     assert pingpong.count("mbarrier_arrive(") == 1 and overlap.count("mbarrier_arrive(") == 2
     assert packed.count("mbarrier_arrive(") == 1 and packed.count("issue_pv(") == 1
+    # three consumers in the packed order (160 registers): a warp seeing none of a tile runs
+    # the softmax with every score masked (P = 0, no rescale) instead of a branch of its own
+    at = 0
+    for line in ("constexpr bool MASK_IDLE = PIPELINE == ad::TMA_RING && BQ == 192 &&",
+                 "SCHEDULE == ad::TMA_OVERLAP_PACKED;",
+                 "const bool idle = !(warp_rows && !(causal && kv0 > q0 + 15));",
+                 "if constexpr (!MASK_IDLE) {", "if (idle) {",
+                 "if constexpr (MASK_IDLE) edge = edge || idle;", "if (edge) {",
+                 "if constexpr (MASK_IDLE) ok = ok && !idle;", "if constexpr (MASK_IDLE) {",
+                 "return !idle;"):
+        found = source.find(line, at)
+        assert found >= 0, line
+        at = found + len(line)
     turns = [v for hp, vs in build.ATTENTION_WGMMA.items() for v in vs
              if v.tma and v.schedule != build.TMA_PLAIN]
     assert {v.schedule for v in turns} == {build.TMA_PINGPONG, build.TMA_OVERLAP,
                                            build.TMA_OVERLAP_PACKED}
+    # the packed order with two consumers (BQ 128) and three (BQ 192), every variant's stages
+    assert {v.bq for v in turns if v.schedule == build.TMA_OVERLAP_PACKED} == {128, 192}
     stages = {v.kv_stages for v in turns if v.schedule == build.TMA_OVERLAP_PACKED} | {2, 3}
     for st in sorted(stages):
         for k in (2, 3):

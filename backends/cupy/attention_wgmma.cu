@@ -319,17 +319,28 @@ __device__ __forceinline__ void flash_attention_body(
     // sums, so that l_run * alpha + (p0 + p1) contracts to the same fma in every schedule.
     // The lambdas take plain ints, constant once inlined: NVRTC 13.0 crashed (segmentation
     // fault) on generic lambdas taking a compile-time count here.
+    // MASK_IDLE (three consumers in the packed overlap): a warp that sees none of the tile
+    // runs the softmax with every score masked (P = 0 exactly, m_run and l_run unchanged:
+    // alpha 1, or 0 times an l_run of 0), still returning false, instead of zeroing the
+    // scores in a branch of its own: the branch's merge made ptxas keep a second score set,
+    // spilling at the 160 registers of three consumers.
+    constexpr bool MASK_IDLE = PIPELINE == ad::TMA_RING && BQ == 192 &&
+                               SCHEDULE == ad::TMA_OVERLAP_PACKED;
     auto softmax = [&](int rescale_here, float (&s)[NS], int kv0,
                        float (&alpha)[2]) -> bool {
-        if (!(warp_rows && !(causal && kv0 > q0 + 15))) {
+        const bool idle = !(warp_rows && !(causal && kv0 > q0 + 15));
+        if constexpr (!MASK_IDLE) {
+            if (idle) {
 #pragma unroll
-            for (int i = 0; i < NS; ++i) s[i] = 0.0f;
-            return false;
+                for (int i = 0; i < NS; ++i) s[i] = 0.0f;
+                return false;
+            }
         }
         // s[4 j + 2 r + e]: row q0 + g + 8 r, key kv0 + 8 j + 2 t + e.
 #pragma unroll
         for (int i = 0; i < NS; ++i) s[i] *= sl;
-        const bool edge = kv0 + BKV > kv_end || holes || (causal && kv0 + BKV - 1 > q0);
+        bool edge = kv0 + BKV > kv_end || holes || (causal && kv0 + BKV - 1 > q0);
+        if constexpr (MASK_IDLE) edge = edge || idle;
         if (edge) {
             const int row0 = q0 + g, row1 = q0 + g + 8;
 #pragma unroll
@@ -338,6 +349,7 @@ __device__ __forceinline__ void flash_attention_body(
                 for (int e = 0; e < 2; ++e) {
                     const int key = kv0 + 8 * j + 2 * t + e;
                     bool ok = key < kv_end;
+                    if constexpr (MASK_IDLE) ok = ok && !idle;
                     if (ok && holes) ok = vrow[key] != 0;
                     if (!ok || (causal && key > row0)) s[4 * j + e] = NEG_INF;
                     if (!ok || (causal && key > row1)) s[4 * j + 2 + e] = NEG_INF;
@@ -366,7 +378,11 @@ __device__ __forceinline__ void flash_attention_body(
             l_run[0] += s[4 * j] + s[4 * j + 1];
             l_run[1] += s[4 * j + 2] + s[4 * j + 3];
         }
-        return true;
+        if constexpr (MASK_IDLE) {
+            return !idle;
+        } else {
+            return true;
+        }
     };
 
     // The accumulators of score columns 16 kk .. 16 kk + 15, s[8 kk .. 8 kk + 7], are in order
@@ -827,7 +843,8 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
 // Dynamic shared bytes of one block of lb::flash_attention_wgmma_tma<hp, bq, bkv, kv_stages, *>:
 // Q (bq rows), kv_stages K and kv_stages V buffers (bkv rows each), hp halves a row, plus 1024
 // bytes of slack for aligning the first tile (the mbarriers are static shared memory).
-// <64, 128, 64, 3>: 66560, <32, 128, 64, 3>: 33792, <64, 128, 128, 3>: 115712.
+// <64, 128, 64, 3>: 66560, <32, 128, 64, 3>: 33792, <64, 128, 128, 3>: 115712,
+// <64, 192, 128, 6>: 222208.
 __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int bq, int bkv,
                                                                    int kv_stages) {
     return (bq + 2 * kv_stages * bkv) * hp * 2 + attn_wgmma_detail::ALIGN;
@@ -924,7 +941,8 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int b
 //      softmax of S[it + 1] (o untouched).
 //   4. wgmma wait 0: P V of it is complete; arrive on empty[it % KV_STAGES]; if ahead: o *=
 //      alpha, p = fp16(P[it + 1]).
-//   Step 1 waits for tile it + 1 while holding it: KV_STAGES >= 2 (build.py's variant: 5).
+//   Step 1 waits for tile it + 1 while holding it: KV_STAGES >= 2 (build.py's variants: 5 at
+//   BQ 128, 6 at BQ 192, three consumers: the softmax's MASK_IDLE keeps it in 160 registers).
 // SCHEDULE + TMA_POLY_EXP2: the same schedule, the softmax computing one column pair in
 // POLY_EVERY with exp2_poly (FMA units) instead of exp2f (MUFU.EX2): not bit-identical.
 template <int HP, int BQ, int BKV, int KV_STAGES, int SCHEDULE>

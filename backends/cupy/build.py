@@ -107,6 +107,13 @@ WGMMA_TMA_PINGPONG_3WG = AttentionVariant("wgmma 192x64 TMA ping-pong", 192, 64,
 # 264 bytes of stack). A consumer holds two stages, so five let the producer run three ahead.
 WGMMA_TMA_OVERLAP_128 = AttentionVariant("wgmma 128x128 TMA overlap", 128, 128, tma=True,
                                          kv_stages=5, schedule=TMA_OVERLAP_PACKED)
+# FlashAttention-3's configuration at head dim 64 (not yet timed on the H200): the packed
+# overlap with three consumers, BQ 192 (512 threads, setmaxnreg 24 and 160: S 64, O 32 and P
+# 32 registers a thread, 152 in all, no spill: attention_wgmma.cu's MASK_IDLE; the softmax's
+# own branch for a warp seeing none of a tile spilled 248 bytes of stack) and BKV 128; six
+# stages, as many as fit 227 KiB at head dim 64 (Q 24 KiB, a stage 32 KiB: 222208 bytes).
+WGMMA_TMA_OVERLAP_3WG = AttentionVariant("wgmma 192x128 TMA overlap", 192, 128, tma=True,
+                                         kv_stages=6, schedule=TMA_OVERLAP_PACKED)
 # FlashAttention-4's exponential: one P column pair in eight by a degree-3 polynomial on the
 # FMA units (attention_wgmma.cu exp2_poly, relative error below 1e-4), off the MUFU pipe.
 WGMMA_TMA_PINGPONG_128_POLY = AttentionVariant("wgmma 128x128 TMA ping-pong poly-exp2", 128,
@@ -127,11 +134,13 @@ WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-ex
 ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
                         WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
                         WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
-                        WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY),
+                        WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY,
+                        WGMMA_TMA_OVERLAP_3WG),
                    64: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
                         WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
                         WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
-                        WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY),
+                        WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY,
+                        WGMMA_TMA_OVERLAP_3WG),
                    128: (WGMMA_PLAIN, WGMMA_PIPELINED)}
 
 
