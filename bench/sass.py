@@ -26,9 +26,16 @@ def _run(*args: str) -> str:
                           text=True).stdout
 
 
-def kernels(path: str | Path) -> dict[str, dict]:
+def functions(path: str | Path) -> dict[str, str]:
+    """Kernel name -> its SASS text, for every kernel of a cubin or object file."""
+    return dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)",
+                           _run("-sass", str(path)), flags=re.S))
+
+
+def kernels(path: str | Path, bodies: dict[str, str] | None = None) -> dict[str, dict]:
     """Kernel name -> registers, stack_bytes (stack + local), shared_bytes (static) and the
-    counts of PATTERNS in its SASS, for every kernel of a cubin or object file."""
+    counts of PATTERNS in its SASS, for every kernel of a cubin or object file (bodies: its
+    functions(path), where already read)."""
     usage = _run("-res-usage", str(path))
     found: dict[str, dict] = {}
     for name, fields in re.findall(r"Function (\S+):\s*\n\s*(.*)", usage):
@@ -36,9 +43,7 @@ def kernels(path: str | Path) -> dict[str, dict]:
         found[name] = {"registers": value.get("REG", 0),
                        "stack_bytes": value.get("STACK", 0) + value.get("LOCAL", 0),
                        "shared_bytes": value.get("SHARED", 0)}
-    sass = _run("-sass", str(path))
-    for name, body in re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass,
-                                 flags=re.S):
+    for name, body in (functions(path) if bodies is None else bodies).items():
         counts = {key: len(re.findall(pattern, body)) for key, pattern in PATTERNS.items()}
         found.setdefault(name, {}).update(counts)
     return found

@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import subprocess
 
 import numpy as np
 import pytest
@@ -97,6 +96,17 @@ def test_sources_have_no_generic_lambdas(cupy_selected):
     assert generic.search("auto f = [&](auto count, int x) {")
 
 
+@pytest.fixture(scope="session")
+def hopper_sass(compiled):
+    """(kernel -> SASS text, kernel -> bench.sass.kernels row) of the sm_90a module, read once
+    for the tests below."""
+    from bench.sass import functions, kernels
+
+    path, _ = compiled[build.HOPPER]
+    bodies = functions(path)
+    return bodies, kernels(path, bodies)
+
+
 def register_budget(name: str) -> int:
     """The most registers a thread of kernel name may hold: 255, or for a wgmma attention
     variant 65536 / (its blocks an SM x its threads): 128 for two blocks of 256 threads,
@@ -114,15 +124,13 @@ def register_budget(name: str) -> int:
     return 255
 
 
-def test_sm90_sass(cupy_selected, compiled):
+def test_sm90_sass(cupy_selected, compiled, hopper_sass):
     """sm_90a SASS: HGMMA (wgmma) in every Hopper GEMM and attention variant, HMMA (mma.sync)
     and LDSM (ldmatrix) in every other GEMM and attention kernel, no local memory in any but
     attention at head dim 256, no 2-byte global loads, registers within 255 and, for two
     blocks an SM, within 128 a thread."""
-    from bench.sass import kernels as sass_kernels
-
-    path, lowered = compiled[build.HOPPER]
-    rows = sass_kernels(path)
+    _, lowered = compiled[build.HOPPER]
+    rows = hopper_sass[1]
     for name, symbol in lowered.items():
         row = rows[symbol]
         assert row["load16"] == 0, (name, row)
@@ -135,7 +143,7 @@ def test_sm90_sass(cupy_selected, compiled):
             assert row["HMMA"] > 0 and row["LDSM"] > 0, (name, row)
 
 
-def test_gemm_variants_sass(cupy_selected, compiled):
+def test_gemm_variants_sass(cupy_selected, compiled, hopper_sass):
     """sm_90a SASS of every wgmma GEMM variant's kernels: wgmma of the tile's width
     (HGMMA.64xBNx16), one wgmma fence (WARPGROUP.ARRIVE) per K tile as written, and the
     waits the source has, no more: wait<PENDING> in the loop, wait 0 after it where PENDING
@@ -148,13 +156,8 @@ def test_gemm_variants_sass(cupy_selected, compiled):
     (UTMACCTL.PF) and arrive with transaction bytes (SYNCS.ARRIVE.TRANS64 with a byte-count
     register, the consumers' plain arrives A1T0); at two blocks an SM, without setmaxnreg
     (no USETMAXREG) and in at most 112 registers (two blocks of 288 threads)."""
-    from layerbench.common.cuda_host import cuda_tool
-
-    path, lowered = compiled[build.HOPPER]
-    sass = subprocess.run([cuda_tool("cuobjdump"), "-sass", str(path)], check=True,
-                          capture_output=True, text=True).stdout
-    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass,
-                             flags=re.S))
+    _, lowered = compiled[build.HOPPER]
+    bodies = hopper_sass[0]
     for v in build.GEMM_VARIANTS:
         for epilogue in build.GEMM_VARIANT_EPILOGUES:
             body = bodies[lowered[build.gemm_variant_name(v, 1, epilogue)]]
@@ -188,7 +191,7 @@ def test_gemm_variants_sass(cupy_selected, compiled):
                 assert "USETMAXREG" not in body and "SYNCS" not in body, name
 
 
-def test_attention_tma_sass(cupy_selected, compiled):
+def test_attention_tma_sass(cupy_selected, compiled, hopper_sass):
     """sm_90a SASS of every TMA-ring attention variant: S = Q K^T as HD / 16 SS wgmmas
     (HGMMA.64xBKVx16 on two descriptors) and O += P V as BKV / 16 RS ones (registers, then V's
     descriptor, .tnspB: N-major), each group waited for to 0 (two WARPGROUP.DEPBAR, two
@@ -208,15 +211,8 @@ def test_attention_tma_sass(cupy_selected, compiled):
     fences, the same turns. Poly-exp2 variants: one FADD.RM (exp2_poly's floor) for each
     exponential it takes over (one in eight of each softmax copy's), and as many MUFU.EX2
     fewer than the variant without it; the others no FADD.RM."""
-    from bench.sass import kernels as sass_kernels
-    from layerbench.common.cuda_host import cuda_tool
-
-    path, lowered = compiled[build.HOPPER]
-    sass = subprocess.run([cuda_tool("cuobjdump"), "-sass", str(path)], check=True,
-                          capture_output=True, text=True).stdout
-    bodies = dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)", sass,
-                             flags=re.S))
-    rows = sass_kernels(path)
+    _, lowered = compiled[build.HOPPER]
+    bodies, rows = hopper_sass
     tma = [(hp, v) for hp, vs in build.ATTENTION_WGMMA.items() for v in vs if v.tma]
     assert tma
     for hp, v in tma:
