@@ -79,25 +79,40 @@ __device__ __forceinline__ float2 residual_value(float x, float y, float2 r, boo
     return zero_sum ? make_float2(0.0f, 0.0f) : r;
 }
 
-// residual_value of columns o and o + 1 of res, stored to out_f and returned (res may be
-// out_f: read before written).
-__device__ __forceinline__ float2 residual_pair(float x, float y, long long o, bool keep,
-                                                int zero_sum, const float* res, float* out_f) {
-    const float2 v = residual_value(x, y, *reinterpret_cast<const float2*>(res + o), keep,
-                                    zero_sum);
-    *reinterpret_cast<float2*>(out_f + o) = v;
-    return v;
+// The RESIDUAL epilogue of COUNT column pairs of one output row (at o_row): pair c is columns
+// column(c) and column(c) + 1, stored where column(c) < N, with the biased products
+// products(c, column(c)): out_f = residual_value(products, res). res may be out_f, but each
+// element is read and written by this thread alone: all COUNT residuals are read before any
+// is written, so that the reads overlap (in source order each would wait for the store
+// before it).
+template <int COUNT, typename Column, typename Products>
+__device__ __forceinline__ void store_residuals(Column column, Products products, int N,
+                                                long long o_row, bool keep, int zero_sum,
+                                                const float* res, float* out_f) {
+    float2 r[COUNT];
+#pragma unroll
+    for (int c = 0; c < COUNT; ++c) {
+        const int col = column(c);
+        r[c] = col < N ? *reinterpret_cast<const float2*>(res + o_row + col)
+                       : make_float2(0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int c = 0; c < COUNT; ++c) {
+        const int col = column(c);
+        if (col >= N) continue;
+        const float2 p = products(c, col);
+        *reinterpret_cast<float2*>(out_f + o_row + col) =
+            residual_value(p.x, p.y, r[c], keep, zero_sum);
+    }
 }
 
 // Store the biased products x, y of columns o and o + 1 of an output row by epilogue EPI:
 // HALF: out_hi = fp16; GELU_PAIR: (out_hi, out_lo) = split(GELU), out_hi alone where out_lo
-// is null; RESIDUAL: out_f = res + (x, y) where keep, else res (zero_sum 0) or 0 (res may be
-// out_f: read before written).
+// is null (RESIDUAL: store_residuals, a row's pairs at once).
 template <int EPI>
-__device__ __forceinline__ void store_pair(float x, float y, long long o, bool keep,
-                                           int zero_sum, __half* out_hi, __half* out_lo,
-                                           const float* res, float* out_f) {
-    static_assert(EPI != RESIDUAL_NORM, "RESIDUAL_NORM stores whole rows (linear_wgmma.cu)");
+__device__ __forceinline__ void store_pair(float x, float y, long long o, __half* out_hi,
+                                           __half* out_lo) {
+    static_assert(EPI == HALF || EPI == GELU_PAIR, "the residual epilogues store whole rows");
     if (EPI == HALF) {
         *reinterpret_cast<__half2*>(out_hi + o) = __floats2half2_rn(x, y);
     } else if (EPI == GELU_PAIR) {
@@ -109,8 +124,6 @@ __device__ __forceinline__ void store_pair(float x, float y, long long o, bool k
         *reinterpret_cast<__half2*>(out_hi + o) = __halves2half2(xh, yh);
         if (out_lo != nullptr)  // null: the hi half alone, for one product
             *reinterpret_cast<__half2*>(out_lo + o) = __halves2half2(xl, yl);
-    } else {
-        residual_pair(x, y, o, keep, zero_sum, res, out_f);
     }
 }
 

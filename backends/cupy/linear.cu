@@ -129,27 +129,16 @@ linear(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo, long lo
         for (int half_row = 0; half_row < 2; ++half_row) {
             int row = m0 + wm * TM + i * 16 + g + half_row * 8;
             if (row >= M) continue;
-            bool keep = EPI != RESIDUAL || valid == nullptr || valid[row] != 0;
+            const bool keep = valid == nullptr || valid[row] != 0;  // RESIDUAL
             const long long o_row = (long long)row * out_stride;
-            if constexpr (EPI == RESIDUAL) {
-                // The warp's residuals of this row read before any is written: res may be
-                // out_f, each element read and written by this thread alone.
-                float2 r[NI];
-#pragma unroll
-                for (int j = 0; j < NI; ++j) {
-                    const int col = n0 + wn * TN + j * 8 + 2 * t;
-                    r[j] = col < N ? *reinterpret_cast<const float2*>(res + o_row + col)
-                                   : make_float2(0.0f, 0.0f);
-                }
-#pragma unroll
-                for (int j = 0; j < NI; ++j) {
-                    const int col = n0 + wn * TN + j * 8 + 2 * t;
-                    if (col >= N) continue;
-                    *reinterpret_cast<float2*>(out_f + o_row + col) =
-                        residual_value(acc[i][j][half_row * 2] + bias[col],
-                                       acc[i][j][half_row * 2 + 1] + bias[col + 1], r[j], keep,
-                                       zero_sum);
-                }
+            if constexpr (EPI == RESIDUAL) {  // the warp's pairs of this row at once
+                store_residuals<NI>(
+                    [&](int j) { return n0 + wn * TN + j * 8 + 2 * t; },
+                    [&](int j, int col) {
+                        return make_float2(acc[i][j][half_row * 2] + bias[col],
+                                           acc[i][j][half_row * 2 + 1] + bias[col + 1]);
+                    },
+                    N, o_row, keep, zero_sum, res, out_f);
             } else {
 #pragma unroll
                 for (int j = 0; j < NI; ++j) {
@@ -157,7 +146,7 @@ linear(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo, long lo
                     if (col >= N) continue;
                     store_pair<EPI>(acc[i][j][half_row * 2] + bias[col],
                                     acc[i][j][half_row * 2 + 1] + bias[col + 1], o_row + col,
-                                    keep, zero_sum, out_hi, out_lo, res, out_f);
+                                    out_hi, out_lo);
                 }
             }
         }

@@ -112,38 +112,26 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[BN / 2], int r
     for (int h = 0; h < 2; ++h) {
         int row = row0 + h * 8;
         if (row >= M) continue;
-        bool keep = EPI != RESIDUAL || valid == nullptr || valid[row] != 0;
+        const bool keep = valid == nullptr || valid[row] != 0;  // RESIDUAL
         long long o_row = (long long)row * out_stride;
-        if constexpr (EPI == RESIDUAL) {
-            // res may be out_f, but each of its elements is read and written by this thread
-            // alone: a batch's reads all go before its writes, so that they overlap (in
-            // source order the compiler would wait for each store before the next read).
+        if constexpr (EPI == RESIDUAL) {  // BATCH column groups at once
 #pragma unroll
-            for (int j0 = 0; j0 < BN / 8; j0 += BATCH) {
-                float2 r[BATCH];
-#pragma unroll
-                for (int jj = 0; jj < BATCH; ++jj) {
-                    const int col = n0 + (j0 + jj) * 8 + 2 * t;
-                    r[jj] = col < N ? *reinterpret_cast<const float2*>(res + o_row + col)
-                                    : make_float2(0.0f, 0.0f);
-                }
-#pragma unroll
-                for (int jj = 0; jj < BATCH; ++jj) {
-                    const int j = j0 + jj, col = n0 + j * 8 + 2 * t;
-                    if (col >= N) continue;
-                    *reinterpret_cast<float2*>(out_f + o_row + col) = residual_value(
-                        acc[4 * j + 2 * h] + bias[col], acc[4 * j + 2 * h + 1] + bias[col + 1],
-                        r[jj], keep, zero_sum);
-                }
-            }
+            for (int j0 = 0; j0 < BN / 8; j0 += BATCH)
+                store_residuals<BATCH>(
+                    [&](int jj) { return n0 + (j0 + jj) * 8 + 2 * t; },
+                    [&](int jj, int col) {
+                        return make_float2(acc[4 * (j0 + jj) + 2 * h] + bias[col],
+                                           acc[4 * (j0 + jj) + 2 * h + 1] + bias[col + 1]);
+                    },
+                    N, o_row, keep, zero_sum, res, out_f);
         } else {
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
                 int col = n0 + j * 8 + 2 * t;
                 if (col >= N) continue;
                 store_pair<EPI>(acc[4 * j + 2 * h] + bias[col],
-                                acc[4 * j + 2 * h + 1] + bias[col + 1], o_row + col, keep,
-                                zero_sum, out_hi, out_lo, res, out_f);
+                                acc[4 * j + 2 * h + 1] + bias[col + 1], o_row + col, out_hi,
+                                out_lo);
             }
         }
     }
