@@ -9,6 +9,14 @@ enum NormOut { PAIR = 0, ONE_HALF = 1, FLOAT = 2 };
 constexpr int NORM_WARPS = 4;  // rows per block
 constexpr int NORM_HELD = 8;   // float4s a lane holds in registers: rows up to 1024 wide
 
+// The sum of v's four values, and of their squared distances from mean.
+__device__ __forceinline__ float quad_sum(float4 v) { return (v.x + v.y) + (v.z + v.w); }
+
+__device__ __forceinline__ float quad_square_sum(float4 v, float mean) {
+    const float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
+    return (a * a + b * b) + (c * c + d * d);
+}
+
 // Row r of x ([M, D], D a multiple of 4, rows 16-byte aligned): y = (x - mean) / sqrt(var +
 // eps) * weight + bias, the variance from a second pass over the row. PAIR writes hi and lo,
 // ONE_HALF hi alone, FLOAT writes out_f, 0 on rows whose valid byte is 0 (valid may be null).
@@ -35,13 +43,9 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
             v_held[i] = q < quads ? src[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
-        for (int i = 0; i < NORM_HELD; ++i)
-            sum += (v_held[i].x + v_held[i].y) + (v_held[i].z + v_held[i].w);
+        for (int i = 0; i < NORM_HELD; ++i) sum += quad_sum(v_held[i]);
     } else {
-        for (int q = lane; q < quads; q += 32) {
-            float4 v = src[q];
-            sum += (v.x + v.y) + (v.z + v.w);
-        }
+        for (int q = lane; q < quads; q += 32) sum += quad_sum(src[q]);
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
@@ -50,18 +54,10 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
     float sq = 0.0f;
     if (held) {
 #pragma unroll
-        for (int i = 0; i < NORM_HELD; ++i) {
-            if (lane + 32 * i >= quads) continue;  // padding: not part of the row
-            const float4 v = v_held[i];
-            float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
-            sq += (a * a + b * b) + (c * c + d * d);
-        }
+        for (int i = 0; i < NORM_HELD; ++i)  // past the row: padding, not summed
+            if (lane + 32 * i < quads) sq += quad_square_sum(v_held[i], mean);
     } else {
-        for (int q = lane; q < quads; q += 32) {
-            float4 v = src[q];
-            float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
-            sq += (a * a + b * b) + (c * c + d * d);
-        }
+        for (int q = lane; q < quads; q += 32) sq += quad_square_sum(src[q], mean);
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);

@@ -47,8 +47,8 @@ def attention_wgmma_shared_bytes(head_pad: int, bq: int, bkv: int,
     return (bq + (K_BUFFERS + v_buffers) * bkv) * head_pad * 2 + 1024
 
 
-def attention_wgmma_tma_shared_bytes(head_pad: int, kv_stages: int, bkv: int = 64,
-                                     bq: int = 128) -> int:
+def attention_wgmma_tma_shared_bytes(head_pad: int, kv_stages: int, bkv: int,
+                                     bq: int) -> int:
     """Dynamic shared memory of a TMA-ring attention block (attention_wgmma.cu
     attention_wgmma_tma_shared_bytes: Q of bq rows, kv_stages K and V tiles of bkv rows, 1 KiB
     to align them; its mbarriers are static)."""
