@@ -88,9 +88,10 @@ def sweep_attention(args, device) -> list[dict]:
 
 
 def sweep_gemm(args, device) -> list[dict]:
-    """Every wgmma GEMM variant (build.GEMM_VARIANTS, the first the kernel the layer runs now)
-    and, for the half epilogue, torch's fp16 matmul (cuBLAS, bias in fp16) on each M x N x K
-    of args.sizes at one product with epilogue args.epilogue, each replayed args.repeats times from a CUDA graph and timed in
+    """Every wgmma GEMM variant (build.GEMM_VARIANTS, the first the plain schedule, the layer's
+    own build.LAYER_GEMM_VARIANT among them) and, for the half epilogue, torch's fp16 matmul
+    (cuBLAS, bias in fp16) on each M x N x K of args.sizes at one product with epilogue
+    args.epilogue, each replayed args.repeats times from a CUDA graph and timed in
     alternating rounds; error: the largest |got - want| / max(|want|, 1) against torch's fp32
     matmul of the same fp16 operands, through the epilogue in fp32."""
     kernels = ops.kernels_for(device)

@@ -453,10 +453,11 @@ def test_headers_are_found_or_refused(cupy_selected, monkeypatch, tmp_path):
 
 def test_attention_variants(cupy_selected, monkeypatch):
     """Every wgmma attention variant: compiled for sm_90a, the default (first) the timed
-    fastest (two blocks an SM up to head dim 64, the plain 128x128 kernel at 128), two blocks' shared memory fit an SM where it asks for two; ops.attention
-    launches the named one (None: the default) and refuses a variant the head dim lacks or
-    the mma.sync kernel; CupyBackend refuses unknown names, and where the wgmma attention does
-    not run or lacks the variant at the config's head dim; the layer passes it to attention."""
+    fastest (two blocks an SM up to head dim 64, the plain 128x128 kernel at 128), two blocks'
+    shared memory fit an SM where it asks for two; ops.attention launches the named one (None:
+    the default) and refuses a variant the head dim lacks or the mma.sync kernel; CupyBackend
+    refuses unknown names, and where the wgmma attention does not run or lacks the variant at
+    the config's head dim; the layer passes it to attention."""
     from layerbench.backends.cupy import CupyBackend
 
     sm_shared = 228 * 1024  # per SM on sm_90, 1 KiB of it reserved per block
@@ -1071,20 +1072,26 @@ def ws_picks(seeds: int = 20):
         yield random.Random(seed).choice
 
 
+def assert_in_order(text: str, lines) -> None:
+    """Each of lines occurs in text, after the one before it."""
+    at = 0
+    for line in lines:
+        found = text.find(line, at)
+        assert found >= 0, line
+        at = found + len(line)
+
+
 def check_consumer_source() -> None:
     """consume_stages (linear_wgmma.cu), the consumers of both ring kernels, is the model's
     ws_consumer: these lines, in this order."""
     text = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
     text = text[text.index("void consume_stages("):text.index("}  // namespace wgmma_detail")]
-    at = 0
-    for line in ("mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);", "wgmma_fence();",
-                 "wgmma_commit();", "wgmma_wait<1>();",
-                 "if (kt > 0) mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));",
-                 "wgmma_wait<0>();",
-                 "if (k_tiles > 0) mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));"):
-        found = text.find(line, at)
-        assert found >= 0, line
-        at = found + len(line)
+    assert_in_order(text, (
+        "mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);", "wgmma_fence();", "wgmma_commit();",
+        "wgmma_wait<1>();", "if (kt > 0) mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));",
+        "wgmma_wait<0>();",
+        "if (k_tiles > 0) mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));",
+    ))
 
 
 def test_ws_gemm_ring_keeps_stages_safe(cupy_selected):
@@ -1192,10 +1199,9 @@ def check_tma_ring(k_tiles: int, stages: int, bn: int, pick, full_count: int = 1
 def run_tma_ring(agents: dict, counts: dict, k_tiles: int, reads, pick,
                  trace: list | None = None) -> None:
     """check_tma_ring's scheduler and checks for any TMA ring: agents (name -> generator of
-    events; consumers named C0, C1 (and C2)), counts (barrier -> its init count), reads(stage, tile)
-    -> the ((stage, part), tile) boxes an ("mma", stage, tile) event reads, pick the
-    scheduler. Besides
-    check_tma_ring's events: ("tma", stage, part, tile, bytes, barrier) completes on barrier
+    events; consumers named C0, C1 (and C2)), counts (barrier -> its init count),
+    reads(stage, tile) -> the ((stage, part), tile) boxes an ("mma", stage, tile) event
+    reads, pick the scheduler. Besides check_tma_ring's events: ("tma", stage, part, tile, bytes, barrier) completes on barrier
     (default ("full", stage)), and ("pass", stage, tile) a consumer's leaving a tile unread
     (it needs none of it) counts as its having read it. The attention ring's also: ("mma",
     stage, tile, gemm) reads reads(stage, tile, gemm) (the tile counts as read at its "PV"),
@@ -1654,25 +1660,22 @@ def test_attention_tma_ring_keeps_stages_safe(cupy_selected):
     text = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
     text = text[text.index("if constexpr (PIPELINE == ad::TMA_RING) {"):
                 text.index("} else if constexpr (SCHEDULE == ad::TMA_PINGPONG) {")]
-    at = 0
-    for line in ("ad::mbarrier_init(q_full, 1);", "ad::mbarrier_init(full0 + 8 * st, 1);",
-                 "ad::mbarrier_init(empty0 + 8 * st, 128 * CONSUMERS);",
-                 "ad::fence_mbarrier_init();",
-                 "__syncthreads();", "if (threadIdx.x == 0 && n_tiles > 0) {",
-                 "ad::mbarrier_arrive_expect_tx(q_full, Q_BYTES);",
-                 "ad::tma_load_3d(sQ, q_map, q_full, q_col, qb0, b);",
-                 "ad::mbarrier_wait(empty0 + 8 * st, ((it / KV_STAGES) & 1) ^ 1);",
-                 "ad::mbarrier_arrive_expect_tx(full, 2 * KV_BYTES);",
-                 "ad::tma_load_3d(sK + st * KV_BYTES, kv_map, full, k_col, it * BKV, b);",
-                 "ad::tma_load_3d(sV + st * KV_BYTES, kv_map, full, v_col, it * BKV, b);",
-                 "if (n_tiles > 0) ad::mbarrier_wait(q_full, 0);",
-                 "if constexpr (SCHEDULE == ad::TMA_PLAIN) {",
-                 "ad::mbarrier_wait(full0 + 8 * st, (it / KV_STAGES) & 1);",
-                 "if (work) {", "issue_scores(s, st);", "ad::wgmma_wait<0>();",
-                 "pv_waited(p, s, st);", "ad::mbarrier_arrive(empty0 + 8 * st);"):
-        found = text.find(line, at)
-        assert found >= 0, line
-        at = found + len(line)
+    assert_in_order(text, (
+        "ad::mbarrier_init(q_full, 1);", "ad::mbarrier_init(full0 + 8 * st, 1);",
+        "ad::mbarrier_init(empty0 + 8 * st, 128 * CONSUMERS);", "ad::fence_mbarrier_init();",
+        "__syncthreads();", "if (threadIdx.x == 0 && n_tiles > 0) {",
+        "ad::mbarrier_arrive_expect_tx(q_full, Q_BYTES);",
+        "ad::tma_load_3d(sQ, q_map, q_full, q_col, qb0, b);",
+        "ad::mbarrier_wait(empty0 + 8 * st, ((it / KV_STAGES) & 1) ^ 1);",
+        "ad::mbarrier_arrive_expect_tx(full, 2 * KV_BYTES);",
+        "ad::tma_load_3d(sK + st * KV_BYTES, kv_map, full, k_col, it * BKV, b);",
+        "ad::tma_load_3d(sV + st * KV_BYTES, kv_map, full, v_col, it * BKV, b);",
+        "if (n_tiles > 0) ad::mbarrier_wait(q_full, 0);",
+        "if constexpr (SCHEDULE == ad::TMA_PLAIN) {",
+        "ad::mbarrier_wait(full0 + 8 * st, (it / KV_STAGES) & 1);", "if (work) {",
+        "issue_scores(s, st);", "ad::wgmma_wait<0>();", "pv_waited(p, s, st);",
+        "ad::mbarrier_arrive(empty0 + 8 * st);",
+    ))
     # pv_waited, which the branch calls before releasing the stage, waits for its P V
     source = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
     pv = source[source.index("auto pv_waited = [&]("):]
@@ -1780,27 +1783,21 @@ def test_attention_turns_keep_ring_safe(cupy_selected):
                       "if (softmax(0, s, 0, alpha)) rescale(alpha);", "pack(p, s);",
                       "for (; it + 1 < n_tiles; ++it) iteration(1, it);",
                       "iteration(0, it);"))):
-        at = 0
-        for line in lines:
-            found = text.find(line, at)
-            assert found >= 0, line
-            at = found + len(line)
+        assert_in_order(text, lines)
         assert "__syncthreads()" not in text and "tma_load" not in text
     assert pingpong.count("mbarrier_arrive(") == 1 and overlap.count("mbarrier_arrive(") == 2
     assert packed.count("mbarrier_arrive(") == 1 and packed.count("issue_pv(") == 1
     # three consumers in the packed order (160 registers): a warp seeing none of a tile runs
     # the softmax with every score masked (P = 0, no rescale) instead of a branch of its own
-    at = 0
-    for line in ("constexpr bool MASK_IDLE = PIPELINE == ad::TMA_RING && BQ == 192 &&",
-                 "SCHEDULE == ad::TMA_OVERLAP_PACKED;",
-                 "const bool idle = !(warp_rows && !(causal && kv0 > q0 + 15));",
-                 "if constexpr (!MASK_IDLE) {", "if (idle) {",
-                 "if constexpr (MASK_IDLE) edge = edge || idle;", "if (edge) {",
-                 "if constexpr (MASK_IDLE) ok = ok && !idle;", "if constexpr (MASK_IDLE) {",
-                 "return !idle;"):
-        found = source.find(line, at)
-        assert found >= 0, line
-        at = found + len(line)
+    assert_in_order(source, (
+        "constexpr bool MASK_IDLE = PIPELINE == ad::TMA_RING && BQ == 192 &&",
+        "SCHEDULE == ad::TMA_OVERLAP_PACKED;",
+        "const bool idle = !(warp_rows && !(causal && kv0 > q0 + 15));",
+        "if constexpr (!MASK_IDLE) {", "if (idle) {",
+        "if constexpr (MASK_IDLE) edge = edge || idle;", "if (edge) {",
+        "if constexpr (MASK_IDLE) ok = ok && !idle;", "if constexpr (MASK_IDLE) {",
+        "return !idle;",
+    ))
     turns = [v for hp, vs in build.ATTENTION_WGMMA.items() for v in vs
              if v.tma and v.schedule != build.TMA_PLAIN]
     assert {v.schedule for v in turns} == {build.TMA_PINGPONG, build.TMA_OVERLAP,
@@ -1915,14 +1912,12 @@ def test_attention_poly_exp2(cupy_selected):
     source = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
     body = source[source.index("float exp2_poly(float x) {"):]
     body = body[:body.index("\n}\n")]
-    at = 0
-    for line in ("x = fmaxf(x, -127.0f);", "const float t = __fadd_rd(x, 12582912.0f);",
-                 "const float f = __fsub_rn(x, __fsub_rn(t, 12582912.0f));",
-                 "const float p = fmaf(fmaf(fmaf(",
-                 "return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));"):
-        found = body.find(line, at)
-        assert found >= 0, line
-        at = found + len(line)
+    assert_in_order(body, (
+        "x = fmaxf(x, -127.0f);", "const float t = __fadd_rd(x, 12582912.0f);",
+        "const float f = __fsub_rn(x, __fsub_rn(t, 12582912.0f));",
+        "const float p = fmaf(fmaf(fmaf(",
+        "return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));",
+    ))
     c3, c2, c1 = map(float, re.search(
         r"fmaf\(fmaf\(fmaf\(([0-9.]+)f, f, ([0-9.]+)f\), f,\s*([0-9.]+)f\),\s*f, 1\.0f\)",
         body).groups())
