@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -209,7 +210,7 @@ def test_attention_tma_sass(cupy_selected, compiled, hopper_sass):
     Packed overlap: S issued twice (before and in the loop), P V twice (in the loop, the last
     tile), four group ends, waits 0, 1 (S of the next tile done, P V running), 0 and 0, three
     fences, the same turns. Poly-exp2 variants: one FADD.RM (exp2_poly's floor) for each
-    exponential it takes over (one in eight of each softmax copy's), and as many MUFU.EX2
+    exponential it takes over (one in poly_every of each softmax copy's), and as many MUFU.EX2
     fewer than the variant without it; the others no FADD.RM."""
     _, lowered = compiled[build.HOPPER]
     bodies, rows = hopper_sass
@@ -279,7 +280,7 @@ def test_attention_tma_sass(cupy_selected, compiled, hopper_sass):
                      (v.bq, v.bkv, v.kv_stages, v.schedule)]
             exact = bodies[lowered[build.attention_wgmma_name(hp, twin)]]
             copies = 1 if v.schedule == build.TMA_PINGPONG else 2  # softmaxes in the source
-            assert rounded == copies * v.bkv // 2 // 8, (name, rounded)
+            assert rounded == copies * v.bkv // 2 // v.poly_every, (name, rounded)
             assert ex2 + rounded == len(re.findall(r"\bMUFU\.EX2\b", exact)), (name, ex2)
         else:
             assert rounded == 0 and ex2 > 0, name
@@ -484,9 +485,12 @@ def test_attention_variants(cupy_selected, monkeypatch):
                                                  build.WGMMA_TMA_OVERLAP_128,
                                                  build.WGMMA_TMA_PINGPONG_128_POLY,
                                                  build.WGMMA_TMA_OVERLAP_128_POLY,
-                                                 build.WGMMA_TMA_OVERLAP_3WG)
+                                                 build.WGMMA_TMA_OVERLAP_3WG,
+                                                 build.WGMMA_TMA_OVERLAP_3WG_POLY,
+                                                 build.WGMMA_TMA_OVERLAP_3WG_POLY4)
     # (head dim, variant) -> its template arguments (FlashAttention-3's overlap order at BKV
-    # 128 is SCHEDULE 3; the polynomial exp2 adds 4) and shared bytes, as the .cu says
+    # 128 is SCHEDULE 3; the polynomial exp2 adds 4 at one pair in 8, 8 at one in 4) and
+    # shared bytes, as the .cu says
     expected = {(64, build.WGMMA_TMA_PINGPONG): ("128, 64, 3, 1", None),
                 (32, build.WGMMA_TMA_OVERLAP): ("128, 64, 5, 2", None),
                 (64, build.WGMMA_TMA_OVERLAP): ("128, 64, 5, 2", 99328),
@@ -497,12 +501,16 @@ def test_attention_variants(cupy_selected, monkeypatch):
                 (32, build.WGMMA_TMA_PINGPONG_128_POLY): ("128, 128, 3, 5", None),
                 (64, build.WGMMA_TMA_OVERLAP_128_POLY): ("128, 128, 5, 7", None),
                 (64, build.WGMMA_TMA_OVERLAP_3WG): ("192, 128, 6, 3", 222208),
+                (64, build.WGMMA_TMA_OVERLAP_3WG_POLY): ("192, 128, 6, 7", 222208),
+                (32, build.WGMMA_TMA_OVERLAP_3WG_POLY4): ("192, 128, 6, 11", 111616),
                 (32, build.WGMMA_TMA_OVERLAP_3WG): ("192, 128, 6, 3", 111616)}
     for (hp, v), (arguments, shared) in expected.items():
         assert build.attention_wgmma_name(hp, v) == (
             f"lb::flash_attention_wgmma_tma<{hp}, {arguments}>"), (hp, v.name)
         assert shared is None or ops.attention_variant_shared_bytes(hp, v) == shared, v.name
-    assert [v.poly_exp2 for v in build.ATTENTION_WGMMA[64]].count(True) == 2
+    assert [v.poly_every for v in build.ATTENTION_WGMMA[64] if v.poly_exp2] == [8, 8, 8, 4]
+    with pytest.raises(ValueError, match="polynomial"):
+        build.attention_wgmma_name(64, replace(build.WGMMA_TMA_OVERLAP_3WG, poly_every=2))
     assert not any(v.poly_exp2 for v in build.ATTENTION_WGMMA[128])
     assert build.WGMMA_TMA_PINGPONG.threads == build.WGMMA_TMA_OVERLAP.threads == 384
     assert build.WGMMA_TMA_PINGPONG_128.threads == 384
@@ -1908,7 +1916,7 @@ def test_attention_poly_exp2(cupy_selected):
     [-126, -125], the integers, tiny negatives) its relative error to 2^x stays below 1e-4
     (measured: 8.6e-5, the polynomial's own; fp16 P rounds at 4.9e-4); below -126 it gives
     [0, 2^-126], at -127 and below (-inf: masked scores) exactly 0. The softmax takes it for
-    one column pair in POLY_EVERY (8), exp2f for the others."""
+    one column pair in POLY_EVERY (8) or in half as many, exp2f for the others."""
     source = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
     body = source[source.index("float exp2_poly(float x) {"):]
     body = body[:body.index("\n}\n")]
@@ -2257,8 +2265,8 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
     where the device has it, every variant of the head dim (build.ATTENTION_WGMMA; one that
     refuses the head dim must refuse it), variants of one BKV bit-identical (the same
     arithmetic, issued in another order; the TMA ring too: the keys it loads where the others
-    zero-fill get P = 0), those with the polynomial exp2 (poly_exp2) among themselves only,
-    as their P differs. 200 tokens: the
+    zero-fill get P = 0), those with the polynomial exp2 among themselves only (one fraction,
+    poly_every, a group), as their P differs. 200 tokens: the
     last block's second warpgroup has 8 rows; 700: 11 key tiles of 64, and the last block's
     second warpgroup has none."""
     if wgmma and not kernels.has_wgmma:
@@ -2280,7 +2288,7 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
                                    seq_len=seq_len, heads=heads, causal=causal)
     wide = ops.wgmma_attention_pad(head_dim)
     variants = build.ATTENTION_WGMMA[wide] if wgmma and wide else (None,)
-    by_bkv = {}  # (BKV, poly_exp2) -> (variant name, output) of the first variant with them
+    by_bkv = {}  # (BKV, poly_every) -> (variant name, output) of the first variant with them
     for variant in variants:
         name = variant.name if variant else None
         ctx = tuple(torch.full((batch * seq_len, d), math.nan, device="cuda",
@@ -2300,7 +2308,7 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
         assert err < 2e-2, f"{name}: max error {err:.3g}"
         assert torch.equal(got[blind], torch.zeros_like(got[blind])), name
         if variant:
-            first, same = by_bkv.setdefault((variant.bkv, variant.poly_exp2), (name, got))
+            first, same = by_bkv.setdefault((variant.bkv, variant.poly_every), (name, got))
             assert torch.equal(got, same), f"{name} differs from {first}"
 
 

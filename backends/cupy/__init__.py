@@ -42,7 +42,7 @@ class CupyBackend(Backend):
     None (default): "wgmma 128x128 TMA 2/SM" where it fits on reductions of 512 columns or
     more, elsewhere the plain schedule, its tile picked per GEMM (layer.gemm_variant_for).
     attention_variant: a variant of the wgmma attention kernel by name
-    (build.ATTENTION_WGMMA; None: "wgmma 128x128 TMA ping-pong" at head dim 64 from 4096
+    (build.ATTENTION_WGMMA; None: "wgmma 192x128 TMA overlap" at head dim 64 from 4096
     tokens (layer.LONG_ATTENTION),
     "wgmma 128x64 2/SM" at other head dims up to 64 and shorter sequences, "wgmma 128x128"
     above); needs the wgmma attention (sm_90, head dims up to 128).

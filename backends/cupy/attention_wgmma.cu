@@ -92,8 +92,9 @@ constexpr int PIPELINED_V_BUFFERS = 3;
 constexpr int TMA_RING = 2;  // the PIPELINE value of flash_attention_wgmma_tma's schedule
 // flash_attention_wgmma_tma's consumer schedules (its SCHEDULE; see above the kernel).
 constexpr int TMA_PLAIN = 0, TMA_PINGPONG = 1, TMA_OVERLAP = 2, TMA_OVERLAP_PACKED = 3;
-// Added to SCHEDULE: the softmax computes one column pair in POLY_EVERY (s[4 j ..] where
-// j % POLY_EVERY == POLY_EVERY - 1) with exp2_poly instead of exp2f (MUFU.EX2).
+// TMA_POLY_EXP2 times k (1 or 2) added to SCHEDULE: the softmax computes one column pair in
+// POLY_EVERY / k (s[4 j ..] where j % (POLY_EVERY / k) == POLY_EVERY / k - 1) with exp2_poly
+// instead of exp2f (MUFU.EX2).
 constexpr int TMA_POLY_EXP2 = 4, POLY_EVERY = 8;
 
 // 2^x on the FMA units (FlashAttention-4's emulation), x <= 0: 2^floor(x) * p(x - floor(x)),
@@ -231,7 +232,9 @@ __device__ __forceinline__ void flash_attention_body(
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int b = blockIdx.y / num_heads, h = blockIdx.y % num_heads;
-    const int qb0 = blockIdx.x * BQ;        // first query row of the block
+    // First query row of the block. Causal: the last query tiles (the most keys) first, so
+    // the grid's tail runs the shortest blocks.
+    const int qb0 = static_cast<int>(causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BQ;
     const int qg0 = qb0 + group * 64;       // ... of the warpgroup
     const int q0 = qg0 + warp * 16;         // ... of the warp
 
@@ -943,8 +946,9 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int b
 //      alpha, p = fp16(P[it + 1]).
 //   Step 1 waits for tile it + 1 while holding it: KV_STAGES >= 2 (build.py's variants: 5 at
 //   BQ 128, 6 at BQ 192, three consumers: the softmax's MASK_IDLE keeps it in 160 registers).
-// SCHEDULE + TMA_POLY_EXP2: the same schedule, the softmax computing one column pair in
-// POLY_EVERY with exp2_poly (FMA units) instead of exp2f (MUFU.EX2): not bit-identical.
+// SCHEDULE + k TMA_POLY_EXP2 (k 1 or 2): the same schedule, the softmax computing one column
+// pair in POLY_EVERY / k with exp2_poly (FMA units) instead of exp2f (MUFU.EX2): not
+// bit-identical.
 template <int HP, int BQ, int BKV, int KV_STAGES, int SCHEDULE>
 __global__ void __launch_bounds__(128 * (BQ / 64 + 1), 1)
 flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
@@ -959,9 +963,12 @@ flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
     static_assert(attention_wgmma_tma_shared_bytes(HP, BQ, BKV, KV_STAGES) <= 227 * 1024,
                   "the ring must fit one block's shared memory");
     namespace ad = attn_wgmma_detail;
-    // SCHEDULE % TMA_POLY_EXP2: the consumers' schedule; TMA_POLY_EXP2 added: exp2_poly.
+    // SCHEDULE % TMA_POLY_EXP2: the consumers' schedule; k = SCHEDULE / TMA_POLY_EXP2:
+    // exp2_poly for one column pair in POLY_EVERY / k (none where k is 0).
+    constexpr int POLY_K = SCHEDULE / ad::TMA_POLY_EXP2;
+    static_assert(POLY_K <= 2, "the polynomial takes one column pair in 8 or 4, or none");
     ad::flash_attention_body<HP, BQ, BKV, ad::TMA_RING, KV_STAGES, SCHEDULE % ad::TMA_POLY_EXP2,
-                             SCHEDULE / ad::TMA_POLY_EXP2 ? ad::POLY_EVERY : 0>(
+                             POLY_K ? ad::POLY_EVERY / POLY_K : 0>(
         qkv, qkv_stride, ctx_hi, ctx_lo, ctx_stride, valid, key_info, seq_len, num_heads,
         head_dim, scale, causal, &q_map, &kv_map);
 #elif defined(__CUDA_ARCH__)

@@ -44,9 +44,10 @@ class AttentionVariant:
     see refusal). schedule: the TMA ring's consumer schedule (its SCHEDULE):
     TMA_PLAIN, TMA_PINGPONG (the consumers take turns issuing wgmmas), TMA_OVERLAP (turns,
     and S of the next tile issued before this tile's softmax) or TMA_OVERLAP_PACKED (turns,
-    S of the next tile issued with this tile's P V, one score set). poly_exp2: one column
-    pair in eight of P computed by a polynomial on the FMA units instead of MUFU.EX2
-    (TMA_POLY_EXP2 added to SCHEDULE): P not bit-identical to the other variants'."""
+    S of the next tile issued with this tile's P V, one score set). poly_every (8 or 4, 0:
+    none): one column pair in poly_every of P computed by a polynomial on the FMA units
+    instead of MUFU.EX2 (TMA_POLY_EXP2 times 8 / poly_every added to SCHEDULE): P not
+    bit-identical to the other variants'."""
 
     name: str
     bq: int
@@ -56,7 +57,12 @@ class AttentionVariant:
     tma: bool = False
     kv_stages: int = 0
     schedule: int = 0
-    poly_exp2: bool = False
+    poly_every: int = 0
+
+    @property
+    def poly_exp2(self) -> bool:
+        """Whether the softmax takes part of its exponentials by polynomial."""
+        return self.poly_every > 0
 
     @property
     def threads(self) -> int:
@@ -82,12 +88,13 @@ ATTENTION_TMA_THREADS = 384  # flash_attention_wgmma_tma: a producer and two con
 WGMMA_TMA = AttentionVariant("wgmma 128x64 TMA", 128, 64, tma=True, kv_stages=3)
 TMA_PLAIN, TMA_PINGPONG, TMA_OVERLAP = 0, 1, 2  # flash_attention_wgmma_tma's SCHEDULE
 TMA_OVERLAP_PACKED = 3  # ... and FlashAttention-3's order (see WGMMA_TMA_OVERLAP_128)
-TMA_POLY_EXP2 = 4  # added to SCHEDULE: exp2_poly for one column pair in eight
+TMA_POLY_EXP2 = 4  # times 8 / poly_every added to SCHEDULE: exp2_poly for part of P
+POLY_EVERY = (8, 4)  # the fractions of P exp2_poly may take: one column pair in these
 # FlashAttention-3's next steps on the ring: ping-pong (the two consumers take turns issuing
 # wgmmas, one's softmax under the other's), the same stages; overlap (ping-pong, and S of
 # tile it + 1 issued before the softmax of tile it): a consumer holds three stages, so five
 # let the producer load two tiles ahead. H200, the shape-14 sequence above: 309.1 and 346.0
-# TFLOP/s; at BKV 128 ping-pong 352.2 (the layer's LONG_ATTENTION), three consumers 340.8.
+# TFLOP/s; at BKV 128 ping-pong 352.2, three consumers 340.8.
 WGMMA_TMA_PINGPONG = AttentionVariant("wgmma 128x64 TMA ping-pong", 128, 64, tma=True,
                                       kv_stages=3, schedule=TMA_PINGPONG)
 WGMMA_TMA_OVERLAP = AttentionVariant("wgmma 128x64 TMA overlap", 128, 64, tma=True,
@@ -100,31 +107,41 @@ WGMMA_TMA_PINGPONG_128 = AttentionVariant("wgmma 128x128 TMA ping-pong", 128, 12
 # 160 (ping-pong at BKV 64 needs about 123), the turns in a cycle of three.
 WGMMA_TMA_PINGPONG_3WG = AttentionVariant("wgmma 192x64 TMA ping-pong", 192, 64, tma=True,
                                           kv_stages=3, schedule=TMA_PINGPONG)
-# The next steps toward FlashAttention-3's speed at head dim 64 (not yet timed on the H200).
-# Overlap at BKV 128 in FlashAttention-3's order (TMA_OVERLAP_PACKED): a turn issues S of tile
-# it + 1 and P V of tile it, whose P is held packed in fp16; the softmax of it + 1 runs under
-# that P V, so one score set of 64 registers is live (TMA_OVERLAP's two at BKV 128 spill:
-# 264 bytes of stack). A consumer holds two stages, so five let the producer run three ahead.
+# The next steps toward FlashAttention-3's speed at head dim 64. H200, the shape-14 sequence
+# above: 128x128 overlap 380, 192x128 overlap 457 TFLOP/s (the layer's LONG_ATTENTION); with
+# poly-exp2 397 at 128x128, but 430 (one pair in eight) and 409-415 (in four) at 192x128.
+# Overlap at BKV 128 in FlashAttention-3's order (TMA_OVERLAP_PACKED): a turn issues S of
+# tile it + 1 and P V of tile it, whose P is held packed in fp16; the softmax of it + 1 runs
+# under that P V, so one score set of 64 registers is live (TMA_OVERLAP's two at BKV 128
+# spill: 264 bytes of stack). A consumer holds two stages, so five let the producer run three
+# ahead.
 WGMMA_TMA_OVERLAP_128 = AttentionVariant("wgmma 128x128 TMA overlap", 128, 128, tma=True,
                                          kv_stages=5, schedule=TMA_OVERLAP_PACKED)
-# FlashAttention-3's configuration at head dim 64 (not yet timed on the H200): the packed
-# overlap with three consumers, BQ 192 (512 threads, setmaxnreg 24 and 160: S 64, O 32 and P
-# 32 registers a thread, 152 in all, no spill: attention_wgmma.cu's MASK_IDLE; the softmax's
-# own branch for a warp seeing none of a tile spilled 248 bytes of stack) and BKV 128; six
-# stages, as many as fit 227 KiB at head dim 64 (Q 24 KiB, a stage 32 KiB: 222208 bytes).
+# FlashAttention-3's configuration at head dim 64: the packed overlap with three consumers,
+# BQ 192 (512 threads, setmaxnreg 24 and 160: S 64, O 32 and P 32 registers a thread, 152 in
+# all, no spill: attention_wgmma.cu's MASK_IDLE; the softmax's own branch for a warp seeing
+# none of a tile spilled 248 bytes of stack) and BKV 128; six stages, as many as fit 227 KiB
+# at head dim 64 (Q 24 KiB, a stage 32 KiB: 222208 bytes).
 WGMMA_TMA_OVERLAP_3WG = AttentionVariant("wgmma 192x128 TMA overlap", 192, 128, tma=True,
                                          kv_stages=6, schedule=TMA_OVERLAP_PACKED)
+# ... with the polynomial exponential for one column pair in eight, or in four.
+WGMMA_TMA_OVERLAP_3WG_POLY = AttentionVariant("wgmma 192x128 TMA overlap poly-exp2", 192, 128,
+                                              tma=True, kv_stages=6,
+                                              schedule=TMA_OVERLAP_PACKED, poly_every=8)
+WGMMA_TMA_OVERLAP_3WG_POLY4 = AttentionVariant("wgmma 192x128 TMA overlap poly-exp2 1/4", 192,
+                                               128, tma=True, kv_stages=6,
+                                               schedule=TMA_OVERLAP_PACKED, poly_every=4)
 # FlashAttention-4's exponential: one P column pair in eight by a degree-3 polynomial on the
 # FMA units (attention_wgmma.cu exp2_poly, relative error below 1e-4), off the MUFU pipe.
 WGMMA_TMA_PINGPONG_128_POLY = AttentionVariant("wgmma 128x128 TMA ping-pong poly-exp2", 128,
                                                128, tma=True, kv_stages=3,
-                                               schedule=TMA_PINGPONG, poly_exp2=True)
+                                               schedule=TMA_PINGPONG, poly_every=8)
 WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-exp2", 128, 128,
                                               tma=True, kv_stages=5,
-                                              schedule=TMA_OVERLAP_PACKED, poly_exp2=True)
+                                              schedule=TMA_OVERLAP_PACKED, poly_every=8)
 # flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (two
 # blocks an SM at head dims 32 and 64: the fastest timed on the H200 at shape 13; on shape
-# 14's long sequences the TMA ring's 128x128 ping-pong is, and the layer runs it there:
+# 14's long sequences the TMA ring's 192x128 overlap is, and the layer runs it there:
 # layer.LONG_ATTENTION).
 # Head dims up to 32 run at 32; 256 has none (the mma.sync kernel runs it). At 128, two
 # blocks an SM (128 registers a thread) spill, and the pipelined schedule at BKV 128 spills
@@ -135,12 +152,14 @@ ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TM
                         WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
                         WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
                         WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY,
-                        WGMMA_TMA_OVERLAP_3WG),
+                        WGMMA_TMA_OVERLAP_3WG, WGMMA_TMA_OVERLAP_3WG_POLY,
+                        WGMMA_TMA_OVERLAP_3WG_POLY4),
                    64: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
                         WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
                         WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
                         WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY,
-                        WGMMA_TMA_OVERLAP_3WG),
+                        WGMMA_TMA_OVERLAP_3WG, WGMMA_TMA_OVERLAP_3WG_POLY,
+                        WGMMA_TMA_OVERLAP_3WG_POLY4),
                    128: (WGMMA_PLAIN, WGMMA_PIPELINED)}
 
 
@@ -285,11 +304,13 @@ def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
     v = variant
     if v.tma:
         if ((v.min_blocks, v.pipelined) != (1, False) or v.bq not in (128, 192)
-                or v.bkv not in (64, 128) or v.kv_stages < 1):
+                or v.bkv not in (64, 128) or v.kv_stages < 1
+                or v.poly_every not in (0, *POLY_EVERY)):
             raise ValueError(f"{v.name} runs BQ 128 or 192, BKV 64 or 128, one block an SM, "
-                             f"a ring")
+                             f"a ring, the polynomial on one pair in {POLY_EVERY} or none")
+        poly = TMA_POLY_EXP2 * (POLY_EVERY[0] // v.poly_every) if v.poly_every else 0
         return (f"lb::flash_attention_wgmma_tma<{head_pad}, {v.bq}, {v.bkv}, {v.kv_stages}, "
-                f"{v.schedule + TMA_POLY_EXP2 * v.poly_exp2}>")
+                f"{v.schedule + poly}>")
     return (f"lb::flash_attention_wgmma<{head_pad}, {v.bq}, {v.bkv}, {v.min_blocks}, "
             f"{int(v.pipelined)}>")
 

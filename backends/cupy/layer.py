@@ -27,10 +27,11 @@ def linear_products_for(d_model: int) -> int:
 
 FUSED_NORM_WAVES = 3  # a fused grid this many blocks per SM hides its lost width
 # Long sequences at head dim 64 run the TMA-ring attention where no variant is named: on one
-# 100000-token sequence of shape 14 on the H200, its ping-pong schedule on key tiles of 128
-# ran at 352 TFLOP/s, the plain ring at 270 and the default at 237 (at 1024 tokens, head dim
-# 32, every ring variant was the slower).
-LONG_ATTENTION = build.WGMMA_TMA_PINGPONG_128
+# 100000-token sequence of shape 14 on the H200, its packed overlap with three consumers
+# (FlashAttention-3's configuration) ran at 457 TFLOP/s, the 128x128 ping-pong at 356, the
+# plain ring at 270 and the default at 237; at 8192 tokens 234 against 225 and 155 (at 1024
+# tokens, head dim 32, every ring variant was the slower).
+LONG_ATTENTION = build.WGMMA_TMA_OVERLAP_3WG
 LONG_ATTENTION_HEAD_DIM, LONG_ATTENTION_MIN_KEYS = 64, 4096
 
 
