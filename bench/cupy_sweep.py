@@ -4,7 +4,7 @@ and GEMM kernel sweeps.
 
     python bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1   # wgmma kernels on / off
     python bench/cupy_sweep.py plans --plan "wgmma 128x256 TMA" --shapes 8  # a GEMM variant / default
-    python bench/cupy_sweep.py products --shapes 13,6 --products 1,3  # out_proj and FFN
+    python bench/cupy_sweep.py products --shapes 13,6 --products 1,2,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
         # the mma.sync attention kernel and every wgmma variant of the head dim on one input:
         # ms, TFLOP/s, error
@@ -158,7 +158,8 @@ def main() -> int:
                         default="wgmma",
                         help="plans: the option (or GEMM variant: \"wgmma 128x128\" forces "
                              "the plain schedule) compared on against off (the default)")
-    parser.add_argument("--products", default="1,3", help="products: the two counts compared")
+    parser.add_argument("--products", default="1,3",
+                        help="products: the counts compared (two or more of 1, 2, 3)")
     parser.add_argument("--padding", type=float, default=0.0, help="padding ratio")
     parser.add_argument("--batch", type=int, default=1, help="attention: sequences")
     parser.add_argument("--seq-len", type=int, default=100000, help="attention: tokens each")

@@ -277,9 +277,9 @@ def fmt_ms(value: float | None) -> str:
 
 def compare_plans(shapes, build_plan, plans=(True, False), *, padding: float = 0.0,
                   rounds: int = 20, device="cuda", label: str = "plan") -> list[dict]:
-    """Two plans of one backend per shape: build_plan(plan, config, state_dict) builds each;
-    both are checked against one reference and timed in alternating rounds (the first
-    against the second). One row per shape: median ms and error/allowed of each."""
+    """Two or more plans of one backend per shape: build_plan(plan, config, state_dict) builds
+    each; all are checked against one reference and timed in alternating rounds. One row per
+    shape: median ms and error/allowed of each, in the order of plans."""
     from .shapes import resolve_shapes
 
     rows = []
@@ -292,13 +292,16 @@ def compare_plans(shapes, build_plan, plans=(True, False), *, padding: float = 0
             report, reference = check(layer, prepared, reference)
             layers.append(layer)
             ratios.append(report.worst_ratio)
-        timing = time_against_baseline(layers[0], prepared, layers[1], rounds=rounds)
-        row = {"shape": shape.number, "plans": list(plans),
-               "median_ms": [timing.median_ms, timing.baseline_ms], "worst_ratio": ratios}
+        medians = alternating_medians_ms([forward_call(layer, prepared) for layer in layers],
+                                         prepared.x.device, rounds=rounds, max_seconds=20.0)
+        row = {"shape": shape.number, "plans": list(plans), "median_ms": medians,
+               "worst_ratio": ratios}
         rows.append(row)
-        print(f"shape {shape.number:2d} {label} {plans[0]}: {timing.median_ms:8.3f} ms "
-              f"(error/allowed {ratios[0]:.3f})  {plans[1]}: {timing.baseline_ms:8.3f} ms "
-              f"({ratios[1]:.3f})", flush=True)
+        print(f"shape {shape.number:2d} {label} {plans[0]}: {medians[0]:8.3f} ms "
+              f"(error/allowed {ratios[0]:.3f})" +
+              "".join(f"  {plan}: {ms:8.3f} ms ({ratio:.3f})"
+                      for plan, ms, ratio in zip(plans[1:], medians[1:], ratios[1:])),
+              flush=True)
         del layers, prepared, reference
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -16,7 +16,8 @@ def _norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _products(a_hi, a_lo, w_hi, w_lo, n: int, products: int) -> torch.Tensor:
-    """A @ W^T over the first n rows of W and the columns of A, by PRODUCTS fp16 products."""
+    """A @ W^T over the first n rows of W and the columns of A, by PRODUCTS fp16 products:
+    1 a_hi w_hi; 2 adds a_lo w_hi (w_lo not read); 3 adds a_hi w_lo too."""
     k = a_hi.shape[1]
     wh, wl = w_hi[:n, :k].float(), w_lo[:n, :k].float()
     acc = a_hi.float() @ wh.t()

@@ -192,6 +192,26 @@ def test_gemm_variants_sass(cupy_selected, compiled, hopper_sass):
                 assert "USETMAXREG" not in body and "SYNCS" not in body, name
 
 
+def test_gemm_products_sass(cupy_selected, compiled, hopper_sass):
+    """sm_90a SASS of the plain-schedule wgmma GEMMs at each product count: BK / 16 k16 wgmmas
+    per product in the one loop body, no local memory; at two products more cp.async copies
+    than at one (A's lo tile) and fewer than at three (no W lo tile)."""
+    _, lowered = compiled[build.HOPPER]
+    bodies = hopper_sass[0]
+    tiles = [(t, e) for t in build.WGMMA_TILES for e in ("gelu_pair", "residual")]
+    tiles += [(t, build.NORM_EPILOGUE) for t in build.NORM_TILES]
+    for tile, epilogue in tiles:
+        copies = {}
+        for products in build.GEMM_PRODUCTS:
+            name = build.wgmma_name(tile, products, epilogue)
+            body = bodies[lowered[name]]
+            hgmma = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32\b", body)
+            assert len(hgmma) == 4 * products and set(hgmma) == {str(tile[1])}, (name, hgmma)
+            assert not re.search(r"\b(LDL|STL)\b", body), name
+            copies[products] = len(re.findall(r"\bLDGSTS\b", body))
+        assert copies[1] < copies[2] < copies[3], (tile, epilogue, copies)
+
+
 def test_attention_tma_sass(cupy_selected, compiled, hopper_sass):
     """sm_90a SASS of every TMA-ring attention variant: S = Q K^T as HD / 16 SS wgmmas
     (HGMMA.64xBKVx16 on two descriptors) and O += P V as BKV / 16 RS ones (registers, then V's
@@ -343,10 +363,12 @@ def _launches():
     ops.layer_norm(k, x, w, b, half=pair[0])
     ops.layer_norm(k, x, w, b, out=x, valid_rows=valid)
     for products in build.GEMM_PRODUCTS:
+        half = build.gemm_compiled("half", products)  # not at two products
         for tile in build.GEMM_TILES:
             wp = weight_pair(torch.zeros(f, d))
-            ops.linear(k, pair, wp, torch.zeros(f), "half", products,
-                       out_half=torch.zeros(m, f, dtype=torch.float16), tile=tile)
+            if half:
+                ops.linear(k, pair, wp, torch.zeros(f), "half", products,
+                           out_half=torch.zeros(m, f, dtype=torch.float16), tile=tile)
             ops.linear(k, pair, wp, torch.zeros(f), "gelu_pair", products,
                        out_pair=(torch.zeros(m, f, dtype=torch.float16),) * 2, tile=tile)
             ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", products,
@@ -355,9 +377,10 @@ def _launches():
             ops.linear(k, pair, weight_pair(torch.zeros(f, d)), torch.zeros(f), "gelu_pair",
                        products, out_pair=(torch.zeros(m, f, dtype=torch.float16), None),
                        tile=tile, wgmma=True)
-            ops.linear(k, pair, weight_pair(torch.zeros(f, d)), torch.zeros(f), "half",
-                       products, out_half=torch.zeros(m, f, dtype=torch.float16), tile=tile,
-                       wgmma=True)
+            if half:
+                ops.linear(k, pair, weight_pair(torch.zeros(f, d)), torch.zeros(f), "half",
+                           products, out_half=torch.zeros(m, f, dtype=torch.float16),
+                           tile=tile, wgmma=True)
             ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", products,
                        res=x, out=x, valid_rows=None, tile=tile, wgmma=True)
         for tile, norm_out in itertools.product(build.NORM_TILES, (pair, (pair[0], None))):
@@ -705,6 +728,59 @@ def test_gemm_variants(cupy_selected, monkeypatch):
     stand = StandIns()
     _run_stand_ins(cfg, stand, x_in, mask, monkeypatch, gemm_variant=wide.name)
     assert all(v is None for *_, v in stand.gemm_variants), stand.gemm_variants
+
+
+def test_two_products(cupy_selected):
+    """Two products (a_hi w_hi + a_lo w_hi) are compiled for the epilogues the layer launches
+    past one product, on every plain GEMM tile of both families, and not for half (Q/K/V
+    runs one product); a stage holds three tiles (A hi and lo, W hi): the shared bytes
+    linear_wgmma.cu lists; ops.linear launches them with the weights' lo half unread (None)
+    and refuses half; CupyBackend takes linear_products 2 and refuses 4."""
+    from layerbench.backends.cupy import CupyBackend
+
+    assert 2 in build.GEMM_PRODUCTS
+    for arch in build.ARCHES:
+        names = set(build.name_expressions(arch))
+        for e in build.EPILOGUES:
+            if e != build.NORM_EPILOGUE:
+                want = e in build.TWO_PRODUCT_EPILOGUES
+                assert all((build.gemm_name(t, 2, e) in names) == want
+                           for t in build.GEMM_TILES), (arch, e)
+                assert all((build.wgmma_name(t, 2, e) in names) == (want and arch == build.HOPPER)
+                           for t in build.WGMMA_TILES), (arch, e)
+        assert all((build.wgmma_name(t, 2, build.NORM_EPILOGUE) in names) ==
+                   (arch == build.HOPPER) for t in build.NORM_TILES), arch
+    assert not build.gemm_compiled("half", 2) and build.gemm_compiled("residual_norm", 2)
+    # linear_wgmma.cu's values, and A's lo tile alone added to one product's stages
+    assert [ops.wgmma_shared_bytes(bm, bn, 2) for bm, bn in ((128, 128), (64, 128), (64, 64))] \
+        == [148480, 99328, 74752]
+    for bm, bn in build.WGMMA_TILES + build.NORM_TILES:
+        assert (ops.wgmma_shared_bytes(bm, bn, 2) - ops.wgmma_shared_bytes(bm, bn, 1)
+                == build.GEMM_PLAIN.stages * bm * 128)
+    for bm, bn, _, _ in build.GEMM_TILES:
+        assert (ops.linear_shared_bytes(bm, bn, 2) - ops.linear_shared_bytes(bm, bn, 1)
+                == ops.STAGES * bm * ops.BK_ROW * 2)
+    m, n, d = 300, 136, 128
+    pair = (torch.zeros(m, d, dtype=torch.float16), torch.zeros(m, d, dtype=torch.float16))
+    w_hi_only = (torch.zeros(n, d, dtype=torch.float16), None)
+    out = torch.zeros(m, n, dtype=torch.float16)
+    for wgmma, tile in [(False, t) for t in build.GEMM_TILES] + \
+            [(True, t) for t in build.WGMMA_TILES]:
+        k = Recorder()
+        ops.linear(k, pair, w_hi_only, torch.zeros(n), "gelu_pair", 2, out_pair=(out, out),
+                   tile=tile, wgmma=wgmma)
+        name, _, _, shared, args = k.calls[0]
+        want = (build.wgmma_name(tile, 2, "gelu_pair") if wgmma
+                else build.gemm_name(tile, 2, "gelu_pair"))
+        assert name == want and args[4] is None
+        assert shared == (ops.wgmma_shared_bytes(*tile, 2) if wgmma
+                          else ops.linear_shared_bytes(*tile[:2], 2))
+        with pytest.raises(ValueError, match="not compiled for half at 2"):
+            ops.linear(Recorder(), pair, w_hi_only, torch.zeros(n), "half", 2, out_half=out,
+                       tile=tile, wgmma=wgmma)
+    assert CupyBackend(linear_products=2).linear_products == 2
+    with pytest.raises(ValueError, match="1, 2 or 3"):
+        CupyBackend(linear_products=4)
 
 
 # A model of the wgmma attention kernels' schedules (attention_wgmma.cu), in the order every
@@ -2120,7 +2196,10 @@ def test_layer_norm_kernel(kernels, m, d):
 def test_linear_kernel(kernels, epilogue, m, k, n):
     """Each epilogue with each product count and tile, and (wgmma) each GEMM variant at one
     product, against fp64: rows off the tile, N off the tile (also narrower than it), K off
-    64 (also below it, and 10 K tiles); the residual in place and with invalid rows. The
+    64 (also below it, and 10 K tiles); the residual in place and with invalid rows. Three
+    products against A @ W^T; two against (a_hi + a_lo) @ w_hi, the operands they read
+    (their error is the fp32 accumulation's, as three products' is, within the same 1e-4;
+    against A @ W^T the weights' fp16 rounding alone would be ~1e-3); one within 2e-3. The
     wait-1 schedule and the warp-specialised and TMA 128x128 kernels are bit-identical to the
     plain one on the same tile, the warp-specialised and TMA 128x256 to the wait-1 128x256
     (the same wgmmas in the same order)."""
@@ -2131,6 +2210,9 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
     a_pair = split_fp16(a)
     w_pair = weight_pair(w)
     exact = a.double() @ w.double().t() + bias.double()
+    # two products: the activations' pair times the weights' hi half (w_lo is not read)
+    exact_two = ((a_pair[0].double() + a_pair[1].double()) @ w_pair[0].double().t()
+                 + bias.double())
     valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
     res = torch.randn(m, n, device="cuda", generator=g)  # the residual epilogues' input
     tiles = [(t, False) for t in build.GEMM_TILES]
@@ -2142,6 +2224,7 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
                  for v in build.GEMM_VARIANTS]
     results = {}
     for products, gemm in runs:
+        acc = exact_two if products == 2 else exact
         if epilogue == "half":
             if products != 1:
                 continue
@@ -2156,16 +2239,16 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
             ops.linear(kernels, a_pair, w_pair, bias, "gelu_pair", products, out_pair=pair,
                        **gemm)
             got = pair[0].double() + pair[1].double()
-            want, tol = torch.nn.functional.gelu(exact), 1e-4 if products == 3 else 2e-3
+            want, tol = torch.nn.functional.gelu(acc), 1e-4 if products > 1 else 2e-3
         else:
             zero_sum = epilogue == "residual_sum"
             out = res.clone()  # in place, as ffn_out runs
             ops.linear(kernels, a_pair, w_pair, bias, "residual", products, res=out, out=out,
                        valid_rows=valid, zero_sum=zero_sum, **gemm)
             keep = valid.bool()[:, None]
-            want = (torch.where(keep, res.double() + exact, 0) if zero_sum
-                    else res.double() + torch.where(keep, exact, 0))
-            got, tol = out.double(), 1e-4 if products == 3 else 2e-3
+            want = (torch.where(keep, res.double() + acc, 0) if zero_sum
+                    else res.double() + torch.where(keep, acc, 0))
+            got, tol = out.double(), 1e-4 if products > 1 else 2e-3
         err = ((got - want).abs() / want.abs().clamp_min(1.0)).nan_to_num(nan=math.inf)
         assert err.max().item() < tol, f"{epilogue} {products} products {gemm}: {err.max()}"
         results[products, gemm.get("gemm_variant") or gemm["tile"]] = got
@@ -2189,9 +2272,9 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
 @pytest.mark.parametrize("k", [8, 136])
 def test_linear_residual_norm_kernel(kernels, m, n, k):
     """The wgmma residual_norm epilogue against fp64 (the residual, then LayerNorm of the new
-    rows): both tiles, one and three products, with and without a mask, invalid rows kept or
-    zeroed, the norm as a pair or its hi half alone; in place, and nothing written past the
-    M x N rows of either output."""
+    rows): both tiles, one, two and three products, with and without a mask, invalid rows
+    kept or zeroed, the norm as a pair or its hi half alone; in place, and nothing written
+    past the M x N rows of either output."""
     if not kernels.has_wgmma:
         pytest.skip(f"no wgmma on sm_{kernels.arch}")
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
@@ -2201,8 +2284,11 @@ def test_linear_residual_norm_kernel(kernels, m, n, k):
     norm_w, norm_b = (torch.randn(n, device="cuda", generator=g) for _ in range(2))
     res = torch.randn(m, n, device="cuda", generator=g)
     a_pair, w_pair = split_fp16(a), weight_pair(w)
-    # three products against A @ W^T, one against the product of the fp16 operands it reads
+    # three products against A @ W^T, one and two against the products of the fp16 operands
+    # they read (two: the activations' pair, the weights' hi half)
     exact = {3: a.double() @ w.double().t() + bias.double(),
+             2: (a_pair[0].double() + a_pair[1].double()) @ w_pair[0].double().t()
+             + bias.double(),
              1: a_pair[0].double() @ w_pair[0].double().t() + bias.double()}
     mask = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
 
@@ -2345,6 +2431,7 @@ class StandIns:
         self.calls.append(f"linear:{epilogue}:{products}")
         n = weight[0].shape[0]
         self.gemm_variants.append((epilogue, products, n, gemm_variant))
+        assert build.gemm_compiled(epilogue, products), (epilogue, products)
         if gemm_variant is not None:
             assert wgmma and build.gemm_variant_compiled(build.gemm_variant(gemm_variant),
                                                          epilogue, products)
@@ -2403,8 +2490,10 @@ def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=F
 @pytest.mark.parametrize("cfg, products", [(LayerConfig(3, 24, 32, 4, 36, 2), None),
                                            (LayerConfig(2, 17, 64, 2, 64, 1), None),
                                            (LayerConfig(2, 20, 64, 2, 64, 3), 1),
+                                           (LayerConfig(2, 20, 64, 2, 64, 3), 2),
                                            (LayerConfig(2, 12, 512, 4, 64, 1), None)],
-                         ids=["d32-f36", "one-layer", "d64-one-product", "d512-one-product"])
+                         ids=["d32-f36", "one-layer", "d64-one-product", "d64-two-products",
+                              "d512-one-product"])
 @pytest.mark.parametrize("padding", [0.0, 0.4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("fuse_norms", [False, True], ids=["norms", "fused-norms"])

@@ -19,14 +19,15 @@ class CupyBackend(Backend):
     and flash attention on wgmma (sm_90, the default there) or mma.sync; replayed as one CUDA
     graph where the input allows.
 
-    linear_products: fp16 products of out_proj and the FFN (1 or 3; default 1 from d_model
-    512 on, 3 below). wgmma: the GEMMs and attention (head dims up to 128) on Hopper's
-    wgmma.mma_async; None (default) uses it wherever the device and compiled module allow
-    (sm_90), True requires it, False keeps mma.sync. fuse_norms: the LayerNorms in the
-    residual GEMMs' epilogues (out_proj writes norm2's rows, ffn_out the next block's norm1
-    rows: five launches per block instead of seven) where the wgmma GEMMs run and d_model is
-    at most 128; elsewhere the plan is unchanged. None (default): where the fused grid loses
-    no parallelism (see layer.fuses_norms); True: wherever it applies.
+    linear_products: fp16 products of out_proj and the FFN (1: activations and weights
+    rounded to fp16; 2: activations split into fp16 pairs, weights rounded; 3: both split;
+    default 1 from d_model 512 on, 3 below). wgmma: the GEMMs and attention (head dims up
+    to 128) on Hopper's wgmma.mma_async; None (default) uses it wherever the device and
+    compiled module allow (sm_90), True requires it, False keeps mma.sync. fuse_norms: the
+    LayerNorms in the residual GEMMs' epilogues (out_proj writes norm2's rows, ffn_out the
+    next block's norm1 rows: five launches per block instead of seven) where the wgmma GEMMs
+    run and d_model is at most 128; elsewhere the plan is unchanged. None (default): where
+    the fused grid loses no parallelism (see layer.fuses_norms); True: wherever it applies.
     gemm_variant: a variant of the wgmma GEMMs by name (build.GEMM_VARIANTS): "wgmma 128x128"
     (the default schedule on 128x128 tiles), "wgmma 128x128 wait1 4-stage" (each K tile's
     wgmma group left running over the next tile's barrier and copies), "wgmma 128x256
@@ -57,8 +58,8 @@ class CupyBackend(Backend):
     def __init__(self, linear_products: int | None = None, wgmma: bool | None = None,
                  fuse_norms: bool | None = None, attention_variant: str | None = None,
                  gemm_variant: str | None = None):
-        if linear_products not in (None, 1, 3):
-            raise ValueError(f"cupy linear_products must be 1 or 3, not {linear_products}")
+        if linear_products not in (None, 1, 2, 3):
+            raise ValueError(f"cupy linear_products must be 1, 2 or 3, not {linear_products}")
         names = build.attention_variant_names()
         if attention_variant is not None and attention_variant not in names:
             raise ValueError(f"cupy attention_variant must be one of {names}, not "

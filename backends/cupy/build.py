@@ -24,7 +24,10 @@ NORM_OUTPUTS = {"pair": 0, "half": 1, "float": 2}
 EPILOGUES = {"half": 0, "gelu_pair": 1, "residual": 2, "residual_norm": 3}
 NORM_EPILOGUE = "residual_norm"  # linear_wgmma only, on NORM_TILES
 GEMM_TILES = ((128, 128, 2, 4), (64, 64, 2, 2))  # (BM, BN, warps along M, warps along N)
-GEMM_PRODUCTS = (1, 3)
+GEMM_PRODUCTS = (1, 2, 3)
+# Two products (a_hi w_hi + a_lo w_hi) are compiled only for the epilogues the layer launches
+# past one product: out_proj's and ffn_out's residual (or residual_norm), ffn_in's gelu_pair.
+TWO_PRODUCT_EPILOGUES = ("gelu_pair", "residual", "residual_norm")
 WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads, plain schedule
 NORM_TILES = ((128, 128), (64, 128))  # (BM, BN) of linear_wgmma's residual_norm: rows <= BN
 MAX_NORM_WIDTH = 128  # the widest row residual_norm norms (one block holds it)
@@ -241,6 +244,12 @@ def norm_name(output: str) -> str:
     return f"lb::layer_norm<{NORM_OUTPUTS[output]}>"
 
 
+def gemm_compiled(epilogue: str, products: int) -> bool:
+    """Whether the module has the plain GEMMs (mma.sync and wgmma) for epilogue at products:
+    every epilogue at one and three, TWO_PRODUCT_EPILOGUES at two."""
+    return products in GEMM_PRODUCTS and (products != 2 or epilogue in TWO_PRODUCT_EPILOGUES)
+
+
 def gemm_name(tile, products: int, epilogue: str) -> str:
     """Name expression of the GEMM kernel for tile (BM, BN, WM, WN), products and epilogue."""
     bm, bn, wm, wn = tile
@@ -285,10 +294,11 @@ def gemm_variant(name: str) -> GemmVariant:
 
 
 def gemm_variant_compiled(variant: GemmVariant, epilogue: str, products: int) -> bool:
-    """Whether the module has variant's kernel for epilogue at products: the default for
-    every one, the others for GEMM_VARIANT_EPILOGUES at one product."""
-    return variant == GEMM_PLAIN or (epilogue in GEMM_VARIANT_EPILOGUES and
-                                     products == GEMM_VARIANT_PRODUCTS)
+    """Whether the module has variant's kernel for epilogue at products: the default where
+    gemm_compiled, the others for GEMM_VARIANT_EPILOGUES at one product."""
+    if variant == GEMM_PLAIN:
+        return gemm_compiled(epilogue, products)
+    return epilogue in GEMM_VARIANT_EPILOGUES and products == GEMM_VARIANT_PRODUCTS
 
 
 def attention_name(head_pad: int, bq: int, bkv: int) -> str:
@@ -346,15 +356,16 @@ def nvrtc_arch(device_arch: str) -> str:
 
 def name_expressions(arch: str) -> list[str]:
     """Every kernel instantiation of the module compiled for arch (the wgmma GEMMs on sm_90a
-    only; residual_norm on the wgmma NORM_TILES only; the GEMM variants past the default on
-    GEMM_VARIANT_EPILOGUES at one product)."""
-    tiled = [e for e in EPILOGUES if e != NORM_EPILOGUE]
+    only; residual_norm on the wgmma NORM_TILES only; two products for TWO_PRODUCT_EPILOGUES
+    only; the GEMM variants past the default on GEMM_VARIANT_EPILOGUES at one product)."""
+    tiled = [(p, e) for p in GEMM_PRODUCTS for e in EPILOGUES
+             if e != NORM_EPILOGUE and gemm_compiled(e, p)]
+    normed = [p for p in GEMM_PRODUCTS if gemm_compiled(NORM_EPILOGUE, p)]
     names = [norm_name(o) for o in NORM_OUTPUTS]
-    names += [gemm_name(t, p, e) for t in GEMM_TILES for p in GEMM_PRODUCTS for e in tiled]
+    names += [gemm_name(t, p, e) for t in GEMM_TILES for p, e in tiled]
     if arch == HOPPER:
-        names += [wgmma_name(t, p, e) for t in WGMMA_TILES for p in GEMM_PRODUCTS
-                  for e in tiled]
-        names += [wgmma_name(t, p, NORM_EPILOGUE) for t in NORM_TILES for p in GEMM_PRODUCTS]
+        names += [wgmma_name(t, p, e) for t in WGMMA_TILES for p, e in tiled]
+        names += [wgmma_name(t, p, NORM_EPILOGUE) for t in NORM_TILES for p in normed]
         names += [gemm_variant_name(v, GEMM_VARIANT_PRODUCTS, e) for v in GEMM_VARIANTS[1:]
                   for e in GEMM_VARIANT_EPILOGUES]
         names += [attention_wgmma_name(hp, v) for hp, vs in ATTENTION_WGMMA.items() for v in vs]

@@ -73,7 +73,8 @@ def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
 
 class CupyLayer(BuiltLayer):
     """Per block: norm1 (fp16, read by one product), Q/K/V, attention, out_proj + residual,
-    norm2, ffn_in + GELU, ffn_out + residual (one or three fp16 products each); the final
+    norm2, ffn_in + GELU, ffn_out + residual (one, two or three fp16 products each: at two
+    the activations' pairs are read and the weights' hi halves alone); the final
     norm into the output. With wgmma, the GEMMs and attention (head dims up to 128) run on
     Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu; attention_variant names the
     attention kernel's variant, None attention_variant_for's choice; gemm_variant names a
@@ -165,7 +166,7 @@ class CupyLayer(BuiltLayer):
                        **gemm(epilogue, products, weight, a))
         rows = (work["rows_hi"], work["rows_lo"])
         hidden = (work["hidden_hi"], work["hidden_lo"])
-        # norm2's rows: the pair at three products, the hi half alone at one (ffn_in's only)
+        # norm2's rows: the pair past one product, the hi half alone at one (ffn_in's only)
         normed = rows if products > 1 else (rows[0], None)
         src, target = float_rows(x2, out2, work["staging"])
         layers = list(zip(self.params.layers, self.weights, self.ffn_in_biases))

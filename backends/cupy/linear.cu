@@ -8,10 +8,11 @@ constexpr int BK = 32;          // K columns per pipeline stage
 constexpr int ROW = BK + 8;     // shared row length in halves: 80 bytes, ldmatrix without conflicts
 constexpr int STAGES = 3;
 
-// Shared bytes of one block: STAGES x (A and W tiles, hi and, past one product, lo).
-// The host sizes the launch with the same formula (ops.linear_shared_bytes).
+// Shared bytes of one block: STAGES x (A tiles: hi and, past one product, lo; W tiles: hi
+// and, at three products, lo). The host sizes the launch with the same formula
+// (ops.linear_shared_bytes).
 __host__ __device__ constexpr int linear_shared_bytes(int bm, int bn, int products) {
-    return STAGES * (products > 1 ? 2 : 1) * (bm + bn) * ROW * 2;
+    return STAGES * ((products > 1 ? 2 : 1) * bm + (products == 3 ? 2 : 1) * bn) * ROW * 2;
 }
 
 // Copy rows [r0, r0 + rows) x columns [k0, k0 + BK) of a row-major fp16 matrix into tile,
@@ -28,7 +29,8 @@ __device__ __forceinline__ void load_tile(__half* tile, const __half* src, long 
     }
 }
 
-// Block tile BM x BN over WM x WN warps; PRODUCTS 1 (a_hi w_hi) or 3 (+ a_hi w_lo + a_lo w_hi).
+// Block tile BM x BN over WM x WN warps; PRODUCTS 1 (a_hi w_hi), 2 (a_hi w_hi + a_lo w_hi: w_lo
+// not read) or 3 (a_hi w_hi + a_hi w_lo + a_lo w_hi).
 // HALF: out_hi = fp16(acc + bias). GELU_PAIR: (out_hi, out_lo) = split(GELU(acc + bias)),
 // or out_hi alone where out_lo is null.
 // RESIDUAL: out_f = res + acc + bias on rows whose valid byte is set (all rows when valid is
@@ -45,10 +47,10 @@ linear(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo, long lo
     constexpr int TM = BM / WM, TN = BN / WN;  // warp tile
     constexpr int MI = TM / 16, NI = TN / 8;
     static_assert(TM % 16 == 0 && TN % 16 == 0, "warp tile must be a multiple of 16x16");
-    static_assert(PRODUCTS == 1 || PRODUCTS == 3, "one or three fp16 products");
-    constexpr int PARTS = PRODUCTS > 1 ? 2 : 1;
+    static_assert(PRODUCTS >= 1 && PRODUCTS <= 3, "one, two or three fp16 products");
+    constexpr int A_PARTS = PRODUCTS > 1 ? 2 : 1, W_PARTS = PRODUCTS == 3 ? 2 : 1;
     constexpr int A_TILE = BM * ROW, W_TILE = BN * ROW;
-    constexpr int STAGE = PARTS * (A_TILE + W_TILE);
+    constexpr int STAGE = A_PARTS * A_TILE + W_PARTS * W_TILE;
     extern __shared__ __align__(16) unsigned char shared_raw[];
     __half* smem = reinterpret_cast<__half*>(shared_raw);
 
@@ -62,10 +64,11 @@ linear(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo, long lo
         int k0 = kt * BK;
         load_tile<BM, THREADS>(s, a_hi, a_stride, m0, M, k0, K);
         load_tile<BN, THREADS>(s + A_TILE, w_hi, w_stride, n0, N, k0, K);
-        if (PARTS == 2) {
+        // then A_lo (two or three products), then W_lo (three)
+        if (A_PARTS == 2)
             load_tile<BM, THREADS>(s + A_TILE + W_TILE, a_lo, a_stride, m0, M, k0, K);
+        if (W_PARTS == 2)
             load_tile<BN, THREADS>(s + 2 * A_TILE + W_TILE, w_lo, w_stride, n0, N, k0, K);
-        }
     };
 
     float acc[MI][NI][4];
@@ -99,9 +102,10 @@ linear(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo, long lo
         for (int kk = 0; kk < BK; kk += 16) {
 #pragma unroll
             for (int part = 0; part < PRODUCTS; ++part) {
-                // part 0: a_hi w_hi; 1: a_hi w_lo; 2: a_lo w_hi
-                const __half* at = s + (part == 2 ? A_TILE + W_TILE : 0);
-                const __half* wt = s + A_TILE + (part == 1 ? A_TILE + W_TILE : 0);
+                // product 0: a_hi w_hi; 1: a_hi w_lo; 2: a_lo w_hi (two products: 0 and 2)
+                const int product = PRODUCTS == 2 && part == 1 ? 2 : part;
+                const __half* at = s + (product == 2 ? A_TILE + W_TILE : 0);
+                const __half* wt = s + A_TILE + (product == 1 ? A_TILE + W_TILE : 0);
                 unsigned af[MI][4], bf[NI][2];
 #pragma unroll
                 for (int i = 0; i < MI; ++i)

@@ -178,14 +178,15 @@ __device__ __forceinline__ void consume_stages(float (&acc)[BN / 2], unsigned ba
 }  // namespace wgmma_detail
 
 // Dynamic shared bytes of one block of lb::linear_wgmma<bm, bn, products, *, stages, *>: stages
-// x (A and W tiles of 64 K columns, hi and, past one product, lo) plus 1024 bytes of slack for
-// aligning the first tile to 1024 bytes. Three stages: <128, 128, 1>: 99328, <128, 128, 3>:
-// 197632, <64, 128, 1>: 74752, <64, 128, 3>: 148480, <64, 64, 1>: 50176, <64, 64, 3>: 99328.
-// Four stages: <128, 128, 1>: 132096, <128, 256, 1>: 197632.
+// x (tiles of 64 K columns: A hi and, past one product, lo; W hi and, at three products, lo)
+// plus 1024 bytes of slack for aligning the first tile to 1024 bytes. Three stages:
+// <128, 128, 1>: 99328, <128, 128, 2>: 148480, <128, 128, 3>: 197632, <64, 128, 1>: 74752,
+// <64, 128, 2>: 99328, <64, 128, 3>: 148480, <64, 64, 1>: 50176, <64, 64, 2>: 74752,
+// <64, 64, 3>: 99328. Four stages: <128, 128, 1>: 132096, <128, 256, 1>: 197632.
 __host__ __device__ constexpr int linear_wgmma_shared_bytes(int bm, int bn, int products,
                                                             int stages) {
-    return stages * (products > 1 ? 2 : 1) * (bm + bn) * wgmma_detail::ROW_BYTES +
-           wgmma_detail::ALIGN;
+    return stages * ((products > 1 ? 2 : 1) * bm + (products == 3 ? 2 : 1) * bn) *
+           wgmma_detail::ROW_BYTES + wgmma_detail::ALIGN;
 }
 
 // The most dynamic shared memory a block may have on sm_90 (227 KiB).
@@ -193,7 +194,8 @@ constexpr int MAX_WGMMA_SHARED_BYTES = 227 * 1024;
 
 // Block tile BM x BN, BM / 64 warpgroups, each computing 64 rows x BN columns with
 // wgmma m64nBNk16 (BN 64, 128 or 256: BN / 2 fp32 accumulators a thread); PRODUCTS 1 (a_hi
-// w_hi) or 3 (+ a_hi w_lo + a_lo w_hi), one fp32 accumulator.
+// w_hi), 2 (a_hi w_hi + a_lo w_hi: w_lo not read) or 3 (a_hi w_hi + a_hi w_lo + a_lo w_hi),
+// one fp32 accumulator.
 // HALF: out_hi = fp16(acc + bias). GELU_PAIR: (out_hi, out_lo) = split(GELU(acc + bias)),
 // or out_hi alone where out_lo is null.
 // RESIDUAL: out_f = res + acc + bias on rows whose valid byte is set (all rows when valid is
@@ -241,15 +243,15 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     constexpr int DISTANCE = STAGES - 1 - PENDING;  // K tiles copied ahead of the one computed
     static_assert(BM == 64 || BM == 128, "one or two warpgroups of 64 rows");
     static_assert(BN == 64 || BN == 128 || BN == 256, "wgmma n64, n128 or n256");
-    static_assert(PRODUCTS == 1 || PRODUCTS == 3, "one or three fp16 products");
+    static_assert(PRODUCTS >= 1 && PRODUCTS <= 3, "one, two or three fp16 products");
     static_assert(PENDING == 0 || PENDING == 1, "wgmma groups left running: 0 or 1");
     static_assert(DISTANCE >= 1, "at least one K tile copied ahead");
     static_assert(linear_wgmma_shared_bytes(BM, BN, PRODUCTS, STAGES) <= MAX_WGMMA_SHARED_BYTES,
                   "the stages must fit one block's shared memory");
     constexpr int THREADS = BM * 2;
-    constexpr int PARTS = PRODUCTS > 1 ? 2 : 1;
+    constexpr int A_PARTS = PRODUCTS > 1 ? 2 : 1, W_PARTS = PRODUCTS == 3 ? 2 : 1;
     constexpr int A_TILE = BM * ROW_BYTES, W_TILE = BN * ROW_BYTES;  // bytes, multiples of 1024
-    constexpr int STAGE = PARTS * (A_TILE + W_TILE);
+    constexpr int STAGE = A_PARTS * A_TILE + W_PARTS * W_TILE;
     extern __shared__ __align__(1024) unsigned char wgmma_shared[];
 
     // Align the stages to 1024 bytes whatever the start of dynamic shared memory.
@@ -262,16 +264,16 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     const int group = threadIdx.x / 128;  // warpgroup: rows 64 group .. 64 group + 63 of the tile
     const int k_tiles = (K + BK - 1) / BK;
 
-    // Stage layout: A_hi, W_hi, then (PRODUCTS 3) A_lo, W_lo.
+    // Stage layout: A_hi, W_hi, then A_lo (PRODUCTS 2 and 3), then W_lo (PRODUCTS 3).
     auto load_stage = [&](int stage, int kt) {
         unsigned char* s = smem + stage * STAGE;
         int k0 = kt * BK;
         wd::load_tile<BM, THREADS>(s, a_hi, a_stride, m0, M, k0, K);
         wd::load_tile<BN, THREADS>(s + A_TILE, w_hi, w_stride, n0, N, k0, K);
-        if (PARTS == 2) {
+        if (A_PARTS == 2)
             wd::load_tile<BM, THREADS>(s + A_TILE + W_TILE, a_lo, a_stride, m0, M, k0, K);
+        if (W_PARTS == 2)
             wd::load_tile<BN, THREADS>(s + 2 * A_TILE + W_TILE, w_lo, w_stride, n0, N, k0, K);
-        }
     };
 
     float acc[BN / 2];
@@ -302,11 +304,13 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
         for (int kk = 0; kk < BK / 16; ++kk) {
 #pragma unroll
             for (int part = 0; part < PRODUCTS; ++part) {
-                // part 0: a_hi w_hi; 1: a_hi w_lo; 2: a_lo w_hi. Each k16 step starts 32 bytes
-                // further into the 128-byte rows; the hardware swizzles the resulting addresses.
-                unsigned a = s + (part == 2 ? A_TILE + W_TILE : 0) + group * 64 * ROW_BYTES +
+                // product 0: a_hi w_hi; 1: a_hi w_lo; 2: a_lo w_hi (two products: 0 and 2).
+                // Each k16 step starts 32 bytes further into the 128-byte rows; the hardware
+                // swizzles the resulting addresses.
+                const int product = PRODUCTS == 2 && part == 1 ? 2 : part;
+                unsigned a = s + (product == 2 ? A_TILE + W_TILE : 0) + group * 64 * ROW_BYTES +
                              kk * 32;
-                unsigned w = s + A_TILE + (part == 1 ? A_TILE + W_TILE : 0) + kk * 32;
+                unsigned w = s + A_TILE + (product == 1 ? A_TILE + W_TILE : 0) + kk * 32;
                 wd::SS<BN>::template run<1>(acc, wd::operand_desc(a), wd::operand_desc(w));
             }
         }

@@ -21,16 +21,22 @@ NULL = np.uint64(0)
 MIN_WGMMA_REGISTERS = 32  # the real 64x64 Hopper GEMM holds 86; its trap body 4
 
 
+def tile_rows(bm: int, bn: int, products: int) -> int:
+    """Rows of the A and W tiles a GEMM stage holds: A's hi half and, past one product, its
+    lo half; W's hi half and, at three products, its lo half."""
+    return (2 if products > 1 else 1) * bm + (2 if products == 3 else 1) * bn
+
+
 def linear_shared_bytes(bm: int, bn: int, products: int) -> int:
     """Dynamic shared memory of a GEMM block (linear.cu linear_shared_bytes)."""
-    return STAGES * (2 if products > 1 else 1) * (bm + bn) * BK_ROW * 2
+    return STAGES * tile_rows(bm, bn, products) * BK_ROW * 2
 
 
 def wgmma_shared_bytes(bm: int, bn: int, products: int,
                        stages: int = build.GEMM_PLAIN.stages) -> int:
     """Dynamic shared memory of a Hopper GEMM block (linear_wgmma.cu) of stages cp.async
     stages, with 1 KiB to align its 128-byte-swizzled tiles."""
-    return stages * (2 if products > 1 else 1) * (bm + bn) * 128 + 1024
+    return stages * tile_rows(bm, bn, products) * 128 + 1024
 
 
 def attention_shared_bytes(head_pad: int, bq: int, bkv: int) -> int:
@@ -168,7 +174,9 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
            out_half=None, res=None, out=None, valid_rows=None, zero_sum: bool = False,
            norm=None, norm_out=None, eps: float = LN_EPS, tile=None,
            wgmma: bool = False, gemm_variant: str | None = None) -> None:
-    """out = epilogue(a @ weight^T + bias) with a and weight as fp16 (hi, lo) pairs; "half"
+    """out = epilogue(a @ weight^T + bias) with a and weight as fp16 (hi, lo) pairs over
+    products fp16 products (1: a_hi w_hi; 2: + a_lo w_hi; 3: + a_hi w_lo; ValueError where
+    the module has no GEMM for the epilogue at that count, see build.gemm_compiled); "half"
     writes out_half, "gelu_pair" out_pair (its lo half may be None: hi alone), "residual"
     out = res + ... (see linear.cu); wgmma: the Hopper kernel (linear_wgmma.cu), which also
     has "residual_norm": the residual, then LayerNorm (norm = (weight, bias)) of out's rows
@@ -180,6 +188,9 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
     cannot be described by one (tensor_maps.check: a misaligned base or row stride)."""
     m, kdim = a[0].shape
     n = weight[0].shape[0]
+    if not build.gemm_compiled(epilogue, products):
+        raise ValueError(f"cupy GEMMs are not compiled for {epilogue} at {products} products "
+                         f"(two products: {', '.join(build.TWO_PRODUCT_EPILOGUES)} only)")
     variant = build.GEMM_PLAIN
     if gemm_variant is not None:
         variant = build.gemm_variant(gemm_variant)
