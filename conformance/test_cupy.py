@@ -144,6 +144,29 @@ def test_sm90_sass(cupy_selected, compiled, hopper_sass):
             assert row["HMMA"] > 0 and row["LDSM"] > 0, (name, row)
 
 
+def test_attention_wgmma_plain_sass(cupy_selected, compiled, hopper_sass):
+    """sm_90a SASS of every flash_attention_wgmma variant on the plain schedule (head dim 256
+    among them): S = Q K^T as HP / 16 SS wgmmas (HGMMA.64xBKVx16 on two descriptors) and
+    O += P V as BKV / 16 RS ones of n = HP (registers, then V's descriptor, .tnspB: at 256
+    HGMMA.64x256x16), no other wgmma; no local memory (no LDL/STL, stack 0)."""
+    _, lowered = compiled[build.HOPPER]
+    bodies, rows = hopper_sass
+    plain = [(hp, v) for hp, vs in build.ATTENTION_WGMMA.items() for v in vs
+             if not (v.tma or v.pipelined)]
+    assert (256, build.WGMMA_256) in plain and (256, build.WGMMA_256_ONE_GROUP) in plain
+    for hp, v in plain:
+        symbol = lowered[build.attention_wgmma_name(hp, v)]
+        body, row = bodies[symbol], rows[symbol]
+        name = f"{v.name} at {hp}"
+        ss = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, gdesc\[UR\d+\], (?:RZ|R\d+)", body)
+        rs = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", body)
+        assert ss == [str(v.bkv)] * (hp // 16), (name, ss)
+        assert rs == [str(hp)] * (v.bkv // 16), (name, rs)
+        assert len(re.findall(r"\bHGMMA\b", body)) == len(ss) + len(rs), name
+        assert not re.search(r"\b(LDL|STL)\b", body), name
+        assert row["stack_bytes"] == 0 and row["spill_stores"] == 0, (name, row)
+
+
 def test_gemm_variants_sass(cupy_selected, compiled, hopper_sass):
     """sm_90a SASS of every wgmma GEMM variant's kernels: wgmma of the tile's width
     (HGMMA.64xBNx16), one wgmma fence (WARPGROUP.ARRIVE) per K tile as written, and the
@@ -401,10 +424,10 @@ def _launches():
         qkv = torch.zeros(m, 3 * d, dtype=torch.float16)
         ctx = (torch.zeros(m, d, dtype=torch.float16),) * 2
         mask = torch.ones(2, m // 2, dtype=torch.uint8)
-        wide = ops.wgmma_attention_pad(head_dim)
+        wide = ops.wgmma_attention_pad(head_dim, named=True)  # 256's by-name variants too
         variants = [v.name for v in build.ATTENTION_WGMMA[wide]
-                    if not v.refusal(head_dim, wide)] if wide else [None]
-        for wgmma, variant in [(False, None)] + [(True, v) for v in variants]:
+                    if not v.refusal(head_dim, wide)] if wide else []
+        for wgmma, variant in [(False, None), (True, None)] + [(True, v) for v in variants]:
             ops.attention(k, qkv, ctx, mask, key_info(mask), batch=2, seq_len=m // 2,
                           num_heads=heads, head_dim=head_dim, causal=True, wgmma=wgmma,
                           variant=variant)
@@ -477,17 +500,19 @@ def test_headers_are_found_or_refused(cupy_selected, monkeypatch, tmp_path):
 
 def test_attention_variants(cupy_selected, monkeypatch):
     """Every wgmma attention variant: compiled for sm_90a, the default (first) the timed
-    fastest (two blocks an SM up to head dim 64, the plain 128x128 kernel at 128), two blocks'
-    shared memory fit an SM where it asks for two; ops.attention launches the named one (None:
-    the default) and refuses a variant the head dim lacks or the mma.sync kernel; CupyBackend
-    refuses unknown names, and where the wgmma attention does not run or lacks the variant at
-    the config's head dim; the layer passes it to attention."""
+    fastest (two blocks an SM up to head dim 64, the plain 128x128 kernel at 128; at 256 the
+    128x64 one, run only by name), two blocks' shared memory fit an SM where it asks for two;
+    ops.attention launches the named one (None: the default; head dims 129-256: mma.sync) and
+    refuses a variant the head dim lacks or the mma.sync kernel; CupyBackend refuses unknown
+    names, and where the wgmma attention does not run or lacks the variant at the config's
+    head dim (head dim 256 takes its variants by name); the layer passes it to attention."""
     from layerbench.backends.cupy import CupyBackend
 
     sm_shared = 228 * 1024  # per SM on sm_90, 1 KiB of it reserved per block
     names = build.name_expressions(build.HOPPER)
     for hp, variants in build.ATTENTION_WGMMA.items():
-        assert variants[0] == (build.WGMMA_TWO_PER_SM if hp <= 64 else build.WGMMA_PLAIN)
+        assert variants[0] == {32: build.WGMMA_TWO_PER_SM, 64: build.WGMMA_TWO_PER_SM,
+                               128: build.WGMMA_PLAIN, 256: build.WGMMA_256}[hp]
         assert len({v.name for v in variants}) == len(variants)
         for v in variants:
             assert build.attention_wgmma_name(hp, v) in names
@@ -499,6 +524,22 @@ def test_attention_variants(cupy_selected, monkeypatch):
     assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA) == 66560  # as the .cu says
     assert ops.attention_variant_shared_bytes(32, build.WGMMA_TMA) == 33792
     assert build.WGMMA_TMA.threads == 384 and build.WGMMA_TWO_PER_SM.threads == 256
+    # head dim 256: the plain schedule at BKV 64, one block an SM, by name only (mma.sync
+    # stays the default); Q and four K/V tiles of 512-byte rows fit 227 KiB, as the .cu says
+    assert build.ATTENTION_WGMMA[256] == (build.WGMMA_256, build.WGMMA_256_ONE_GROUP)
+    assert build.ATTENTION_WGMMA_BY_NAME == {256}
+    assert [(v.bq, v.bkv, v.min_blocks, v.pipelined, v.tma, v.threads)
+            for v in build.ATTENTION_WGMMA[256]] == [(128, 64, 1, False, False, 256),
+                                                     (64, 64, 1, False, False, 128)]
+    assert build.attention_wgmma_name(256, build.WGMMA_256) == (
+        "lb::flash_attention_wgmma<256, 128, 64, 1, 0>")
+    assert ops.attention_variant_shared_bytes(256, build.WGMMA_256) == 197632 <= 227 * 1024
+    assert ops.attention_variant_shared_bytes(256, build.WGMMA_256_ONE_GROUP) == 164864
+    for head_dim in (136, 200, 256):
+        assert ops.wgmma_attention_pad(head_dim) is None
+        assert ops.wgmma_attention_pad(head_dim, named=True) == 256
+    assert ops.wgmma_attention_pad(128) == ops.wgmma_attention_pad(128, named=True) == 128
+    assert ops.wgmma_attention_pad(264, named=True) is None
     # the FlashAttention-3 steps after the ring, timed separately: after it, at 32 and 64
     for hp in (32, 64):
         assert build.ATTENTION_WGMMA[hp][3:] == (build.WGMMA_TMA, build.WGMMA_TMA_PINGPONG,
@@ -545,13 +586,17 @@ def test_attention_variants(cupy_selected, monkeypatch):
     assert ops.attention_wgmma_tma_shared_bytes(64, v.kv_stages, v.bkv, v.bq) <= 227 * 1024
     assert ops.attention_wgmma_tma_shared_bytes(64, v.kv_stages + 1, v.bkv, v.bq) > 227 * 1024
     heads, seq_len = 2, 20
-    for head_dim, wide in ((24, 32), (32, 32), (64, 64), (128, 128)):
+    for head_dim, wide in ((24, 32), (32, 32), (64, 64), (128, 128), (136, 256), (256, 256)):
         d = heads * head_dim
         qkv = torch.zeros(seq_len, 3 * d, dtype=torch.float16)
         ctx = (torch.zeros(seq_len, d, dtype=torch.float16),) * 2
         shape = dict(batch=1, seq_len=seq_len, num_heads=heads, head_dim=head_dim, causal=True)
         for variant in [None] + [v.name for v in build.ATTENTION_WGMMA[wide]]:
             k = Recorder()
+            if variant is None and wide in build.ATTENTION_WGMMA_BY_NAME:  # mma.sync's
+                ops.attention(k, qkv, ctx, None, None, wgmma=True, **shape)
+                assert k.calls[0][0] == build.attention_name(256, 64, 32), k.calls[0][0]
+                continue
             v = build.attention_variant(wide, variant)
             if v.refusal(head_dim, wide):  # the TMA ring below its padded head dim
                 with pytest.raises(ValueError, match=f"needs head dim {wide} exactly"):
@@ -604,6 +649,11 @@ def test_attention_variants(cupy_selected, monkeypatch):
     for cfg, variant, ok in ((LayerConfig(2, 12, 128, 2, 64, 1), two, True),
                              (LayerConfig(2, 12, 256, 2, 64, 1), two, False),  # head dim 128
                              (LayerConfig(2, 12, 512, 2, 64, 1), two, False),  # head dim 256
+                             (LayerConfig(2, 12, 512, 2, 64, 1), build.WGMMA_256.name, True),
+                             (LayerConfig(2, 12, 272, 2, 64, 1),  # head dim 136
+                              build.WGMMA_256_ONE_GROUP.name, True),
+                             (LayerConfig(2, 12, 256, 2, 64, 1), build.WGMMA_256.name,
+                              False),  # head dim 128: no such variant
                              (LayerConfig(2, 12, 128, 2, 64, 1), tma, True),
                              (LayerConfig(2, 12, 96, 2, 64, 1), tma, False),  # head dim 48
                              (LayerConfig(2, 12, 64, 2, 64, 1), tma, True),  # head dim 32
@@ -2348,8 +2398,9 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
     """Flash attention at odd lengths against the fp32 oracle: every padded head dim, causal
     or full, no mask, prefix masks (one sequence empty) and holed masks, on both tiles where
     two are compiled ("many": enough blocks for 128 queries a block), and on the wgmma kernel
-    where the device has it, every variant of the head dim (build.ATTENTION_WGMMA; one that
-    refuses the head dim must refuse it), variants of one BKV bit-identical (the same
+    where the device has it, every variant of the head dim (build.ATTENTION_WGMMA, by name:
+    at 136 and 256 those not yet the default too; one that refuses the head dim must refuse
+    it), variants of one BKV bit-identical (the same
     arithmetic, issued in another order; the TMA ring too: the keys it loads where the others
     zero-fill get P = 0), those with the polynomial exp2 among themselves only (one fraction,
     poly_every, a group), as their P differs. 200 tokens: the
@@ -2372,7 +2423,7 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
     everyone = torch.ones(batch, seq_len, dtype=torch.uint8, device="cuda")
     want, blind = packed_attention(qkv, everyone if valid is None else valid, batch=batch,
                                    seq_len=seq_len, heads=heads, causal=causal)
-    wide = ops.wgmma_attention_pad(head_dim)
+    wide = ops.wgmma_attention_pad(head_dim, named=True)  # 136 and 256: by name
     variants = build.ATTENTION_WGMMA[wide] if wgmma and wide else (None,)
     by_bkv = {}  # (BKV, poly_every) -> (variant name, output) of the first variant with them
     for variant in variants:

@@ -46,7 +46,8 @@ class CupyBackend(Backend):
     (build.ATTENTION_WGMMA; None: "wgmma 192x128 TMA overlap" at head dim 64 from 4096
     tokens (layer.LONG_ATTENTION),
     "wgmma 128x64 2/SM" at other head dims up to 64 and shorter sequences, "wgmma 128x128"
-    above); needs the wgmma attention (sm_90, head dims up to 128).
+    above up to 128, mma.sync above 128); needs the wgmma attention (sm_90, head dims up to
+    256: "wgmma 128x64" or "wgmma 64x64" run head dims 129-256 only when named).
     """
 
     name = "cupy"
@@ -106,10 +107,10 @@ class CupyBackend(Backend):
             wgmma = kernels.has_wgmma and not kernels.wgmma_problem
         variant = self.attention_variant
         if variant is not None:
-            wide = wgmma_attention_pad(config.head_dim)
+            wide = wgmma_attention_pad(config.head_dim, named=True)
             if not (wgmma and wide):
                 raise Unsupported(f"{self.name}: attention_variant {variant!r} needs the wgmma "
-                                  f"attention kernel (sm_90, head dim up to 128)")
+                                  f"attention kernel (sm_90, head dim up to 256)")
             try:
                 build.attention_variant(wide, variant, config.head_dim)
             except ValueError as exc:

@@ -143,7 +143,8 @@ __device__ __forceinline__ void named_arrive_if(bool on, unsigned id) {
 // Dynamic shared bytes of one block of lb::flash_attention_wgmma<hp, bq, bkv, *, pipelined>: Q
 // (bq rows), the K and V buffers (bkv rows each) of hp halves a row, plus 1024 bytes of slack
 // for aligning the first tile to 1024 bytes. Plain <32, 128, 128>: 41984, <64, 128, 128>: 82944,
-// <64, 128, 64>: 50176, <128, 128, 128>: 164864; pipelined <64, 128, 64>: 58368.
+// <64, 128, 64>: 50176, <128, 128, 128>: 164864, <256, 128, 64>: 197632, <256, 64, 64>:
+// 164864; pipelined <64, 128, 64>: 58368.
 __host__ __device__ constexpr int attention_wgmma_shared_bytes(int hp, int bq, int bkv,
                                                                int pipelined) {
     namespace ad = attn_wgmma_detail;
@@ -200,7 +201,8 @@ __device__ __forceinline__ void flash_attention_body(
     // Qualified names only: attention.cu's and linear_wgmma.cu's device functions share the
     // module.
     namespace ad = attn_wgmma_detail;
-    static_assert(HP == 32 || HP == 64 || HP == 128, "padded head dim 32, 64 or 128");
+    static_assert(HP == 32 || HP == 64 || HP == 128 || HP == 256,
+                  "padded head dim 32, 64, 128 or 256");
     static_assert(BQ == 64 || BQ == 128 || (BQ == 192 && PIPELINE == ad::TMA_RING),
                   "one or two warpgroups of 64 rows (the TMA ring: two or three)");
     static_assert(BKV == 64 || BKV == 128, "wgmma n64 or n128 score tiles");
@@ -835,6 +837,8 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(MINB == 1 || MINB == 2, "one or two blocks an SM");
     static_assert(PIPELINE == 0 || PIPELINE == 1, "plain or pipelined schedule");
+    static_assert(attention_wgmma_shared_bytes(HP, BQ, BKV, PIPELINE) <= 227 * 1024,
+                  "Q and the K and V buffers must fit one block's shared memory");
     attn_wgmma_detail::flash_attention_body<HP, BQ, BKV, PIPELINE, 0>(
         qkv, qkv_stride, ctx_hi, ctx_lo, ctx_stride, valid, key_info, seq_len, num_heads,
         head_dim, scale, causal, nullptr, nullptr);

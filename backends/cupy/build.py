@@ -142,15 +142,20 @@ WGMMA_TMA_PINGPONG_128_POLY = AttentionVariant("wgmma 128x128 TMA ping-pong poly
 WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-exp2", 128, 128,
                                               tma=True, kv_stages=5,
                                               schedule=TMA_OVERLAP_PACKED, poly_every=8)
+# Head dim 256 (O is 128 registers a thread): the plain schedule at BKV 64, one block an SM,
+# 224 registers and no spill at BQ 128 (197632 shared bytes) and at BQ 64 (one warpgroup,
+# 164864); the pipelined one spills there (its second score set).
+WGMMA_256 = AttentionVariant("wgmma 128x64", 128, 64)
+WGMMA_256_ONE_GROUP = AttentionVariant("wgmma 64x64", 64, 64)
 # flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (two
 # blocks an SM at head dims 32 and 64: the fastest timed on the H200 at shape 13; on shape
 # 14's long sequences the TMA ring's 192x128 overlap is, and the layer runs it there:
 # layer.LONG_ATTENTION).
-# Head dims up to 32 run at 32; 256 has none (the mma.sync kernel runs it). At 128, two
-# blocks an SM (128 registers a thread) spill, and the pipelined schedule at BKV 128 spills
-# at every head dim (two score sets of 64 registers), so it runs BKV 64. The TMA ring runs
-# at 32 and 64 (boxes of 32 columns with the 64-byte swizzle, 64 with the 128-byte one),
-# head dims below those refused.
+# Head dims up to 32 run at 32. At 128, two blocks an SM (128 registers a thread) spill, and
+# the pipelined schedule at BKV 128 spills at every head dim (two score sets of 64
+# registers), so it runs BKV 64. The TMA ring runs at 32 and 64 (boxes of 32 columns with
+# the 64-byte swizzle, 64 with the 128-byte one), head dims below those refused. 256 (head
+# dims 129-256) runs its variants by name only: ATTENTION_WGMMA_BY_NAME.
 ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
                         WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
                         WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
@@ -163,7 +168,12 @@ ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TM
                         WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY,
                         WGMMA_TMA_OVERLAP_3WG, WGMMA_TMA_OVERLAP_3WG_POLY,
                         WGMMA_TMA_OVERLAP_3WG_POLY4),
-                   128: (WGMMA_PLAIN, WGMMA_PIPELINED)}
+                   128: (WGMMA_PLAIN, WGMMA_PIPELINED),
+                   256: (WGMMA_256, WGMMA_256_ONE_GROUP)}
+# Padded head dims whose wgmma variants are compiled and run when named (ops.attention's
+# variant, CupyBackend(attention_variant=...), the sweep), while the mma.sync kernel stays
+# the default: not yet timed on a GPU.
+ATTENTION_WGMMA_BY_NAME = frozenset({256})
 
 
 @dataclass(frozen=True)
@@ -332,8 +342,8 @@ def attention_variant_names() -> list[str]:
 
 def attention_variant(head_pad: int, name: str | None = None,
                       head_dim: int | None = None) -> AttentionVariant:
-    """The wgmma attention variant called name at a padded head dim (32, 64 or 128), or its
-    default where name is None; ValueError naming those it has otherwise, or (head_dim
+    """The wgmma attention variant called name at a padded head dim (32, 64, 128 or 256), or
+    its default where name is None; ValueError naming those it has otherwise, or (head_dim
     given) the variant's refusal of head_dim."""
     variants = ATTENTION_WGMMA[head_pad]
     if name is None:

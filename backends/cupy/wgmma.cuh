@@ -273,6 +273,20 @@ struct RS<128> {
     }
 };
 
+template <>
+struct RS<256> {
+    static __device__ __forceinline__ void run(float (&d)[128], const unsigned (&a)[4],
+                                               unsigned long long db) {
+        asm volatile(
+            LB_AW_RS("256", LB_AW_ACC128, "%128, %129, %130, %131", "%132", "%133")
+            : LB_AW_RW8(0), LB_AW_RW8(8), LB_AW_RW8(16), LB_AW_RW8(24), LB_AW_RW8(32),
+              LB_AW_RW8(40), LB_AW_RW8(48), LB_AW_RW8(56), LB_AW_RW8(64), LB_AW_RW8(72),
+              LB_AW_RW8(80), LB_AW_RW8(88), LB_AW_RW8(96), LB_AW_RW8(104), LB_AW_RW8(112),
+              LB_AW_RW8(120)
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+    }
+};
+
 #undef LB_AW_RW8
 #undef LB_AW_W8
 #undef LB_AW_ACC16
