@@ -7,7 +7,7 @@ and GEMM kernel sweeps.
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,2,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
         # the mma.sync attention kernel and every wgmma variant of the head dim on one input:
-        # ms, TFLOP/s, error
+        # ms, TFLOP/s, error (--repeats 10 on small inputs: launches replayed from a graph)
     python bench/cupy_sweep.py gemm --epilogue half
         # every wgmma GEMM variant (and torch's fp16 matmul) on the GEMM sizes of shapes 8 and
         # 14 at one product: ms, TFLOP/s, max relative error against an fp32 matmul
@@ -85,14 +85,14 @@ def sweep_attention(args, device) -> list[dict]:
     return runner.compare_attention_kernels(
         choices, batch=args.batch, seq_len=args.seq_len, heads=args.heads,
         head_dim=args.head_dim, causal=not args.full, rounds=args.rounds, device=device,
-        label="cupy attention")
+        label="cupy attention", repeats=args.repeats or 1)
 
 
 def sweep_gemm(args, device) -> list[dict]:
     """Every wgmma GEMM variant (build.GEMM_VARIANTS, the first the plain schedule, the layer's
     own build.LAYER_GEMM_VARIANT among them) and, for the half epilogue, torch's fp16 matmul
     (cuBLAS, bias in fp16) on each M x N x K of args.sizes at one product with epilogue
-    args.epilogue, each replayed args.repeats times from a CUDA graph and timed in
+    args.epilogue, each replayed --repeats times (20) from a CUDA graph and timed in
     alternating rounds; error: the largest |got - want| / max(|want|, 1) against torch's fp32
     matmul of the same fp16 operands, through the epilogue in fp32."""
     kernels = ops.kernels_for(device)
@@ -133,11 +133,12 @@ def sweep_gemm(args, device) -> list[dict]:
             out16, bias16 = torch.empty(m, n, device=device, dtype=torch.float16), bias.half()
             choices["torch fp16 (cuBLAS)"] = (
                 out16, lambda: torch.addmm(bias16, a, w.t(), out=out16))
-        runs = [replayed(run, args.repeats, device) for _, run in choices.values()]
+        repeats = args.repeats or 20
+        runs = [replayed(run, repeats, device) for _, run in choices.values()]
         medians = alternating_medians_ms(runs, device, rounds=args.rounds)
         flop = 2.0 * m * n * k
         for (name, (out, _)), total in zip(choices.items(), medians):
-            ms = total / args.repeats
+            ms = total / repeats
             err = ((out.float() - want).abs() / want.abs().clamp_min(1.0))
             err = err.nan_to_num(nan=math.inf).max().item()
             rows.append({"size": size, "epilogue": epilogue, "kernel": name, "ms": ms,
@@ -170,8 +171,9 @@ def main() -> int:
     parser.add_argument("--sizes", default=GEMM_SIZES, help="gemm: MxNxK, comma-separated")
     parser.add_argument("--epilogue", choices=list(build.GEMM_VARIANT_EPILOGUES),
                         default="half", help="gemm: the epilogue timed")
-    parser.add_argument("--repeats", type=int, default=20,
-                        help="gemm: launches per CUDA-graph replay")
+    parser.add_argument("--repeats", type=int,
+                        help="launches per CUDA-graph replay timed (gemm: 20 by default; "
+                             "attention: 1, each launch timed alone, by default)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--out", help="write the rows as JSON")
     args = parser.parse_args()

@@ -19,7 +19,7 @@ from .interface import BuiltLayer
 from .memory import MemoryPlan, check_fits
 from .registry import get_backend
 from .shapes import Shape
-from .timing import alternating_medians_ms
+from .timing import alternating_medians_ms, replayed
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -311,12 +311,13 @@ def compare_plans(shapes, build_plan, plans=(True, False), *, padding: float = 0
 def compare_attention_kernels(kernels: dict, *, batch: int, seq_len: int, heads: int,
                               head_dim: int, causal: bool, rounds: int = 10,
                               checked_tokens: int = 8192, device="cuda",
-                              label: str = "attention") -> list[dict]:
+                              label: str = "attention", repeats: int = 1) -> list[dict]:
     """Attention kernels on one packed Q/K/V input ([batch * seq_len, 3 * heads * head_dim]
     fp16): kernels maps a name to run(qkv, ctx_pair), which writes the context as an fp16
     (hi, lo) pair. Each is checked against fp32 attention of the first sequence's first
-    checked_tokens rows and timed in alternating rounds. One row per kernel: median ms,
-    TFLOP/s, largest absolute error."""
+    checked_tokens rows and timed in alternating rounds: one launch a round, or (repeats > 1,
+    CUDA) a CUDA graph of repeats launches, which leaves out the host's time between them.
+    One row per kernel: median ms a launch, TFLOP/s, largest absolute error."""
     from layerbench.reference import packed_attention
 
     device = torch.device(device)
@@ -337,7 +338,12 @@ def compare_attention_kernels(kernels: dict, *, batch: int, seq_len: int, heads:
     everyone = torch.ones(1, checked, dtype=torch.uint8, device=device)
     expected = packed_attention(qkv[:checked].contiguous(), everyone, batch=1, seq_len=checked,
                                 heads=heads, causal=causal)[0].reshape(checked, d)
-    medians = alternating_medians_ms(runs, device, rounds=rounds, max_seconds=20.0)
+    if repeats > 1 and device.type == "cuda":
+        runs = [replayed(run, repeats, device) for run in runs]
+    else:
+        repeats = 1
+    medians = [ms / repeats for ms in
+               alternating_medians_ms(runs, device, rounds=rounds, max_seconds=20.0)]
     flop = 4.0 * batch * heads * seq_len * seq_len * head_dim * (0.5 if causal else 1.0)
     rows = []
     for (name, (hi, lo)), ms in zip(outputs.items(), medians):

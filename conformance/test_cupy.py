@@ -144,6 +144,14 @@ def test_sm90_sass(cupy_selected, compiled, hopper_sass):
             assert row["HMMA"] > 0 and row["LDSM"] > 0, (name, row)
 
 
+def attention_hgmma_widths(body: str) -> tuple[list[str], list[str]]:
+    """The N of each SS HGMMA (Q K^T, both operands by descriptor) and each RS one (P V, A in
+    registers, V transposed) in an attention kernel's SASS, in order."""
+    ss = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, gdesc\[UR\d+\], (?:RZ|R\d+)", body)
+    rs = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", body)
+    return ss, rs
+
+
 def test_attention_wgmma_plain_sass(cupy_selected, compiled, hopper_sass):
     """sm_90a SASS of every flash_attention_wgmma variant on the plain schedule (head dim 256
     among them): S = Q K^T as HP / 16 SS wgmmas (HGMMA.64xBKVx16 on two descriptors) and
@@ -153,13 +161,12 @@ def test_attention_wgmma_plain_sass(cupy_selected, compiled, hopper_sass):
     bodies, rows = hopper_sass
     plain = [(hp, v) for hp, vs in build.ATTENTION_WGMMA.items() for v in vs
              if not (v.tma or v.pipelined)]
-    assert (256, build.WGMMA_256) in plain and (256, build.WGMMA_256_ONE_GROUP) in plain
+    assert (256, build.WGMMA_HD256) in plain and (256, build.WGMMA_HD256_ONE_GROUP) in plain
     for hp, v in plain:
         symbol = lowered[build.attention_wgmma_name(hp, v)]
         body, row = bodies[symbol], rows[symbol]
         name = f"{v.name} at {hp}"
-        ss = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, gdesc\[UR\d+\], (?:RZ|R\d+)", body)
-        rs = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", body)
+        ss, rs = attention_hgmma_widths(body)
         assert ss == [str(v.bkv)] * (hp // 16), (name, ss)
         assert rs == [str(hp)] * (v.bkv // 16), (name, rs)
         assert len(re.findall(r"\bHGMMA\b", body)) == len(ss) + len(rs), name
@@ -263,8 +270,7 @@ def test_attention_tma_sass(cupy_selected, compiled, hopper_sass):
         symbol = lowered[build.attention_wgmma_name(hp, v)]
         body, row = bodies[symbol], rows[symbol]
         name = f"{v.name} at {hp}"
-        ss = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, gdesc\[UR\d+\], (?:RZ|R\d+)", body)
-        rs = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32 R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", body)
+        ss, rs = attention_hgmma_widths(body)
         waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", body)
         fences = len(re.findall(r"WARPGROUP\.ARRIVE", body))
         named = re.findall(r"\bBAR\.(SYNC\.DEFER_BLOCKING|ARV) (R\d+|0x\d+), 0x100\b", body)
@@ -512,7 +518,7 @@ def test_attention_variants(cupy_selected, monkeypatch):
     names = build.name_expressions(build.HOPPER)
     for hp, variants in build.ATTENTION_WGMMA.items():
         assert variants[0] == {32: build.WGMMA_TWO_PER_SM, 64: build.WGMMA_TWO_PER_SM,
-                               128: build.WGMMA_PLAIN, 256: build.WGMMA_256}[hp]
+                               128: build.WGMMA_PLAIN, 256: build.WGMMA_HD256}[hp]
         assert len({v.name for v in variants}) == len(variants)
         for v in variants:
             assert build.attention_wgmma_name(hp, v) in names
@@ -526,15 +532,15 @@ def test_attention_variants(cupy_selected, monkeypatch):
     assert build.WGMMA_TMA.threads == 384 and build.WGMMA_TWO_PER_SM.threads == 256
     # head dim 256: the plain schedule at BKV 64, one block an SM, by name only (mma.sync
     # stays the default); Q and four K/V tiles of 512-byte rows fit 227 KiB, as the .cu says
-    assert build.ATTENTION_WGMMA[256] == (build.WGMMA_256, build.WGMMA_256_ONE_GROUP)
+    assert build.ATTENTION_WGMMA[256] == (build.WGMMA_HD256, build.WGMMA_HD256_ONE_GROUP)
     assert build.ATTENTION_WGMMA_BY_NAME == {256}
     assert [(v.bq, v.bkv, v.min_blocks, v.pipelined, v.tma, v.threads)
             for v in build.ATTENTION_WGMMA[256]] == [(128, 64, 1, False, False, 256),
                                                      (64, 64, 1, False, False, 128)]
-    assert build.attention_wgmma_name(256, build.WGMMA_256) == (
+    assert build.attention_wgmma_name(256, build.WGMMA_HD256) == (
         "lb::flash_attention_wgmma<256, 128, 64, 1, 0>")
-    assert ops.attention_variant_shared_bytes(256, build.WGMMA_256) == 197632 <= 227 * 1024
-    assert ops.attention_variant_shared_bytes(256, build.WGMMA_256_ONE_GROUP) == 164864
+    assert ops.attention_variant_shared_bytes(256, build.WGMMA_HD256) == 197632 <= 227 * 1024
+    assert ops.attention_variant_shared_bytes(256, build.WGMMA_HD256_ONE_GROUP) == 164864
     for head_dim in (136, 200, 256):
         assert ops.wgmma_attention_pad(head_dim) is None
         assert ops.wgmma_attention_pad(head_dim, named=True) == 256
@@ -649,10 +655,10 @@ def test_attention_variants(cupy_selected, monkeypatch):
     for cfg, variant, ok in ((LayerConfig(2, 12, 128, 2, 64, 1), two, True),
                              (LayerConfig(2, 12, 256, 2, 64, 1), two, False),  # head dim 128
                              (LayerConfig(2, 12, 512, 2, 64, 1), two, False),  # head dim 256
-                             (LayerConfig(2, 12, 512, 2, 64, 1), build.WGMMA_256.name, True),
+                             (LayerConfig(2, 12, 512, 2, 64, 1), build.WGMMA_HD256.name, True),
                              (LayerConfig(2, 12, 272, 2, 64, 1),  # head dim 136
-                              build.WGMMA_256_ONE_GROUP.name, True),
-                             (LayerConfig(2, 12, 256, 2, 64, 1), build.WGMMA_256.name,
+                              build.WGMMA_HD256_ONE_GROUP.name, True),
+                             (LayerConfig(2, 12, 256, 2, 64, 1), build.WGMMA_HD256.name,
                               False),  # head dim 128: no such variant
                              (LayerConfig(2, 12, 128, 2, 64, 1), tma, True),
                              (LayerConfig(2, 12, 96, 2, 64, 1), tma, False),  # head dim 48
@@ -2399,7 +2405,7 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
     or full, no mask, prefix masks (one sequence empty) and holed masks, on both tiles where
     two are compiled ("many": enough blocks for 128 queries a block), and on the wgmma kernel
     where the device has it, every variant of the head dim (build.ATTENTION_WGMMA, by name:
-    at 136 and 256 those not yet the default too; one that refuses the head dim must refuse
+    at 136 and 256 those run only by name too; one that refuses the head dim must refuse
     it), variants of one BKV bit-identical (the same
     arithmetic, issued in another order; the TMA ring too: the keys it loads where the others
     zero-fill get P = 0), those with the polynomial exp2 among themselves only (one fraction,

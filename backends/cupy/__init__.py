@@ -22,8 +22,9 @@ class CupyBackend(Backend):
     linear_products: fp16 products of out_proj and the FFN (1: activations and weights
     rounded to fp16; 2: activations split into fp16 pairs, weights rounded; 3: both split;
     default 1 from d_model 512 on, 3 below). wgmma: the GEMMs and attention (head dims up
-    to 128) on Hopper's wgmma.mma_async; None (default) uses it wherever the device and
-    compiled module allow (sm_90), True requires it, False keeps mma.sync. fuse_norms: the
+    to 128, or 256 where attention_variant names one) on Hopper's wgmma.mma_async; None
+    (default) uses it wherever the device and compiled module allow (sm_90), True requires
+    it, False keeps mma.sync. fuse_norms: the
     LayerNorms in the residual GEMMs' epilogues (out_proj writes norm2's rows, ffn_out the
     next block's norm1 rows: five launches per block instead of seven) where the wgmma GEMMs
     run and d_model is at most 128; elsewhere the plan is unchanged. None (default): where

@@ -10,7 +10,8 @@
 // module with the sm_80 kernels, but its body is a trap.
 //
 // Launch: block BQ * 2 threads (one warpgroup of 128 threads per 64 query rows), grid
-// (ceil(seq_len / BQ), batch * num_heads) as lb::flash_attention, dynamic shared memory
+// (ceil(seq_len / BQ), batch * num_heads) as lb::flash_attention (causal: block x computes
+// query tile gridDim.x - 1 - x, the longest first), dynamic shared memory
 // lb::attention_wgmma_shared_bytes(HP, BQ, BKV, PIPELINE) bytes, above 48 KB only after the
 // kernel's max dynamic shared memory attribute has been raised to it. Variants
 // (template parameters): MINB blocks an SM, and the plain or the pipelined schedule (below).
@@ -18,7 +19,7 @@
 // warpgroup and BQ / 64 consumers, 384 threads at BQ 128 and 512 at 192, two tensor maps
 // appended to the parameters) runs the per-tile math of the same source,
 // flash_attention_body, in the consumer schedule SCHEDULE picks (plain, ping-pong, overlap or
-// packed overlap; + TMA_POLY_EXP2).
+// packed overlap; + TMA_POLY_EXP2 or twice it).
 //
 // Shared tiles. A tile of ROWS rows x HP halves is stored as HP * 2 / SW panels, SW (the swizzle
 // width) = 128 bytes, or 64 bytes at HP 32; panel p holds columns [p SW/2, (p+1) SW/2) of every
@@ -867,8 +868,8 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int b
 // the plain schedule's math per key tile (S = Q K^T by SS wgmma waited for, mask and online
 // softmax, O += P V by RS wgmma waited for) with no block barrier: the consumers drift
 // apart, one's softmax overlapping another's wgmmas; TMA_PINGPONG, TMA_OVERLAP and
-// TMA_OVERLAP_PACKED, FlashAttention-3's next steps (below), TMA_POLY_EXP2 added to any:
-// FlashAttention-4's exponential for part of P. HP 32 or 64: a TMA box of HP columns is one
+// TMA_OVERLAP_PACKED, FlashAttention-3's next steps (below), TMA_POLY_EXP2 or twice it
+// added to any: FlashAttention-4's exponential for part of P. HP 32 or 64: a TMA box of HP columns is one
 // panel (64 bytes with the 64-byte swizzle, 128 with the 128-byte one, as the descriptors expect);
 // head_dim must equal HP: the boxes are HP columns wide, so a narrower head would read its
 // neighbour's columns (ops.attention refuses it).
@@ -967,12 +968,13 @@ flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
     static_assert(attention_wgmma_tma_shared_bytes(HP, BQ, BKV, KV_STAGES) <= 227 * 1024,
                   "the ring must fit one block's shared memory");
     namespace ad = attn_wgmma_detail;
-    // SCHEDULE % TMA_POLY_EXP2: the consumers' schedule; k = SCHEDULE / TMA_POLY_EXP2:
-    // exp2_poly for one column pair in POLY_EVERY / k (none where k is 0).
-    constexpr int POLY_K = SCHEDULE / ad::TMA_POLY_EXP2;
-    static_assert(POLY_K <= 2, "the polynomial takes one column pair in 8 or 4, or none");
+    // SCHEDULE % TMA_POLY_EXP2: the consumers' schedule; POLY_EIGHTHS = SCHEDULE /
+    // TMA_POLY_EXP2, exp2_poly's share of P in eighths: one column pair in POLY_EVERY /
+    // POLY_EIGHTHS (none where it is 0).
+    constexpr int POLY_EIGHTHS = SCHEDULE / ad::TMA_POLY_EXP2;
+    static_assert(POLY_EIGHTHS <= 2, "the polynomial takes one column pair in 8 or 4, or none");
     ad::flash_attention_body<HP, BQ, BKV, ad::TMA_RING, KV_STAGES, SCHEDULE % ad::TMA_POLY_EXP2,
-                             POLY_K ? ad::POLY_EVERY / POLY_K : 0>(
+                             POLY_EIGHTHS ? ad::POLY_EVERY / POLY_EIGHTHS : 0>(
         qkv, qkv_stride, ctx_hi, ctx_lo, ctx_stride, valid, key_info, seq_len, num_heads,
         head_dim, scale, causal, &q_map, &kv_map);
 #elif defined(__CUDA_ARCH__)

@@ -92,7 +92,7 @@ WGMMA_TMA = AttentionVariant("wgmma 128x64 TMA", 128, 64, tma=True, kv_stages=3)
 TMA_PLAIN, TMA_PINGPONG, TMA_OVERLAP = 0, 1, 2  # flash_attention_wgmma_tma's SCHEDULE
 TMA_OVERLAP_PACKED = 3  # ... and FlashAttention-3's order (see WGMMA_TMA_OVERLAP_128)
 TMA_POLY_EXP2 = 4  # times 8 / poly_every added to SCHEDULE: exp2_poly for part of P
-POLY_EVERY = (8, 4)  # the fractions of P exp2_poly may take: one column pair in these
+POLY_EVERY_CHOICES = (8, 4)  # poly_every: exp2_poly takes one column pair in 8, or in 4
 # FlashAttention-3's next steps on the ring: ping-pong (the two consumers take turns issuing
 # wgmmas, one's softmax under the other's), the same stages; overlap (ping-pong, and S of
 # tile it + 1 issued before the softmax of tile it): a consumer holds three stages, so five
@@ -111,8 +111,9 @@ WGMMA_TMA_PINGPONG_128 = AttentionVariant("wgmma 128x128 TMA ping-pong", 128, 12
 WGMMA_TMA_PINGPONG_3WG = AttentionVariant("wgmma 192x64 TMA ping-pong", 192, 64, tma=True,
                                           kv_stages=3, schedule=TMA_PINGPONG)
 # The next steps toward FlashAttention-3's speed at head dim 64. H200, the shape-14 sequence
-# above: 128x128 overlap 380, 192x128 overlap 457 TFLOP/s (the layer's LONG_ATTENTION); with
-# poly-exp2 397 at 128x128, but 430 (one pair in eight) and 409-415 (in four) at 192x128.
+# above, causal grid in launch order: 128x128 overlap 380, 192x128 overlap 457 TFLOP/s (the
+# layer's LONG_ATTENTION); with poly-exp2 397 at 128x128, but 430 (one pair in eight) and
+# 409-415 (in four) at 192x128. Longest query tiles first: 420 and 482.
 # Overlap at BKV 128 in FlashAttention-3's order (TMA_OVERLAP_PACKED): a turn issues S of
 # tile it + 1 and P V of tile it, whose P is held packed in fp16; the softmax of it + 1 runs
 # under that P V, so one score set of 64 registers is live (TMA_OVERLAP's two at BKV 128
@@ -144,9 +145,11 @@ WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-ex
                                               schedule=TMA_OVERLAP_PACKED, poly_every=8)
 # Head dim 256 (O is 128 registers a thread): the plain schedule at BKV 64, one block an SM,
 # 224 registers and no spill at BQ 128 (197632 shared bytes) and at BQ 64 (one warpgroup,
-# 164864); the pipelined one spills there (its second score set).
-WGMMA_256 = AttentionVariant("wgmma 128x64", 128, 64)
-WGMMA_256_ONE_GROUP = AttentionVariant("wgmma 64x64", 64, 64)
+# 164864); the pipelined one spills there (its second score set). H200, shape 8's attention
+# replayed from a graph: 0.052 and 0.066 ms against mma.sync's 0.060 (causal), 0.050 and
+# 0.070 against 0.070 (full).
+WGMMA_HD256 = AttentionVariant("wgmma 128x64", 128, 64)
+WGMMA_HD256_ONE_GROUP = AttentionVariant("wgmma 64x64", 64, 64)
 # flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (two
 # blocks an SM at head dims 32 and 64: the fastest timed on the H200 at shape 13; on shape
 # 14's long sequences the TMA ring's 192x128 overlap is, and the layer runs it there:
@@ -169,10 +172,10 @@ ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TM
                         WGMMA_TMA_OVERLAP_3WG, WGMMA_TMA_OVERLAP_3WG_POLY,
                         WGMMA_TMA_OVERLAP_3WG_POLY4),
                    128: (WGMMA_PLAIN, WGMMA_PIPELINED),
-                   256: (WGMMA_256, WGMMA_256_ONE_GROUP)}
+                   256: (WGMMA_HD256, WGMMA_HD256_ONE_GROUP)}
 # Padded head dims whose wgmma variants are compiled and run when named (ops.attention's
 # variant, CupyBackend(attention_variant=...), the sweep), while the mma.sync kernel stays
-# the default: not yet timed on a GPU.
+# the default (bench/PERFORMANCE.md K23).
 ATTENTION_WGMMA_BY_NAME = frozenset({256})
 
 
@@ -256,7 +259,8 @@ def norm_name(output: str) -> str:
 
 def gemm_compiled(epilogue: str, products: int) -> bool:
     """Whether the module has the plain GEMMs (mma.sync and wgmma) for epilogue at products:
-    every epilogue at one and three, TWO_PRODUCT_EPILOGUES at two."""
+    every epilogue at one and three, TWO_PRODUCT_EPILOGUES at two (residual_norm: the wgmma
+    NORM_TILES only)."""
     return products in GEMM_PRODUCTS and (products != 2 or epilogue in TWO_PRODUCT_EPILOGUES)
 
 
@@ -320,15 +324,17 @@ def attention_name(head_pad: int, bq: int, bkv: int) -> str:
 def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
     """Name expression of the sm_90a flash attention kernel of variant at a padded head dim
     (a TMA variant: flash_attention_wgmma_tma<HP, BQ, BKV, kv_stages, schedule (+
-    TMA_POLY_EXP2)>)."""
+    TMA_POLY_EXP2 times 8 / poly_every)>; the polynomial exists on the TMA ring only)."""
     v = variant
+    if v.poly_every and not v.tma:
+        raise ValueError(f"{v.name}: the polynomial exponential runs on the TMA ring only")
     if v.tma:
         if ((v.min_blocks, v.pipelined) != (1, False) or v.bq not in (128, 192)
                 or v.bkv not in (64, 128) or v.kv_stages < 1
-                or v.poly_every not in (0, *POLY_EVERY)):
+                or v.poly_every not in (0, *POLY_EVERY_CHOICES)):
             raise ValueError(f"{v.name} runs BQ 128 or 192, BKV 64 or 128, one block an SM, "
-                             f"a ring, the polynomial on one pair in {POLY_EVERY} or none")
-        poly = TMA_POLY_EXP2 * (POLY_EVERY[0] // v.poly_every) if v.poly_every else 0
+                             f"a ring, the polynomial on one pair in 8 or 4, or none")
+        poly = TMA_POLY_EXP2 * (POLY_EVERY_CHOICES[0] // v.poly_every) if v.poly_every else 0
         return (f"lb::flash_attention_wgmma_tma<{head_pad}, {v.bq}, {v.bkv}, {v.kv_stages}, "
                 f"{v.schedule + poly}>")
     return (f"lb::flash_attention_wgmma<{head_pad}, {v.bq}, {v.bkv}, {v.min_blocks}, "

@@ -28,9 +28,9 @@ def linear_products_for(d_model: int) -> int:
 FUSED_NORM_WAVES = 3  # a fused grid this many blocks per SM hides its lost width
 # Long sequences at head dim 64 run the TMA-ring attention where no variant is named: on one
 # 100000-token sequence of shape 14 on the H200, its packed overlap with three consumers
-# (FlashAttention-3's configuration) ran at 457 TFLOP/s, the 128x128 ping-pong at 356, the
-# plain ring at 270 and the default at 237; at 8192 tokens 234 against 225 and 155 (at 1024
-# tokens, head dim 32, every ring variant was the slower).
+# (FlashAttention-3's configuration) ran at 482 TFLOP/s, the 128x128 ping-pong at 384, the
+# plain ring at 277 and the default at 247; at 8192 tokens (causal grid in launch order) 234
+# against 225 and 155 (at 1024 tokens, head dim 32, every ring variant was the slower).
 LONG_ATTENTION = build.WGMMA_TMA_OVERLAP_3WG
 LONG_ATTENTION_HEAD_DIM, LONG_ATTENTION_MIN_KEYS = 64, 4096
 
@@ -75,8 +75,9 @@ class CupyLayer(BuiltLayer):
     """Per block: norm1 (fp16, read by one product), Q/K/V, attention, out_proj + residual,
     norm2, ffn_in + GELU, ffn_out + residual (one, two or three fp16 products each: at two
     the activations' pairs are read and the weights' hi halves alone); the final
-    norm into the output. With wgmma, the GEMMs and attention (head dims up to 128) run on
-    Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu; attention_variant names the
+    norm into the output. With wgmma, the GEMMs and attention (head dims up to 128; up to
+    256 where attention_variant names one) run on Hopper's wgmma (linear_wgmma.cu,
+    attention_wgmma.cu; attention_variant names the
     attention kernel's variant, None attention_variant_for's choice; gemm_variant names a
     GEMM variant, used by each GEMM it fits, see gemm_variant_for). With fuse_norms (wgmma,
     d_model up to 128), out_proj's epilogue writes norm2's rows and ffn_out's the next
