@@ -132,7 +132,7 @@ if [[ $stage == cupy ]]; then
         timeout 120 python3 bench/cupy_sweep.py attention --batch 1 --seq-len 100000 \
             --heads 16 --head-dim 64 --rounds 5 --out "$OUT/cupy-attention-14.json" 2>&1 | tee -a "$log"
         timeout 60 python3 bench/cupy_sweep.py attention --batch 64 --seq-len 1024 --heads 4 \
-            --head-dim 32 --out "$OUT/cupy-attention-13.json" 2>&1 | tee -a "$log"
+            --head-dim 32 --repeats 10 --out "$OUT/cupy-attention-13.json" 2>&1 | tee -a "$log"
     fi
     if [[ $parts == *" gemm "* ]]; then
         timeout 120 python3 bench/cupy_sweep.py gemm --out "$OUT/cupy-gemm.json" 2>&1 | tee -a "$log"
