@@ -3,6 +3,9 @@ same inputs, checked against one reference and timed in alternating rounds), and
 and GEMM kernel sweeps.
 
     python bench/cupy_sweep.py plans --plan wgmma --shapes 8,13,6,1   # wgmma kernels on / off
+    python bench/cupy_sweep.py plans --plan norm_prologue --shapes 2,5,1,13
+        # norm1 and norm2 in the prologues of Q/K/V and ffn_in on / off (where the norms
+        # are not fused by default: shape 13 fuses them, so both of its plans are one)
     python bench/cupy_sweep.py plans --plan "wgmma 128x256 TMA" --shapes 8  # a GEMM variant / default
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,2,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
@@ -156,7 +159,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["plans", "products", "attention", "gemm"])
     parser.add_argument("--shapes", default="1,2,7,8,13,6", help="official shape numbers")
-    parser.add_argument("--plan", choices=["wgmma", "fuse_norms", *build.gemm_variant_names()],
+    parser.add_argument("--plan", choices=["wgmma", "fuse_norms", "norm_prologue",
+                                           *build.gemm_variant_names()],
                         default="wgmma",
                         help="plans: the option (or GEMM variant: \"wgmma 128x128\" forces "
                              "the plain schedule) compared on against off (the default)")

@@ -5,9 +5,10 @@ parameters each compiled kernel takes, the toolkit headers are found or refused 
 wgmma attention and GEMM variants are chosen by name and their schedules (models of the
 attention kernels' buffers and of the GEMM's K-tile stages) never overwrite a buffer a pending
 wgmma may read, the layer's launch sequence (with and without fused norms, with a GEMM
-variant) computes the layer through PyTorch stand-ins, and (on a GPU) LayerNorm and the GEMMs
-(every GEMM variant, the residual_norm epilogue too) against fp64, attention (every wgmma
-variant) against the fp32 oracle, and the layer eager and replayed."""
+variant, with the norms in the GEMMs' prologues) computes the layer through PyTorch
+stand-ins, and (on a GPU) LayerNorm and the GEMMs (every GEMM variant, the residual_norm
+epilogue too) against fp64, the norm-prologue GEMM against layer_norm and the plain GEMM,
+attention (every wgmma variant) against the fp32 oracle, and the layer eager and replayed."""
 from __future__ import annotations
 
 import itertools
@@ -425,6 +426,14 @@ def _launches():
                    out_pair=(torch.zeros(m, f, dtype=torch.float16), None), **variant)
         ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", 1, res=x, out=x,
                    valid_rows=valid, zero_sum=True, **variant)
+    for tile in build.WGMMA_TILES:  # norm prologue: Q/K/V's half, ffn_in's gelu_pair
+        for epilogue, counts in build.PROLOGUE_EPILOGUES.items():
+            for products in counts:
+                out_pair = (torch.zeros(m, f, dtype=torch.float16),
+                            torch.zeros(m, f, dtype=torch.float16) if products > 1 else None)
+                ops.linear(k, None, weight_pair(torch.zeros(f, d)), torch.zeros(f), epilogue,
+                           products, out_half=out_pair[0], out_pair=out_pair, tile=tile,
+                           wgmma=True, prologue_norm=(x, w, b))
     for head_dim in (8, 32, 64, 128, 256):
         d = heads * head_dim
         qkv = torch.zeros(m, 3 * d, dtype=torch.float16)
@@ -2394,6 +2403,64 @@ def test_linear_residual_norm_kernel(kernels, m, n, k):
 
 
 @needs_gpu
+@pytest.mark.parametrize("m", [1, 77, 300])
+@pytest.mark.parametrize("k", [8, 40, 64, 72, 128])
+def test_linear_norm_prologue_kernel(kernels, m, k):
+    """The norm-prologue GEMM (LayerNorm of fp32 rows in its prologue) against layer_norm
+    followed by the plain wgmma GEMM on the same tile: bit-identical outputs, each tile, Q/K/V's
+    half at one product and ffn_in's gelu_pair at one to three, x a strided view (rows of
+    k + 8 floats); its prologue computes each row's statistics and values with layer_norm's
+    fp32 operations in layer_norm's order, and the main loop runs the plain kernel's wgmmas in
+    the same order over the same zero-padded tiles. With the identity as W (exact in fp16)
+    and no bias, its half output is layer_norm's hi half itself. Outputs are NaN-poisoned,
+    one row and 8 columns wider than written, and must stay NaN past M x N."""
+    if not kernels.has_wgmma:
+        pytest.skip(f"no wgmma on sm_{kernels.arch}")
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    n = 136
+    x = (torch.randn(m, k + 8, device="cuda", generator=g) * 3 + 1)[:, :k]
+    norm_w, norm_b = (torch.randn(k, device="cuda", generator=g) for _ in range(2))
+    w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
+    bias = torch.randn(n, device="cuda", generator=g)
+    w_pair = weight_pair(w)
+    hi, lo = (torch.full((m, k), math.nan, device="cuda", dtype=torch.float16)
+              for _ in range(2))
+    ops.layer_norm(kernels, x, norm_w, norm_b, pair=(hi, lo))
+
+    def poisoned(cols):
+        buffer = torch.full((m + 1, cols + 8), math.nan, device="cuda", dtype=torch.float16)
+        return buffer, buffer[:m, :cols]
+    runs = [(1, "half")] + [(p, "gelu_pair") for p in build.PROLOGUE_EPILOGUES["gelu_pair"]]
+    for tile, (products, epilogue) in itertools.product(build.WGMMA_TILES, runs):
+        case = f"{tile} {epilogue} {products} products m={m} k={k}"
+        got, want = [], []
+        for prologue in (True, False):
+            outs = [poisoned(n) for _ in range(2)]
+            kw = ({"out_half": outs[0][1]} if epilogue == "half"
+                  else {"out_pair": (outs[0][1], outs[1][1])})
+            if prologue:
+                ops.linear(kernels, None, w_pair, bias, epilogue, products, tile=tile,
+                           wgmma=True, prologue_norm=(x, norm_w, norm_b), **kw)
+            else:
+                ops.linear(kernels, (hi, lo), w_pair, bias, epilogue, products, tile=tile,
+                           wgmma=True, **kw)
+            written = outs[:1] if epilogue == "half" else outs
+            for buffer, view in written:
+                assert not view.isnan().any(), f"{case} prologue={prologue}: NaN written"
+                assert buffer[m].isnan().all() and buffer[:, n:].isnan().all(), (
+                    f"{case} prologue={prologue}: written past M x N")
+            (got if prologue else want).append([view for _, view in written])
+        for a, b in zip(got[0], want[0]):
+            assert torch.equal(a, b), f"{case}: {(a.float() - b.float()).abs().max()}"
+    eye = weight_pair(torch.eye(k, device="cuda"))
+    for tile in build.WGMMA_TILES:
+        buffer, out = poisoned(k)
+        ops.linear(kernels, None, eye, torch.zeros(k, device="cuda"), "half", 1,
+                   out_half=out, tile=tile, wgmma=True, prologue_norm=(x, norm_w, norm_b))
+        assert torch.equal(out, hi), f"{tile} m={m} k={k}: normed rows differ from layer_norm"
+
+
+@needs_gpu
 @pytest.mark.parametrize("head_dim", [8, 24, 32, 64, 72, 128, 136, 256])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("mask", ["none", "prefix", "holes"])
@@ -2459,7 +2526,8 @@ class StandIns:
     """PyTorch stand-ins for ops.layer_norm, ops.linear and ops.attention, computing what
     each kernel promises from the operands it reads (one product reads only hi halves).
     mutation breaks residual_norm on purpose: "pre_residual" norms the rows before the
-    update, "skip_next_norm1" leaves ffn_out's norm rows (the next block's norm1) unwritten."""
+    update, "skip_next_norm1" leaves ffn_out's norm rows (the next block's norm1) unwritten;
+    or the norm prologue: "prologue_without_bias" norms the rows without the norm's bias."""
 
     def __init__(self, mutation: str | None = None):
         self.calls = []
@@ -2481,12 +2549,25 @@ class StandIns:
 
     def linear(self, k, a, weight, bias, epilogue, products, *, out_pair=None, out_half=None,
                res=None, out=None, valid_rows=None, zero_sum=False, norm=None, norm_out=None,
-               eps=1e-5, tile=None, wgmma=False, gemm_variant=None):
+               eps=1e-5, tile=None, wgmma=False, gemm_variant=None, prologue_norm=None):
         """The GEMM and its epilogue over products fp16 products (residual_norm: then the
-        LayerNorm of the new rows, on the wgmma GEMMs and rows up to 128 wide); the GEMM
-        variant recorded, and checked to be one the module has for it."""
-        self.calls.append(f"linear:{epilogue}:{products}")
+        LayerNorm of the new rows, on the wgmma GEMMs and rows up to 128 wide; prologue_norm
+        (x, weight, bias): A is the LayerNorm of x's fp32 rows as layer_norm writes it, hi
+        alone at one product, where the module has the norm-prologue GEMM); the GEMM variant
+        recorded, and checked to be one the module has for it."""
         n = weight[0].shape[0]
+        if prologue_norm is not None:
+            self.calls.append(f"linear:{epilogue}:{products}:prologue")
+            x, norm_w, norm_b = prologue_norm
+            assert a is None and wgmma and gemm_variant is None
+            assert build.norm_prologue_compiled(epilogue, products)
+            assert x.dtype == torch.float32 and x.shape[1] <= build.MAX_PROLOGUE_K
+            if self.mutation == "prologue_without_bias":
+                norm_b = torch.zeros_like(norm_b)
+            y = _norm(x, norm_w, norm_b)
+            a = (y.half(), (y - y.half().float()).half())
+        else:
+            self.calls.append(f"linear:{epilogue}:{products}")
         self.gemm_variants.append((epilogue, products, n, gemm_variant))
         assert build.gemm_compiled(epilogue, products), (epilogue, products)
         if gemm_variant is not None:
@@ -2521,10 +2602,10 @@ class StandIns:
 
 
 def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=False,
-                   attention_variant=None, gemm_variant=None):
-    """The cupy layer's forward on CPU, its kernels replaced by stand (fuse_norms or a GEMM
-    variant as on the wgmma GEMMs), with a NaN-poisoned workspace; returns the layer and its
-    output."""
+                   attention_variant=None, gemm_variant=None, norm_prologue=False):
+    """The cupy layer's forward on CPU, its kernels replaced by stand (fuse_norms, a GEMM
+    variant or norm_prologue as on the wgmma GEMMs), with a NaN-poisoned workspace; returns
+    the layer and its output."""
     from layerbench.backends.cupy.layer import CupyLayer
 
     model = make_reference(cfg, seed=5)
@@ -2532,8 +2613,9 @@ def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=F
         monkeypatch.setattr(ops, name, getattr(stand, name))
     layer = CupyLayer(None, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
                       None, products or linear_products_for(cfg.d_model),
-                      wgmma=fuse_norms or gemm_variant is not None, fuse_norms=fuse_norms,
-                      attention_variant=attention_variant, gemm_variant=gemm_variant)
+                      wgmma=fuse_norms or gemm_variant is not None or norm_prologue,
+                      fuse_norms=fuse_norms, attention_variant=attention_variant,
+                      gemm_variant=gemm_variant, norm_prologue=norm_prologue)
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
@@ -2553,20 +2635,23 @@ def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=F
                               "d512-one-product"])
 @pytest.mark.parametrize("padding", [0.0, 0.4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("fuse_norms", [False, True], ids=["norms", "fused-norms"])
+@pytest.mark.parametrize("plan", ["norms", "fused-norms", "norm-prologue"])
 def test_launch_sequence_computes_the_layer(cupy_selected, cfg, products, padding, dtype,
-                                            fuse_norms, monkeypatch):
+                                            plan, monkeypatch):
     """The layer's launches, run by stand-ins on CPU with a NaN-poisoned workspace, keep the
     contract: seven per block and the final norm, no read of a half left unwritten, staged
     fp16 input and output, one product from d_model 512; with fuse_norms where rows are at
     most 128 wide, five per block (norm2 and the next block's norm1 in the residual GEMMs),
-    the first norm1 and the final norm."""
+    the first norm1 and the final norm; with norm_prologue where rows are at most 128 wide,
+    five per block (norm1 and norm2 in the prologues of Q/K/V and ffn_in) and the final
+    norm."""
+    fuse_norms, norm_prologue = plan == "fused-norms", plan == "norm-prologue"
     model = make_reference(cfg, seed=5)
     x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
     expected = reference_forward(model, x, mask)
     stand = StandIns()
     layer, got = _run_stand_ins(cfg, stand, x.to(dtype), mask, monkeypatch, products,
-                                fuse_norms)
+                                fuse_norms, norm_prologue=norm_prologue)
     assert got.dtype == dtype
     if dtype == torch.float32:
         report = compare(got, expected)
@@ -2575,11 +2660,18 @@ def test_launch_sequence_computes_the_layer(cupy_selected, cfg, products, paddin
         assert torch.isfinite(got).all()
     blocks, products = cfg.num_layers, products or linear_products_for(cfg.d_model)
     assert layer.fuse_norms == (fuse_norms and cfg.d_model <= 128)
+    assert layer.norm_prologue == (norm_prologue and cfg.d_model <= 128)
     if layer.fuse_norms:
         assert len(stand.calls) == 5 * blocks + 2, stand.calls
         assert stand.calls.count("layer_norm") == 2, stand.calls
         assert stand.calls.count(f"linear:residual_norm:{products}") == 2 * blocks - 1
         assert stand.calls.count(f"linear:residual:{products}") == 1
+    elif layer.norm_prologue:
+        assert len(stand.calls) == 5 * blocks + 1, stand.calls
+        assert stand.calls.count("layer_norm") == 1, stand.calls
+        assert stand.calls.count("linear:half:1:prologue") == blocks, stand.calls
+        assert stand.calls.count(f"linear:gelu_pair:{products}:prologue") == blocks
+        assert stand.calls.count(f"linear:residual:{products}") == 2 * blocks
     else:
         assert len(stand.calls) == 7 * blocks + 1, stand.calls
         assert stand.calls.count(f"linear:residual:{products}") == 2 * blocks
@@ -2633,18 +2725,109 @@ def test_long_sequences_run_the_tma_attention_by_default(cupy_selected):
     assert pick(layer(14, wgmma=False), 100000) is None
 
 
-@pytest.mark.parametrize("mutation", ["pre_residual", "skip_next_norm1"])
-def test_fused_norms_mutations_fail(cupy_selected, mutation, monkeypatch):
+@pytest.mark.parametrize("mutation, plan", [
+    ("pre_residual", {"fuse_norms": True}), ("skip_next_norm1", {"fuse_norms": True}),
+    ("prologue_without_bias", {"norm_prologue": True})])
+def test_norm_plan_mutations_fail(cupy_selected, mutation, plan, monkeypatch):
     """The fused-norm launch sequence misses the contract when residual_norm norms the rows
-    before the residual update, or leaves the next block's norm1 rows unwritten."""
+    before the residual update, or leaves the next block's norm1 rows unwritten; the
+    norm-prologue one when the prologue norms the rows without the norm's bias."""
     cfg = LayerConfig(2, 20, 32, 2, 48, 3)
     model = make_reference(cfg, seed=5)
     x, mask = make_inputs(cfg, padding_ratio=0.25, seed=6)
     expected = reference_forward(model, x, mask)
-    _, good = _run_stand_ins(cfg, StandIns(), x, mask, monkeypatch, fuse_norms=True)
+    _, good = _run_stand_ins(cfg, StandIns(), x, mask, monkeypatch, **plan)
     assert compare(good, expected).passed
-    _, bad = _run_stand_ins(cfg, StandIns(mutation), x, mask, monkeypatch, fuse_norms=True)
+    stand = StandIns(mutation)
+    _, bad = _run_stand_ins(cfg, stand, x, mask, monkeypatch, **plan)
+    if "norm_prologue" in plan:
+        assert "linear:half:1:prologue" in stand.calls
     assert not compare(bad, expected).passed
+
+
+def test_norm_prologue_plan(cupy_selected, monkeypatch):
+    """norm_prologue applies on the wgmma GEMMs at d_model up to 128 where the norms are not
+    fused (fuse_norms wins), and on each of Q/K/V and ffn_in only where it runs the plain
+    schedule: a GEMM variant that fits Q/K/V keeps its own norm1 launch."""
+    small, wide = LayerConfig(2, 20, 64, 2, 48, 2), LayerConfig(2, 12, 256, 4, 64, 1)
+    pick = layer_module.uses_norm_prologue
+    assert pick(small, True, True, False) and not pick(small, None, True, False)
+    assert not pick(small, True, False, False) and not pick(small, True, True, True)
+    assert not pick(wide, True, True, False)
+    x, mask = make_inputs(small, padding_ratio=0.0, seed=6)
+    monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 1)
+    stand = StandIns()
+    layer, _ = _run_stand_ins(small, stand, x, mask, monkeypatch, products=3,
+                              gemm_variant=build.GEMM_WAIT1.name, norm_prologue=True)
+    assert layer.norm_prologue
+    # the wait-1 variant has Q/K/V's half at one product, not ffn_in's gelu_pair at three
+    assert stand.calls.count("linear:half:1") == 2 and stand.calls.count("layer_norm") == 3
+    assert stand.calls.count("linear:gelu_pair:3:prologue") == 2, stand.calls
+
+
+def test_norm_prologue_refusals(cupy_selected, monkeypatch):
+    """ops.linear's norm prologue launches linear_wgmma_norm_prologue at the tile gemm_tile
+    picks, with its shared bytes, and refuses clearly where it does not apply."""
+    monkeypatch.setattr(ops, "multiprocessor_count", lambda device: 132)
+    d, n = 64, 192
+    x, w, b = torch.zeros(300, d), torch.zeros(d), torch.zeros(d)
+    wp, bias = weight_pair(torch.zeros(n, d)), torch.zeros(n)
+    out = torch.zeros(300, n, dtype=torch.float16)
+    k = Recorder()
+    ops.linear(k, None, wp, bias, "half", 1, out_half=out, wgmma=True, prologue_norm=(x, w, b))
+    name, grid, block, shared, _ = k.calls[0]
+    assert name == build.norm_prologue_name(build.WGMMA_TILES[1], 1, "half")
+    assert (grid, block) == ((5, 3, 1), 128)
+    assert shared == ops.wgmma_shared_bytes(64, 64, 1, build.PROLOGUE_STAGES) == 33792
+    pair = (torch.zeros(300, d, dtype=torch.float16),) * 2
+    refusals = [
+        ({"wgmma": False}, "wgmma GEMMs only"),
+        ({"gemm_variant": build.GEMM_WAIT1.name}, "plain schedule"),
+        ({"a": pair}, "not an A pair as well"),
+        ({"tile": (128, 256)}, "runs on the tiles"),
+        ({"res": torch.zeros(300, n)}, "no residual"),
+        ({"x": torch.zeros(300, 136)}, "up to 128"),
+        ({"x": torch.zeros(300, 60)}, "multiple of 8"),
+        ({"x": torch.zeros(300, d + 2)[:, 2:]}, "16-byte-aligned"),
+        ({"x": torch.zeros(300, d, dtype=torch.float64)}, "fp32"),
+        ({"epilogue": "residual"}, "not residual at 1"),
+        ({"epilogue": "half", "products": 3}, "not half at 3"),
+    ]
+    for change, why in refusals:
+        kw = {"a": None, "epilogue": "half", "products": 1, "x": x, "wgmma": True, **change}
+        rows = kw.pop("x")
+        with pytest.raises(ValueError, match=why):
+            ops.linear(Recorder(), kw.pop("a"), wp, bias, kw.pop("epilogue"), kw.pop("products"),
+                       out_half=out, prologue_norm=(rows, w, b), **kw)
+    with pytest.raises(ValueError, match="needs an A pair or prologue_norm"):
+        ops.linear(Recorder(), None, wp, bias, "half", 1, out_half=out, wgmma=True)
+
+
+def test_norm_prologue_sass(cupy_selected, compiled, hopper_sass):
+    """sm_90a SASS of every norm-prologue GEMM: BK / 16 k16 wgmmas per product of the tile's
+    width in one loop body, each K tile's group waited for to 0; W copied by cp.async
+    (LDGSTS), A stored by the threads (STS.64: four halves a lane), one proxy fence and one
+    block barrier between those stores and the wgmmas; the norm's two five-step butterflies
+    (SHFL.BFLY); no local memory, stack 0."""
+    _, lowered = compiled[build.HOPPER]
+    bodies, rows = hopper_sass
+    names = [(t, p, e) for t in build.WGMMA_TILES
+             for e, counts in build.PROLOGUE_EPILOGUES.items() for p in counts]
+    assert len(names) == 8
+    for tile, products, epilogue in names:
+        name = build.norm_prologue_name(tile, products, epilogue)
+        body, row = bodies[lowered[name]], rows[lowered[name]]
+        hgmma = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32\b", body)
+        assert len(hgmma) == 4 * products and set(hgmma) == {str(tile[1])}, (name, hgmma)
+        assert len(re.findall(r"WARPGROUP\.ARRIVE", body)) == 1, name
+        assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", body) == ["0x0"], name
+        assert "LDGSTS" in body and "UTMA" not in body, name
+        assert re.search(r"\bSTS\.64\b", body), name
+        assert len(re.findall(r"\bFENCE\.VIEW\.ASYNC\.S\b", body)) == 1, name
+        assert len(re.findall(r"\bBAR\.SYNC\b", body)) == 1, name
+        assert len(re.findall(r"\bSHFL\.BFLY\b", body)) % 10 == 0, name
+        assert not re.search(r"\b(LDL|STL)\b", body), name
+        assert row["stack_bytes"] == 0 and row["spill_stores"] == 0, (name, row)
 
 
 @needs_gpu
@@ -2670,6 +2853,31 @@ def test_layer_keeps_the_contract_and_replays(kernels, number, wgmma, fuse_norms
     layer = CupyBackend(wgmma=wgmma, fuse_norms=fuse_norms).build(cfg, model.state_dict(),
                                                                   device="cuda")
     assert layer.fuse_norms == (fuse_norms and cfg.d_model <= 128)
+    with torch.no_grad():
+        for _ in range(3):  # eager, captured, replayed
+            report = compare(layer(x, mask), expected)
+            assert report.passed, report.summary()
+    assert layer.graphed.graphs and not layer.graphed.uncapturable
+
+
+@needs_gpu
+@pytest.mark.parametrize("number", [1, 7], ids=["d128", "d32"])
+def test_layer_with_norm_prologue_keeps_the_contract_and_replays(kernels, number):
+    """The layer with norm_prologue (norms unfused: Q/K/V and ffn_in norm their own rows)
+    keeps the contract eager, captured and replayed, and launches five kernels a block and the
+    final norm."""
+    from layerbench.backends.cupy import CupyBackend
+    from layerbench.common.shapes import CI
+
+    if not kernels.has_wgmma:
+        pytest.skip(f"no wgmma on sm_{kernels.arch}")
+    cfg = CI[number].config
+    model = make_reference(cfg, seed=41)
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
+    expected = reference_forward(model.cuda(), x, mask)
+    layer = CupyBackend(norm_prologue=True, fuse_norms=False).build(cfg, model.state_dict(),
+                                                                     device="cuda")
+    assert layer.norm_prologue and not layer.fuse_norms
     with torch.no_grad():
         for _ in range(3):  # eager, captured, replayed
             report = compare(layer(x, mask), expected)

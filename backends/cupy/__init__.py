@@ -49,6 +49,13 @@ class CupyBackend(Backend):
     "wgmma 128x64 2/SM" at other head dims up to 64 and shorter sequences, "wgmma 128x128"
     above up to 128, mma.sync above 128); needs the wgmma attention (sm_90, head dims up to
     256: "wgmma 128x64" or "wgmma 64x64" run head dims 129-256 only when named).
+    norm_prologue: norm1 and norm2 in the prologues of the GEMMs that read their rows (Q/K/V
+    and ffn_in norm their own rows of the fp32 residual stream into shared memory, bit for
+    bit as the LayerNorm kernel: five launches per block instead of seven) where the wgmma
+    GEMMs run, d_model is at most 128 and the norms are not fused into the residual GEMMs
+    (fuse_norms wins where both apply), on each of the two GEMMs that runs the plain
+    schedule; elsewhere the plan is unchanged. None or False (default): off (not yet timed
+    on the GPU).
     """
 
     name = "cupy"
@@ -59,7 +66,7 @@ class CupyBackend(Backend):
 
     def __init__(self, linear_products: int | None = None, wgmma: bool | None = None,
                  fuse_norms: bool | None = None, attention_variant: str | None = None,
-                 gemm_variant: str | None = None):
+                 gemm_variant: str | None = None, norm_prologue: bool | None = None):
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"cupy linear_products must be 1, 2 or 3, not {linear_products}")
         names = build.attention_variant_names()
@@ -75,6 +82,7 @@ class CupyBackend(Backend):
         self.fuse_norms = fuse_norms
         self.attention_variant = attention_variant
         self.gemm_variant = gemm_variant
+        self.norm_prologue = norm_prologue
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -121,4 +129,4 @@ class CupyBackend(Backend):
                               "GEMMs (sm_90)")
         return CupyLayer(self, config, state_dict, device, dtype, kernels, products,
                          wgmma=wgmma, fuse_norms=self.fuse_norms, attention_variant=variant,
-                         gemm_variant=self.gemm_variant)
+                         gemm_variant=self.gemm_variant, norm_prologue=self.norm_prologue)

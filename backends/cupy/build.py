@@ -31,6 +31,11 @@ TWO_PRODUCT_EPILOGUES = ("gelu_pair", "residual", "residual_norm")
 WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads, plain schedule
 NORM_TILES = ((128, 128), (64, 128))  # (BM, BN) of linear_wgmma's residual_norm: rows <= BN
 MAX_NORM_WIDTH = 128  # the widest row residual_norm norms (one block holds it)
+# linear_wgmma_norm_prologue (LayerNorm of the fp32 rows in the GEMM's prologue): the wgmma
+# tiles, Q/K/V's half at one product and ffn_in's gelu_pair at each product count.
+PROLOGUE_EPILOGUES = {"half": (1,), "gelu_pair": GEMM_PRODUCTS}
+MAX_PROLOGUE_K = 128  # the widest rows it norms (linear_wgmma.cu MAX_PROLOGUE_K)
+PROLOGUE_STAGES = 2  # K tiles held at once: MAX_PROLOGUE_K / 64, each in its own stage
 ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
                    128: ((64, 64),), 256: ((64, 32),)}  # padded head dim -> (BQ, BKV)
 
@@ -279,6 +284,19 @@ def wgmma_name(tile, products: int, epilogue: str, stages: int = GEMM_PLAIN.stag
             f"{pending}>")
 
 
+def norm_prologue_name(tile, products: int, epilogue: str) -> str:
+    """Name expression of the Hopper GEMM with LayerNorm in its prologue for tile (BM, BN),
+    products and epilogue."""
+    bm, bn = tile
+    return f"lb::linear_wgmma_norm_prologue<{bm}, {bn}, {products}, {EPILOGUES[epilogue]}>"
+
+
+def norm_prologue_compiled(epilogue: str, products: int) -> bool:
+    """Whether the module has the norm-prologue GEMMs for epilogue at products
+    (PROLOGUE_EPILOGUES)."""
+    return products in PROLOGUE_EPILOGUES.get(epilogue, ())
+
+
 def gemm_variant_name(variant: GemmVariant, products: int, epilogue: str) -> str:
     """Name expression of the Hopper GEMM kernel of variant for products and epilogue (a
     warp-specialised variant: linear_wgmma_ws<BN, epilogue, stages>, a TMA one
@@ -373,7 +391,8 @@ def nvrtc_arch(device_arch: str) -> str:
 def name_expressions(arch: str) -> list[str]:
     """Every kernel instantiation of the module compiled for arch (the wgmma GEMMs on sm_90a
     only; residual_norm on the wgmma NORM_TILES only; two products for TWO_PRODUCT_EPILOGUES
-    only; the GEMM variants past the default on GEMM_VARIANT_EPILOGUES at one product)."""
+    only; the GEMM variants past the default on GEMM_VARIANT_EPILOGUES at one product; the
+    norm-prologue GEMMs on PROLOGUE_EPILOGUES)."""
     tiled = [(p, e) for p in GEMM_PRODUCTS for e in EPILOGUES
              if e != NORM_EPILOGUE and gemm_compiled(e, p)]
     normed = [p for p in GEMM_PRODUCTS if gemm_compiled(NORM_EPILOGUE, p)]
@@ -384,6 +403,8 @@ def name_expressions(arch: str) -> list[str]:
         names += [wgmma_name(t, p, NORM_EPILOGUE) for t in NORM_TILES for p in normed]
         names += [gemm_variant_name(v, GEMM_VARIANT_PRODUCTS, e) for v in GEMM_VARIANTS[1:]
                   for e in GEMM_VARIANT_EPILOGUES]
+        names += [norm_prologue_name(t, p, e) for t in WGMMA_TILES
+                  for e, counts in PROLOGUE_EPILOGUES.items() for p in counts]
         names += [attention_wgmma_name(hp, v) for hp, vs in ATTENTION_WGMMA.items() for v in vs]
     names += [attention_name(hp, bq, bkv) for hp, tiles in ATTENTION_TILES.items()
               for bq, bkv in tiles]

@@ -63,6 +63,22 @@ __device__ __forceinline__ void split_half(float x, __half& hi, __half& lo) {
     lo = __float2half_rn(x - __half2float(hi));
 }
 
+// The sum of v's four values, and of their squared distances from mean (LayerNorm's two
+// passes: norm.cu, and linear_wgmma.cu's norm prologue).
+__device__ __forceinline__ float quad_sum(float4 v) { return (v.x + v.y) + (v.z + v.w); }
+
+__device__ __forceinline__ float quad_square_sum(float4 v, float mean) {
+    const float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
+    return (a * a + b * b) + (c * c + d * d);
+}
+
+// LayerNorm of the four values v: (v - mean) * rstd * w + b.
+__device__ __forceinline__ float4 normalize_quad(float4 v, float mean, float rstd, float4 w,
+                                                 float4 b) {
+    return make_float4((v.x - mean) * rstd * w.x + b.x, (v.y - mean) * rstd * w.y + b.y,
+                       (v.z - mean) * rstd * w.z + b.z, (v.w - mean) * rstd * w.w + b.w);
+}
+
 // Exact GELU, x * Phi(x), with the libdevice erf.
 __device__ __forceinline__ float gelu(float x) {
     return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));

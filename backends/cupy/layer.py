@@ -1,6 +1,7 @@
 """The cupy layer: packs the weights as fp16 pairs, plans the workspace, streams the batch in
 chunks and launches seven kernels per block (five where the LayerNorms run in the residual
-GEMMs' epilogues), replayed from a CUDA graph where it can."""
+GEMMs' epilogues or in the prologues of the GEMMs that read them), replayed from a CUDA graph
+where it can."""
 from __future__ import annotations
 
 import torch
@@ -54,6 +55,16 @@ def fuses_norms(config, fuse_norms: bool | None, wgmma: bool, products: int = 1,
             or fused >= FUSED_NORM_WAVES * multiprocessor_count(device))
 
 
+def uses_norm_prologue(config, norm_prologue: bool | None, wgmma: bool,
+                       fuse_norms: bool) -> bool:
+    """Whether norm1 and norm2 run in the prologues of Q/K/V and ffn_in: asked for, on the
+    wgmma GEMMs, rows one block norms whole (d_model up to build.MAX_PROLOGUE_K), and the
+    norms not fused into the residual GEMMs' epilogues (fuse_norms wins where both apply: it
+    was timed, this is not)."""
+    return bool(norm_prologue and wgmma and config.d_model <= build.MAX_PROLOGUE_K
+                and not fuse_norms)
+
+
 def workspace(config) -> dict[str, tuple[int, torch.dtype]]:
     """Per-token workspace buffers: name -> (columns, dtype). "rows" holds the normed rows,
     then the context, as an fp16 (hi, lo) pair; "hidden" the FFN's hidden rows, padded to a
@@ -82,11 +93,14 @@ class CupyLayer(BuiltLayer):
     GEMM variant, used by each GEMM it fits, see gemm_variant_for). With fuse_norms (wgmma,
     d_model up to 128), out_proj's epilogue writes norm2's rows and ffn_out's the next
     block's norm1 rows: five launches per block; the first norm1 and the final norm stay
-    separate."""
+    separate. With norm_prologue (see uses_norm_prologue), Q/K/V norms the fp32 residual
+    rows itself (norm1) and ffn_in likewise (norm2), wherever that GEMM runs the plain
+    schedule (no GEMM variant fits it): five launches per block and the final norm."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,
-                 attention_variant: str | None = None, gemm_variant: str | None = None):
+                 attention_variant: str | None = None, gemm_variant: str | None = None,
+                 norm_prologue: bool | None = False):
         super().__init__(backend, config, device, dtype)
         self.kernels = kernels
         self.products = products
@@ -94,6 +108,7 @@ class CupyLayer(BuiltLayer):
         self.attention_variant = attention_variant
         self.gemm_variant = None if gemm_variant is None else build.gemm_variant(gemm_variant)
         self.fuse_norms = fuses_norms(config, fuse_norms, wgmma, products, self.device)
+        self.norm_prologue = uses_norm_prologue(config, norm_prologue, wgmma, self.fuse_norms)
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [{n: weight_pair(getattr(p, n)) for n in WEIGHTS}
                         for p in self.params.layers]
@@ -158,6 +173,15 @@ class CupyLayer(BuiltLayer):
         valid_rows = None if valid is None else valid.reshape(-1)
         res, qkv = work["residual"], work["qkv"]
 
+        def normed_gemm(epilogue: str, count: int, weight, rows_in, x_in, norm):
+            """(A operand, keywords) of the GEMM reading norm's rows of x_in: None and the
+            prologue's inputs where the norm-prologue GEMM runs it, else rows_in (which the
+            caller fills with layer_norm) and its family and variant."""
+            kwargs = gemm(epilogue, count, weight, rows_in)
+            if self.norm_prologue and kwargs["gemm_variant"] is None:
+                return None, {**kwargs, "prologue_norm": (x_in, *norm)}
+            return rows_in, kwargs
+
         def residual(a, weight, bias, res_in, zero_sum: bool, norm, norm_out) -> None:
             """res = res_in + a @ weight^T + bias (invalid rows kept, or zeroed with
             zero_sum); with norm (weight, bias), also its LayerNorm of res into norm_out."""
@@ -172,10 +196,11 @@ class CupyLayer(BuiltLayer):
         src, target = float_rows(x2, out2, work["staging"])
         layers = list(zip(self.params.layers, self.weights, self.ffn_in_biases))
         for i, (p, w, ffn_in_bias) in enumerate(layers):
-            if i == 0 or not self.fuse_norms:
+            a, kwargs = normed_gemm("half", 1, w["qkv_weight"], rows, src,
+                                    (p.norm1_weight, p.norm1_bias))
+            if a is not None and (i == 0 or not self.fuse_norms):
                 ops.layer_norm(k, src, p.norm1_weight, p.norm1_bias, half=rows[0])
-            ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv,
-                       **gemm("half", 1, w["qkv_weight"], rows))
+            ops.linear(k, a, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv, **kwargs)
             ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
                           num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal,
                           variant=self.attention_variant_for(s), wgmma=self.wgmma)
@@ -184,15 +209,16 @@ class CupyLayer(BuiltLayer):
             # after its last read of A.
             norm2 = (p.norm2_weight, p.norm2_bias) if self.fuse_norms else None
             residual(rows, w["out_weight"], p.out_bias, src, False, norm2, normed)
-            if norm2 is None:
+            a, kwargs = normed_gemm("gelu_pair", products, w["ffn_in_weight"], rows, res,
+                                    (p.norm2_weight, p.norm2_bias))
+            if norm2 is None and a is not None:
                 if products == 1:
                     ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, half=rows[0])
                 else:
                     ops.layer_norm(k, res, p.norm2_weight, p.norm2_bias, pair=rows)
             # at one product ffn_out reads the hi half alone: the lo half is not written
-            ops.linear(k, rows, w["ffn_in_weight"], ffn_in_bias, "gelu_pair", products,
-                       out_pair=hidden if products > 1 else (hidden[0], None),
-                       **gemm("gelu_pair", products, w["ffn_in_weight"], rows))
+            ops.linear(k, a, w["ffn_in_weight"], ffn_in_bias, "gelu_pair", products,
+                       out_pair=hidden if products > 1 else (hidden[0], None), **kwargs)
             # ... and ffn_out's the next block's norm1 rows, read by Q/K/V: the hi half
             following = layers[i + 1][0] if i + 1 < len(layers) else None
             norm1 = (None if following is None or not self.fuse_norms

@@ -175,6 +175,27 @@ __device__ __forceinline__ void consume_stages(float (&acc)[BN / 2], unsigned ba
     if (k_tiles > 0) mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));
 }
 
+// Issues one K tile's wgmmas (BK / 16 k16 steps x PRODUCTS) into acc from the stage at shared
+// address s (A_hi, W_hi, then A_lo past one product, then W_lo at three; A_TILE and W_TILE
+// bytes each), for the warpgroup's 64 rows. Product 0: a_hi w_hi; 1: a_hi w_lo; 2: a_lo w_hi
+// (two products: 0 and 2). Each k16 step starts 32 bytes further into the 128-byte rows;
+// the hardware swizzles the resulting addresses.
+template <int BN, int PRODUCTS, int A_TILE, int W_TILE>
+__device__ __forceinline__ void issue_tile_products(float (&acc)[BN / 2], unsigned s,
+                                                    int group) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+#pragma unroll
+        for (int part = 0; part < PRODUCTS; ++part) {
+            const int product = PRODUCTS == 2 && part == 1 ? 2 : part;
+            unsigned a = s + (product == 2 ? A_TILE + W_TILE : 0) + group * 64 * ROW_BYTES +
+                         kk * 32;
+            unsigned w = s + A_TILE + (product == 1 ? A_TILE + W_TILE : 0) + kk * 32;
+            SS<BN>::template run<1>(acc, operand_desc(a), operand_desc(w));
+        }
+    }
+}
+
 }  // namespace wgmma_detail
 
 // Dynamic shared bytes of one block of lb::linear_wgmma<bm, bn, products, *, stages, *>: stages
@@ -300,20 +321,7 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
         wd::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) {
-#pragma unroll
-            for (int part = 0; part < PRODUCTS; ++part) {
-                // product 0: a_hi w_hi; 1: a_hi w_lo; 2: a_lo w_hi (two products: 0 and 2).
-                // Each k16 step starts 32 bytes further into the 128-byte rows; the hardware
-                // swizzles the resulting addresses.
-                const int product = PRODUCTS == 2 && part == 1 ? 2 : part;
-                unsigned a = s + (product == 2 ? A_TILE + W_TILE : 0) + group * 64 * ROW_BYTES +
-                             kk * 32;
-                unsigned w = s + A_TILE + (product == 1 ? A_TILE + W_TILE : 0) + kk * 32;
-                wd::SS<BN>::template run<1>(acc, wd::operand_desc(a), wd::operand_desc(w));
-            }
-        }
+        wd::issue_tile_products<BN, PRODUCTS, A_TILE, W_TILE>(acc, s, group);
         wd::wgmma_commit();
 
         // 3. Refill the stage of tile kt - 1 - PENDING while the tensor cores work.
@@ -409,6 +417,143 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
         wd::store_fragment<BN, EPI>(acc, m0 + group * 64 + warp * 16 + g, n0, t, M, N, bias,
                                     out_hi, out_lo, out_stride, res, out_f, valid, zero_sum);
     }
+#elif defined(__CUDA_ARCH__)
+    __trap();  // wgmma needs sm_90a: compile this kernel for sm_90a
+#endif
+}
+
+// The widest reduction linear_wgmma_norm_prologue takes: two K tiles, held whole.
+constexpr int MAX_PROLOGUE_K = 2 * wgmma_detail::BK;
+
+// linear_wgmma with LayerNorm in its prologue: A = LayerNorm(x) of the fp32 rows x ([M, K],
+// row stride x_stride, rows 16-byte aligned), y = (x - mean) / sqrt(var + eps) * norm_w +
+// norm_b, each row's statistics computed exactly as layer_norm's (norm.cu: one warp a row, a
+// lane's quad summed, a butterfly of shuffles, the variance from a second pass), so the fp16
+// rows the wgmmas read are the ones layer_norm would write. EPI HALF or GELU_PAIR, PRODUCTS
+// as linear_wgmma (the norm's lo half written for PRODUCTS 2 and 3), the same launch (BM * 2
+// threads, its grid) and shared bytes linear_wgmma_shared_bytes(BM, BN, PRODUCTS, 2). K a
+// multiple of 8 and at most MAX_PROLOGUE_K, so that every K tile stays in shared memory:
+// tile kt in its own stage (A hi, W hi, A lo, W lo, as linear_wgmma's stages). M is any size.
+// Order of events:
+//   1. cp.async W's tiles (zero-filled past N and K) into their stages; commit.
+//   2. Each warp norms rows warp, warp + BM / 16, ... of the block's BM (zero rows past M,
+//      zero columns past K: both tiles are written whole) and stores them as fp16 into the
+//      A tiles with the 128-byte swizzle load_tile uses.
+//   3. cp.async wait 0; proxy fence (the W copies and the generic stores of A become visible
+//      to the tensor cores); barrier.
+//   4. Per K tile: wgmma fence, its BK / 16 k16 steps x PRODUCTS, commit, wait 0.
+//   5. The epilogue, as linear_wgmma's.
+template <int BM, int BN, int PRODUCTS, int EPI>
+__global__ void __launch_bounds__(BM * 2, 1)
+linear_wgmma_norm_prologue(const float* __restrict__ x, long long x_stride,
+                           const float* __restrict__ norm_w, const float* __restrict__ norm_b,
+                           float eps, const __half* __restrict__ w_hi,
+                           const __half* __restrict__ w_lo, long long w_stride,
+                           const float* __restrict__ bias, int M, int N, int K,
+                           __half* __restrict__ out_hi, __half* __restrict__ out_lo,
+                           long long out_stride) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    namespace wd = wgmma_detail;
+    constexpr int BK = wd::BK, ROW_BYTES = wd::ROW_BYTES, ALIGN = wd::ALIGN;
+    constexpr int K_TILES = MAX_PROLOGUE_K / BK;
+    static_assert(BM == 64 || BM == 128, "one or two warpgroups of 64 rows");
+    static_assert(BN == 64 || BN == 128, "wgmma n64 or n128");
+    static_assert(PRODUCTS >= 1 && PRODUCTS <= 3, "one, two or three fp16 products");
+    static_assert(EPI == HALF || EPI == GELU_PAIR, "the epilogues of Q/K/V and ffn_in");
+    static_assert(linear_wgmma_shared_bytes(BM, BN, PRODUCTS, K_TILES) <=
+                  MAX_WGMMA_SHARED_BYTES, "every K tile must fit one block's shared memory");
+    constexpr int THREADS = BM * 2, WARPS = THREADS / 32;
+    constexpr int A_PARTS = PRODUCTS > 1 ? 2 : 1, W_PARTS = PRODUCTS == 3 ? 2 : 1;
+    constexpr int A_TILE = BM * ROW_BYTES, W_TILE = BN * ROW_BYTES;  // bytes, multiples of 1024
+    constexpr int STAGE = A_PARTS * A_TILE + W_PARTS * W_TILE;
+    extern __shared__ __align__(1024) unsigned char wgmma_shared[];
+
+    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(wgmma_shared));
+    const unsigned base = (raw + ALIGN - 1) & ~static_cast<unsigned>(ALIGN - 1);
+    unsigned char* smem = wgmma_shared + (base - raw);
+
+    const int2 origin = wd::tile_origin(BM, BN);
+    const int m0 = origin.x, n0 = origin.y;
+    const int group = threadIdx.x / 128;  // warpgroup: rows 64 group .. 64 group + 63 of the tile
+    const int k_tiles = (K + BK - 1) / BK;
+    if (K > MAX_PROLOGUE_K) __trap();  // the host refuses these
+
+    // 1. W's tiles, in flight while the rows are normed.
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        unsigned char* s = smem + kt * STAGE;
+        wd::load_tile<BN, THREADS>(s + A_TILE, w_hi, w_stride, n0, N, kt * BK, K);
+        if (W_PARTS == 2)
+            wd::load_tile<BN, THREADS>(s + 2 * A_TILE + W_TILE, w_lo, w_stride, n0, N, kt * BK,
+                                       K);
+    }
+    cp_async_commit();
+
+    // 2. Lane l holds quad l (columns 4 l .. 4 l + 3) of a row: K tile l / 16, 16-byte chunk
+    // l % 16 / 2 of the tile's row, its half l % 2; the chunk lands in slot chunk ^ (row % 8).
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int quads = K / 4;
+    const bool lane_in = lane < quads;
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float4 w = lane_in ? reinterpret_cast<const float4*>(norm_w)[lane] : zero4;
+    const float4 b = lane_in ? reinterpret_cast<const float4*>(norm_b)[lane] : zero4;
+    const int lane_tile = lane / 16, chunk = lane % 16 / 2;
+    unsigned char* a_quad = smem + lane_tile * STAGE + (lane % 2) * 8;
+#pragma unroll 4
+    for (int i = 0; i < BM / WARPS; ++i) {
+        const int r = warp + WARPS * i, row = m0 + r;
+        const bool ok = lane_in && row < M;
+        const float4 v =
+            ok ? reinterpret_cast<const float4*>(x + (long long)row * x_stride)[lane] : zero4;
+        float sum = 0.0f + quad_sum(v);  // layer_norm's sum from 0: +0, never -0
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const float mean = sum / K;
+        float sq = lane_in ? quad_square_sum(v, mean) : 0.0f;  // past the row: not summed
+#pragma unroll
+        for (int o = 16; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        const float rstd = rsqrtf(sq / K + eps);
+        const float4 y = ok ? normalize_quad(v, mean, rstd, w, b) : zero4;
+        __half h[4], l[4];
+        split_half(y.x, h[0], l[0]);
+        split_half(y.y, h[1], l[1]);
+        split_half(y.z, h[2], l[2]);
+        split_half(y.w, h[3], l[3]);
+        const int offset = r * ROW_BYTES + ((chunk ^ (r & 7)) << 4);
+        __half2 hi[2] = {__halves2half2(h[0], h[1]), __halves2half2(h[2], h[3])};
+        *reinterpret_cast<uint2*>(a_quad + offset) = *reinterpret_cast<const uint2*>(hi);
+        if (A_PARTS == 2) {
+            __half2 lo[2] = {__halves2half2(l[0], l[1]), __halves2half2(l[2], l[3])};
+            *reinterpret_cast<uint2*>(a_quad + A_TILE + W_TILE + offset) =
+                *reinterpret_cast<const uint2*>(lo);
+        }
+    }
+
+    // 3. W's copies and A's stores visible to the tensor cores, of every thread.
+    cp_async_wait<0>();
+    wd::fence_proxy_async();
+    __syncthreads();
+
+    // 4. The wgmmas, one group a K tile.
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+#pragma unroll 1
+    for (int kt = 0; kt < k_tiles; ++kt) {
+        const unsigned s = base + kt * STAGE;
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+        wd::wgmma_fence();
+        wd::issue_tile_products<BN, PRODUCTS, A_TILE, W_TILE>(acc, s, group);
+        wd::wgmma_commit();
+        wd::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) wd::fence_operand(acc[i]);
+    }
+
+    // 5. The epilogue (fragment layout as linear_wgmma's).
+    const int g = lane / 4, t = lane % 4;
+    wd::store_fragment<BN, EPI>(acc, m0 + group * 64 + (warp % 4) * 16 + g, n0, t, M, N, bias,
+                                out_hi, out_lo, out_stride, nullptr, nullptr, nullptr, 0);
 #elif defined(__CUDA_ARCH__)
     __trap();  // wgmma needs sm_90a: compile this kernel for sm_90a
 #endif

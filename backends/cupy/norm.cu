@@ -9,14 +9,6 @@ enum NormOut { PAIR = 0, ONE_HALF = 1, FLOAT = 2 };
 constexpr int NORM_WARPS = 4;  // rows per block
 constexpr int NORM_HELD = 8;   // float4s a lane holds in registers: rows up to 1024 wide
 
-// The sum of v's four values, and of their squared distances from mean.
-__device__ __forceinline__ float quad_sum(float4 v) { return (v.x + v.y) + (v.z + v.w); }
-
-__device__ __forceinline__ float quad_square_sum(float4 v, float mean) {
-    const float a = v.x - mean, b = v.y - mean, c = v.z - mean, d = v.w - mean;
-    return (a * a + b * b) + (c * c + d * d);
-}
-
 // Row r of x ([M, D], D a multiple of 4, rows 16-byte aligned): y = (x - mean) / sqrt(var +
 // eps) * weight + bias, the variance from a second pass over the row. PAIR writes hi and lo,
 // ONE_HALF hi alone, FLOAT writes out_f, 0 on rows whose valid byte is 0 (valid may be null).
@@ -69,9 +61,8 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
     const long long o = (long long)row * out_stride;
     // Normalise quad q (values v) of the row and store it.
     auto emit = [&](float4 v, int q) {
-        const float4 w = w4[q], b = b4[q];
-        float y[4] = {(v.x - mean) * rstd * w.x + b.x, (v.y - mean) * rstd * w.y + b.y,
-                      (v.z - mean) * rstd * w.z + b.z, (v.w - mean) * rstd * w.w + b.w};
+        const float4 n = normalize_quad(v, mean, rstd, w4[q], b4[q]);
+        float y[4] = {n.x, n.y, n.z, n.w};
         if (OUT == FLOAT) {
             float4 r = keep ? make_float4(y[0], y[1], y[2], y[3]) : make_float4(0, 0, 0, 0);
             reinterpret_cast<float4*>(out_f + o)[q] = r;

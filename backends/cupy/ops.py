@@ -39,6 +39,12 @@ def wgmma_shared_bytes(bm: int, bn: int, products: int,
     return stages * tile_rows(bm, bn, products) * 128 + 1024
 
 
+def norm_prologue_shared_bytes(bm: int, bn: int, products: int) -> int:
+    """Dynamic shared memory of a norm-prologue GEMM block (linear_wgmma.cu
+    linear_wgmma_norm_prologue: every K tile held, each as one stage)."""
+    return wgmma_shared_bytes(bm, bn, products, build.PROLOGUE_STAGES)
+
+
 def attention_shared_bytes(head_pad: int, bq: int, bkv: int) -> int:
     """Dynamic shared memory of an attention block (attention.cu: Q, K and V tiles, rows
     padded by 8 halves)."""
@@ -156,13 +162,15 @@ def layer_norm(k: Kernels, x, weight, bias, *, pair=None, half=None, out=None,
 
 
 def gemm_tile(m: int, n: int, device: torch.device, products: int = 1, wgmma: bool = False,
-              norm: bool = False):
-    """(BM, BN, WM, WN), or (BM, BN) with wgmma (norm: of the residual_norm epilogue, BN 128):
-    the large tile where that grid has at least one block per multiprocessor and its shared
-    memory fits the device, else the small."""
+              norm: bool = False, prologue: bool = False):
+    """(BM, BN, WM, WN), or (BM, BN) with wgmma (norm: of the residual_norm epilogue, BN 128;
+    prologue: of the norm-prologue GEMM, the wgmma tiles): the large tile where that grid has
+    at least one block per multiprocessor and its shared memory fits the device, else the
+    small."""
     tiles = build.NORM_TILES if norm else build.WGMMA_TILES if wgmma else build.GEMM_TILES
-    need = (wgmma_shared_bytes if wgmma else linear_shared_bytes)(tiles[0][0], tiles[0][1],
-                                                                  products)
+    sizer = (norm_prologue_shared_bytes if prologue else wgmma_shared_bytes if wgmma
+             else linear_shared_bytes)
+    need = sizer(tiles[0][0], tiles[0][1], products)
     limit = max_shared_memory_per_block(device)
     fits = limit is None or need <= limit
     if fits and cdiv(m, tiles[0][0]) * cdiv(n, tiles[0][1]) >= multiprocessor_count(device):
@@ -173,7 +181,8 @@ def gemm_tile(m: int, n: int, device: torch.device, products: int = 1, wgmma: bo
 def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pair=None,
            out_half=None, res=None, out=None, valid_rows=None, zero_sum: bool = False,
            norm=None, norm_out=None, eps: float = LN_EPS, tile=None,
-           wgmma: bool = False, gemm_variant: str | None = None) -> None:
+           wgmma: bool = False, gemm_variant: str | None = None,
+           prologue_norm=None) -> None:
     """out = epilogue(a @ weight^T + bias) with a and weight as fp16 (hi, lo) pairs over
     products fp16 products (1: a_hi w_hi; 2: + a_lo w_hi; 3: + a_hi w_lo; ValueError where
     the module has no GEMM for the epilogue at that count, see build.gemm_compiled); "half"
@@ -185,7 +194,16 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
     default schedule on gemm_tile's tile); ValueError where it is not compiled (see
     build.gemm_variant_compiled) or contradicts tile. A TMA variant (linear_wgmma_tma) also
     takes the tensor maps of a's hi half and weight's (k.tensor_map); ValueError where either
-    cannot be described by one (tensor_maps.check: a misaligned base or row stride)."""
+    cannot be described by one (tensor_maps.check: a misaligned base or row stride).
+    prologue_norm = (x, norm_weight, norm_bias), with a None: A is LayerNorm(x) of the fp32
+    rows x (eps), computed in the GEMM's prologue as layer_norm computes it (see
+    linear_norm_prologue)."""
+    if prologue_norm is not None or a is None:
+        linear_norm_prologue(k, prologue_norm, a, weight, bias, epilogue, products,
+                             out_pair=out_pair, out_half=out_half, res=res, out=out,
+                             norm=norm, eps=eps, tile=tile, wgmma=wgmma,
+                             gemm_variant=gemm_variant)
+        return
     m, kdim = a[0].shape
     n = weight[0].shape[0]
     if not build.gemm_compiled(epilogue, products):
@@ -248,6 +266,71 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
         name, threads = build.gemm_name(tile, products, epilogue), wm * wn * 32
         shared = linear_shared_bytes(bm, bn, products)
     k.launch(name, (cdiv(m, bm), cdiv(n, bn), 1), threads, shared, args)
+
+
+def norm_prologue_refusal(x, norm_weight, norm_bias, weight, epilogue: str, products: int,
+                          *, a=None, res=None, out=None, norm=None, tile=None,
+                          wgmma: bool = False, gemm_variant: str | None = None) -> str | None:
+    """Why the norm-prologue GEMM cannot run this launch, or None."""
+    if a is not None:
+        return "takes x's rows through prologue_norm, not an A pair as well"
+    if x is None:
+        return "needs an A pair or prologue_norm"
+    if not wgmma:
+        return "runs on the wgmma GEMMs only (wgmma=True)"
+    if gemm_variant is not None and gemm_variant != build.GEMM_PLAIN.name:
+        return f"runs the plain schedule, not GEMM variant {gemm_variant!r}"
+    if not build.norm_prologue_compiled(epilogue, products):
+        compiled = ", ".join(f"{e} at {' or '.join(map(str, c))}"
+                             for e, c in build.PROLOGUE_EPILOGUES.items())
+        return f"is compiled for {compiled} products, not {epilogue} at {products}"
+    if res is not None or out is not None or norm is not None:
+        return "has no residual or residual_norm epilogue"
+    if tile is not None and tuple(tile) not in build.WGMMA_TILES:
+        return f"runs on the tiles {build.WGMMA_TILES}, not {tile}"
+    m, kdim = x.shape
+    if kdim > build.MAX_PROLOGUE_K or kdim % 8:
+        return (f"norms rows of a multiple of 8 columns up to {build.MAX_PROLOGUE_K} (one "
+                f"block holds them whole), not {kdim}")
+    if weight[0].shape[1] < kdim:
+        return f"needs weights of at least {kdim} columns, not {weight[0].shape[1]}"
+    if x.dtype != torch.float32 or norm_weight.dtype != torch.float32 or (
+            norm_bias.dtype != torch.float32):
+        return "reads fp32 rows, norm weight and bias"
+    if (x.stride(1) != 1 or x.stride(0) % 4 or x.data_ptr() % 16
+            or any(t.stride(0) != 1 or t.data_ptr() % 16 or t.shape[0] < kdim
+                   for t in (norm_weight, norm_bias))):
+        return "reads x's rows, the norm weight and bias as 16-byte-aligned float4s"
+    return None
+
+
+def linear_norm_prologue(k: Kernels, prologue_norm, a, weight, bias, epilogue: str,
+                         products: int, *, out_pair=None, out_half=None, res=None, out=None,
+                         norm=None, eps: float = LN_EPS, tile=None, wgmma: bool = False,
+                         gemm_variant: str | None = None) -> None:
+    """out = epilogue(LayerNorm(x) @ weight^T + bias), prologue_norm = (x, norm_weight,
+    norm_bias): linear_wgmma_norm_prologue (linear_wgmma.cu), which norms its own BM rows of
+    the fp32 x in its prologue, as layer_norm does, straight into its shared A tiles; "half"
+    at one product or "gelu_pair" at one to three (the norm's lo half for two and three), on
+    the wgmma tiles and plain schedule, rows of K up to build.MAX_PROLOGUE_K columns.
+    ValueError naming why where it does not apply (norm_prologue_refusal)."""
+    x, norm_weight, norm_bias = prologue_norm if prologue_norm is not None else (None,) * 3
+    why = norm_prologue_refusal(x, norm_weight, norm_bias, weight, epilogue, products, a=a,
+                                res=res, out=out, norm=norm, tile=tile, wgmma=wgmma,
+                                gemm_variant=gemm_variant)
+    if why:
+        raise ValueError(f"cupy norm-prologue GEMM {why}")
+    m, kdim = x.shape
+    n = weight[0].shape[0]
+    bm, bn = tile or gemm_tile(m, n, x.device, products, wgmma=True, prologue=True)
+    hi = out_half if epilogue == "half" else out_pair[0]
+    lo = out_pair[1] if epilogue == "gelu_pair" else None
+    args = (x, np.int64(x.stride(0)), norm_weight, norm_bias, np.float32(eps), weight[0],
+            weight[1], np.int64(weight[0].stride(0)), bias, np.int32(m), np.int32(n),
+            np.int32(kdim), hi, lo, np.int64(hi.stride(0)))
+    k.launch(build.norm_prologue_name((bm, bn), products, epilogue),
+             (cdiv(m, bm), cdiv(n, bn), 1), 2 * bm, norm_prologue_shared_bytes(bm, bn, products),
+             args)
 
 
 def attention_tile(head_padded: int, blocks: int, device: torch.device):
