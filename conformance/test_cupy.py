@@ -1875,7 +1875,9 @@ def test_attention_turns_keep_ring_safe(cupy_selected):
     deadlock."""
     source = (build.SOURCE_DIR / "attention_wgmma.cu").read_text()
     pingpong = source[source.index("} else if constexpr (SCHEDULE == ad::TMA_PINGPONG) {"):
-                      source.index("float s_odd[NS];")]
+                      source.index("} else {  // the overlap schedules")]
+    first_turn = source[source.index("} else {  // the overlap schedules"):
+                        source.index("float s_odd[NS];")]
     overlap = source[source.index("float s_odd[NS];"):
                      source.index("} else {  // TMA_OVERLAP_PACKED")]
     packed = source[source.index("} else {  // TMA_OVERLAP_PACKED"):
@@ -1891,9 +1893,16 @@ def test_attention_turns_keep_ring_safe(cupy_selected):
                         "ad::wgmma_wait<0>();", "} else {", "ad::named_arrive(other);",
                         "ad::named_sync(mine);", "ad::mbarrier_arrive(empty0 + 8 * st);",
                         "if (group != CONSUMERS - 1) ad::named_arrive(other);")),
-            (overlap, ("const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;",
-                       "ad::mbarrier_wait(full0 + 8 * (it % KV_STAGES), (it / KV_STAGES) & 1);",
-                       "if (ahead) wait_full(it + 1);", "ad::named_sync(mine);",
+            # both overlap schedules: their turns, wait_full and first turn (the models'
+            # first_scores_turn)
+            (first_turn, ("const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;",
+                          "ad::mbarrier_wait(full0 + 8 * (it % KV_STAGES), (it / KV_STAGES) & 1);",
+                          "auto first_scores_turn = [&]() {",
+                          "if (group == CONSUMERS - 1) ad::named_arrive(1);", "wait_full(0);",
+                          "ad::named_sync(mine);", "issue_scores(s, 0);", "ad::wgmma_commit();",
+                          "ad::named_arrive(other);", "ad::wgmma_wait<0>();", "fence_scores(s);",
+                          "if constexpr (SCHEDULE == ad::TMA_OVERLAP) {")),
+            (overlap, ("if (ahead) wait_full(it + 1);", "ad::named_sync(mine);",
                        "if (!first) {", "issue_pv(p, (it - 1) % KV_STAGES);",
                        "ad::wgmma_commit();", "if (ahead) {",
                        "issue_scores(next, (it + 1) % KV_STAGES);", "ad::wgmma_commit();",
@@ -1904,10 +1913,7 @@ def test_attention_turns_keep_ring_safe(cupy_selected):
                        "const bool rows = softmax(0, cur, it * BKV, alpha);",
                        "if (ahead) ad::wgmma_wait<1>(); else ad::wgmma_wait<0>();",
                        "if (!first) ad::mbarrier_arrive(empty0 + 8 * ((it - 1) % KV_STAGES));",
-                       "pack(p, cur);", "if (n_tiles > 0) {",
-                       "if (group == CONSUMERS - 1) ad::named_arrive(1);", "wait_full(0);",
-                       "ad::named_sync(mine);", "issue_scores(s, 0);", "ad::wgmma_commit();",
-                       "ad::named_arrive(other);", "ad::wgmma_wait<0>();",
+                       "pack(p, cur);", "if (n_tiles > 0) {", "first_scores_turn();",
                        "iteration(1, 0, 0, s, s_odd);", "iteration(1, 1, 0, s, s_odd);",
                        "iteration(0, 1, it, s_odd, s);", "iteration(0, 1, it + 1, s, s_odd);",
                        "iteration(0, 1, it, s_odd, s);", "iteration(0, 0, it + 1, s, s_odd);",
@@ -1915,9 +1921,7 @@ def test_attention_turns_keep_ring_safe(cupy_selected):
                        "const int st = (n_tiles - 1) % KV_STAGES;", "issue_pv(p, st);",
                        "ad::wgmma_commit();", "ad::wgmma_wait<0>();",
                        "ad::mbarrier_arrive(empty0 + 8 * st);")),
-            (packed, ("const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;",
-                      "ad::mbarrier_wait(full0 + 8 * (it % KV_STAGES), (it / KV_STAGES) & 1);",
-                      "if (ahead) wait_full(it + 1);", "ad::named_sync(mine);",
+            (packed, ("if (ahead) wait_full(it + 1);", "ad::named_sync(mine);",
                       "if (ahead) {", "issue_scores(s, (it + 1) % KV_STAGES);",
                       "ad::wgmma_commit();", "issue_pv(p, it % KV_STAGES);",
                       "ad::wgmma_commit();",
@@ -1925,15 +1929,13 @@ def test_attention_turns_keep_ring_safe(cupy_selected):
                       "if (ahead) {", "ad::wgmma_wait<1>();", "fence_scores(s);",
                       "rows = softmax(0, s, (it + 1) * BKV, alpha);", "ad::wgmma_wait<0>();",
                       "ad::mbarrier_arrive(empty0 + 8 * (it % KV_STAGES));", "if (ahead) {",
-                      "pack(p, s);", "if (n_tiles > 0) {",
-                      "if (group == CONSUMERS - 1) ad::named_arrive(1);", "wait_full(0);",
-                      "ad::named_sync(mine);", "issue_scores(s, 0);", "ad::wgmma_commit();",
-                      "ad::named_arrive(other);", "ad::wgmma_wait<0>();", "fence_scores(s);",
+                      "pack(p, s);", "if (n_tiles > 0) {", "first_scores_turn();",
                       "if (softmax(0, s, 0, alpha)) rescale(alpha);", "pack(p, s);",
                       "for (; it + 1 < n_tiles; ++it) iteration(1, it);",
                       "iteration(0, it);"))):
         assert_in_order(text, lines)
         assert "__syncthreads()" not in text and "tma_load" not in text
+    assert overlap.count("first_scores_turn();") == packed.count("first_scores_turn();") == 1
     assert pingpong.count("mbarrier_arrive(") == 1 and overlap.count("mbarrier_arrive(") == 2
     assert packed.count("mbarrier_arrive(") == 1 and packed.count("issue_pv(") == 1
     # three consumers in the packed order (160 registers): a warp seeing none of a tile runs

@@ -222,9 +222,8 @@ __device__ __forceinline__ void flash_attention_body(
 
     extern __shared__ __align__(1024) unsigned char attn_wgmma_shared[];
     // Align the tiles to 1024 bytes whatever the start of dynamic shared memory.
-    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(attn_wgmma_shared));
-    const unsigned sbase = (raw + ad::ALIGN - 1) & ~static_cast<unsigned>(ad::ALIGN - 1);
-    unsigned char* smem = attn_wgmma_shared + (sbase - raw);
+    unsigned char* smem;
+    const unsigned sbase = align_shared<ad::ALIGN>(attn_wgmma_shared, smem);
     // Layout: Q, the K buffers, the V buffers.
     // (The TMA ring: KV_STAGES K buffers, then KV_STAGES V buffers.)
     constexpr int K_TILES = PIPELINE == ad::TMA_RING ? KV_STAGES : ad::K_BUFFERS;
@@ -561,49 +560,15 @@ __device__ __forceinline__ void flash_attention_body(
                 ad::mbarrier_arrive(empty0 + 8 * st);  // 6
             }
             if (group != CONSUMERS - 1) ad::named_arrive(other);  // 7
-        } else if constexpr (SCHEDULE == ad::TMA_OVERLAP) {
-            float s_odd[NS];  // s: the scores of even tiles, s_odd of odd ones
+        } else {  // the overlap schedules: TMA_OVERLAP and TMA_OVERLAP_PACKED
             const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;
             auto wait_full = [&](int it) {
                 ad::mbarrier_wait(full0 + 8 * (it % KV_STAGES), (it / KV_STAGES) & 1);
             };
-            // Iteration it, steps 1-6, cur holding S[it] (issued, maybe pending), next to
-            // take S[it + 1]; first: it == 0 (no P V before it); ahead: it + 1 < n_tiles.
-            auto iteration = [&](int first, int ahead, int it, float (&cur)[NS],
-                                 float (&next)[NS]) {
-                if (ahead) wait_full(it + 1);  // 1
-                ad::named_sync(mine);          // 2
-                fence_outputs();
-                ad::wgmma_fence();
-                if (!first) {
-                    issue_pv(p, (it - 1) % KV_STAGES);
-                    ad::wgmma_commit();
-                }
-                if (ahead) {
-                    issue_scores(next, (it + 1) % KV_STAGES);
-                    ad::wgmma_commit();
-                }
-                ad::named_arrive_if(ahead || group != CONSUMERS - 1, other);
-                // 3: S[it] is complete (P V of it - 1 and S[it + 1] may run on).
-                if (!first && ahead) {
-                    ad::wgmma_wait<2>();
-                } else if (!first || ahead) {
-                    ad::wgmma_wait<1>();
-                } else {
-                    ad::wgmma_wait<0>();
-                }
-                fence_scores(cur);
-                float alpha[2];
-                const bool rows = softmax(0, cur, it * BKV, alpha);  // 4
-                if (ahead) ad::wgmma_wait<1>(); else ad::wgmma_wait<0>();  // 5
-                fence_outputs();
-                fence_probs(p);
-                if (!first) ad::mbarrier_arrive(empty0 + 8 * ((it - 1) % KV_STAGES));
-                if (rows) rescale(alpha);  // 6
-                pack(p, cur);
-            };
-            if (n_tiles > 0) {  // 0
-                if (group == CONSUMERS - 1) ad::named_arrive(1);  // warpgroup 0 goes first
+            // Step 0, the first turn: S[0] issued (the last consumer lets warpgroup 0 go first)
+            // and waited for.
+            auto first_scores_turn = [&]() {
+                if (group == CONSUMERS - 1) ad::named_arrive(1);
                 wait_full(0);
                 ad::named_sync(mine);
                 ad::wgmma_fence();
@@ -612,83 +577,112 @@ __device__ __forceinline__ void flash_attention_body(
                 ad::named_arrive(other);
                 ad::wgmma_wait<0>();
                 fence_scores(s);
-                // Two tiles a trip, so that the score sets alternate without copies.
-                if (n_tiles == 1) {
-                    iteration(1, 0, 0, s, s_odd);
-                } else {
-                    iteration(1, 1, 0, s, s_odd);
-                    int it = 1;
-                    for (; it + 2 < n_tiles; it += 2) {
-                        iteration(0, 1, it, s_odd, s);
-                        iteration(0, 1, it + 1, s, s_odd);
+            };
+            if constexpr (SCHEDULE == ad::TMA_OVERLAP) {
+                float s_odd[NS];  // s: the scores of even tiles, s_odd of odd ones
+                // Iteration it, steps 1-6, cur holding S[it] (issued, maybe pending), next to
+                // take S[it + 1]; first: it == 0 (no P V before it); ahead: it + 1 < n_tiles.
+                auto iteration = [&](int first, int ahead, int it, float (&cur)[NS],
+                                     float (&next)[NS]) {
+                    if (ahead) wait_full(it + 1);  // 1
+                    ad::named_sync(mine);          // 2
+                    fence_outputs();
+                    ad::wgmma_fence();
+                    if (!first) {
+                        issue_pv(p, (it - 1) % KV_STAGES);
+                        ad::wgmma_commit();
                     }
-                    if (it + 1 < n_tiles) {
-                        iteration(0, 1, it, s_odd, s);
-                        iteration(0, 0, it + 1, s, s_odd);
+                    if (ahead) {
+                        issue_scores(next, (it + 1) % KV_STAGES);
+                        ad::wgmma_commit();
+                    }
+                    ad::named_arrive_if(ahead || group != CONSUMERS - 1, other);
+                    // 3: S[it] is complete (P V of it - 1 and S[it + 1] may run on).
+                    if (!first && ahead) {
+                        ad::wgmma_wait<2>();
+                    } else if (!first || ahead) {
+                        ad::wgmma_wait<1>();
                     } else {
-                        iteration(0, 0, it, s_odd, s);
+                        ad::wgmma_wait<0>();
                     }
-                }
-                // 7: P V of the last tile, outside the turns.
-                const int st = (n_tiles - 1) % KV_STAGES;
-                fence_outputs();
-                ad::wgmma_fence();
-                issue_pv(p, st);
-                ad::wgmma_commit();
-                ad::wgmma_wait<0>();
-                fence_outputs();
-                fence_probs(p);
-                ad::mbarrier_arrive(empty0 + 8 * st);
-            }
-        } else {  // TMA_OVERLAP_PACKED: one score set, P of tile it packed while S[it + 1] runs
-            const unsigned mine = 1 + group, other = 1 + (group + 1) % CONSUMERS;
-            float alpha[2];
-            auto wait_full = [&](int it) {
-                ad::mbarrier_wait(full0 + 8 * (it % KV_STAGES), (it / KV_STAGES) & 1);
-            };
-            // Iteration it, steps 1-4, p holding P[it]; ahead: it + 1 < n_tiles.
-            auto iteration = [&](int ahead, int it) {
-                if (ahead) wait_full(it + 1);  // 1
-                ad::named_sync(mine);          // 2
-                fence_outputs();
-                ad::wgmma_fence();
-                if (ahead) {
-                    issue_scores(s, (it + 1) % KV_STAGES);
+                    fence_scores(cur);
+                    float alpha[2];
+                    const bool rows = softmax(0, cur, it * BKV, alpha);  // 4
+                    if (ahead) ad::wgmma_wait<1>(); else ad::wgmma_wait<0>();  // 5
+                    fence_outputs();
+                    fence_probs(p);
+                    if (!first) ad::mbarrier_arrive(empty0 + 8 * ((it - 1) % KV_STAGES));
+                    if (rows) rescale(alpha);  // 6
+                    pack(p, cur);
+                };
+                if (n_tiles > 0) {  // 0
+                    first_scores_turn();
+                    // Two tiles a trip, so that the score sets alternate without copies.
+                    if (n_tiles == 1) {
+                        iteration(1, 0, 0, s, s_odd);
+                    } else {
+                        iteration(1, 1, 0, s, s_odd);
+                        int it = 1;
+                        for (; it + 2 < n_tiles; it += 2) {
+                            iteration(0, 1, it, s_odd, s);
+                            iteration(0, 1, it + 1, s, s_odd);
+                        }
+                        if (it + 1 < n_tiles) {
+                            iteration(0, 1, it, s_odd, s);
+                            iteration(0, 0, it + 1, s, s_odd);
+                        } else {
+                            iteration(0, 0, it, s_odd, s);
+                        }
+                    }
+                    // 7: P V of the last tile, outside the turns.
+                    const int st = (n_tiles - 1) % KV_STAGES;
+                    fence_outputs();
+                    ad::wgmma_fence();
+                    issue_pv(p, st);
                     ad::wgmma_commit();
+                    ad::wgmma_wait<0>();
+                    fence_outputs();
+                    fence_probs(p);
+                    ad::mbarrier_arrive(empty0 + 8 * st);
                 }
-                issue_pv(p, it % KV_STAGES);
-                ad::wgmma_commit();
-                ad::named_arrive_if(ahead || group != CONSUMERS - 1, other);
-                bool rows = false;
-                if (ahead) {  // 3: S[it + 1] is complete (P V of it may run on)
-                    ad::wgmma_wait<1>();
-                    fence_scores(s);
-                    rows = softmax(0, s, (it + 1) * BKV, alpha);
-                }
-                ad::wgmma_wait<0>();  // 4: P V of it is complete
-                fence_outputs();
-                fence_probs(p);
-                ad::mbarrier_arrive(empty0 + 8 * (it % KV_STAGES));
-                if (ahead) {
-                    if (rows) rescale(alpha);
+            } else {  // TMA_OVERLAP_PACKED: one score set, P of tile it packed while S[it + 1] runs
+                float alpha[2];
+                // Iteration it, steps 1-4, p holding P[it]; ahead: it + 1 < n_tiles.
+                auto iteration = [&](int ahead, int it) {
+                    if (ahead) wait_full(it + 1);  // 1
+                    ad::named_sync(mine);          // 2
+                    fence_outputs();
+                    ad::wgmma_fence();
+                    if (ahead) {
+                        issue_scores(s, (it + 1) % KV_STAGES);
+                        ad::wgmma_commit();
+                    }
+                    issue_pv(p, it % KV_STAGES);
+                    ad::wgmma_commit();
+                    ad::named_arrive_if(ahead || group != CONSUMERS - 1, other);
+                    bool rows = false;
+                    if (ahead) {  // 3: S[it + 1] is complete (P V of it may run on)
+                        ad::wgmma_wait<1>();
+                        fence_scores(s);
+                        rows = softmax(0, s, (it + 1) * BKV, alpha);
+                    }
+                    ad::wgmma_wait<0>();  // 4: P V of it is complete
+                    fence_outputs();
+                    fence_probs(p);
+                    ad::mbarrier_arrive(empty0 + 8 * (it % KV_STAGES));
+                    if (ahead) {
+                        if (rows) rescale(alpha);
+                        pack(p, s);
+                    }
+                };
+                if (n_tiles > 0) {  // 0
+                    first_scores_turn();
+                    if (softmax(0, s, 0, alpha)) rescale(alpha);
                     pack(p, s);
+                    int it = 0;
+                    for (; it + 1 < n_tiles; ++it) iteration(1, it);
+                    iteration(0, it);
                 }
-            };
-            if (n_tiles > 0) {  // 0
-                if (group == CONSUMERS - 1) ad::named_arrive(1);  // warpgroup 0 goes first
-                wait_full(0);
-                ad::named_sync(mine);
-                ad::wgmma_fence();
-                issue_scores(s, 0);
-                ad::wgmma_commit();
-                ad::named_arrive(other);
-                ad::wgmma_wait<0>();
-                fence_scores(s);
-                if (softmax(0, s, 0, alpha)) rescale(alpha);
-                pack(p, s);
-                int it = 0;
-                for (; it + 1 < n_tiles; ++it) iteration(1, it);
-                iteration(0, it);
             }
         }
     } else if constexpr (PIPELINE == 0) {
@@ -869,8 +863,9 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int b
 // softmax, O += P V by RS wgmma waited for) with no block barrier: the consumers drift
 // apart, one's softmax overlapping another's wgmmas; TMA_PINGPONG, TMA_OVERLAP and
 // TMA_OVERLAP_PACKED, FlashAttention-3's next steps (below), TMA_POLY_EXP2 or twice it
-// added to any: FlashAttention-4's exponential for part of P. HP 32 or 64: a TMA box of HP columns is one
-// panel (64 bytes with the 64-byte swizzle, 128 with the 128-byte one, as the descriptors expect);
+// added to any: FlashAttention-4's exponential for part of P. HP 32 or 64: a TMA box of HP
+// columns is one panel (64 bytes with the 64-byte swizzle, 128 with the 128-byte one, as the
+// descriptors expect);
 // head_dim must equal HP: the boxes are HP columns wide, so a narrower head would read its
 // neighbour's columns (ops.attention refuses it).
 // Tensor maps (tensor_maps.py, 3-D): the qkv rows viewed as [batch][seq_len][3 H hd] fp16,

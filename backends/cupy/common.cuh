@@ -63,6 +63,42 @@ __device__ __forceinline__ void split_half(float x, __half& hi, __half& lo) {
     lo = __float2half_rn(x - __half2float(hi));
 }
 
+// The fp16 tiles a GEMM stage holds per operand: A's hi half and, past one product, its lo
+// half; W's hi half and, at three products, its lo half (products 1, 2 or 3).
+__host__ __device__ constexpr int a_parts(int products) { return products > 1 ? 2 : 1; }
+__host__ __device__ constexpr int w_parts(int products) { return products == 3 ? 2 : 1; }
+
+// The first ALIGN-aligned byte of dynamic shared memory dynamic: its shared-window address,
+// and (aligned) its generic pointer.
+template <int ALIGN>
+__device__ __forceinline__ unsigned align_shared(unsigned char* dynamic,
+                                                 unsigned char*& aligned) {
+    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(dynamic));
+    const unsigned base = (raw + ALIGN - 1) & ~static_cast<unsigned>(ALIGN - 1);
+    aligned = dynamic + (base - raw);
+    return base;
+}
+
+// The sum of v over the warp's 32 lanes, every lane getting it (a butterfly of shuffles).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// y's four values split into fp16 (hi, lo) pairs (split_half), packed two to a __half2.
+__device__ __forceinline__ void split_quad(float4 y, __half2 (&hi)[2], __half2 (&lo)[2]) {
+    __half h[4], l[4];
+    split_half(y.x, h[0], l[0]);
+    split_half(y.y, h[1], l[1]);
+    split_half(y.z, h[2], l[2]);
+    split_half(y.w, h[3], l[3]);
+    hi[0] = __halves2half2(h[0], h[1]);
+    hi[1] = __halves2half2(h[2], h[3]);
+    lo[0] = __halves2half2(l[0], l[1]);
+    lo[1] = __halves2half2(l[2], l[3]);
+}
+
 // The sum of v's four values, and of their squared distances from mean (LayerNorm's two
 // passes: norm.cu, and linear_wgmma.cu's norm prologue).
 __device__ __forceinline__ float quad_sum(float4 v) { return (v.x + v.y) + (v.z + v.w); }

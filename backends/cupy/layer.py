@@ -85,17 +85,17 @@ def working_bytes_per_sequence(config, seq_len: int | None = None) -> int:
 class CupyLayer(BuiltLayer):
     """Per block: norm1 (fp16, read by one product), Q/K/V, attention, out_proj + residual,
     norm2, ffn_in + GELU, ffn_out + residual (one, two or three fp16 products each: at two
-    the activations' pairs are read and the weights' hi halves alone); the final
-    norm into the output. With wgmma, the GEMMs and attention (head dims up to 128; up to
-    256 where attention_variant names one) run on Hopper's wgmma (linear_wgmma.cu,
-    attention_wgmma.cu; attention_variant names the
-    attention kernel's variant, None attention_variant_for's choice; gemm_variant names a
-    GEMM variant, used by each GEMM it fits, see gemm_variant_for). With fuse_norms (wgmma,
-    d_model up to 128), out_proj's epilogue writes norm2's rows and ffn_out's the next
-    block's norm1 rows: five launches per block; the first norm1 and the final norm stay
-    separate. With norm_prologue (see uses_norm_prologue), Q/K/V norms the fp32 residual
-    rows itself (norm1) and ffn_in likewise (norm2), wherever that GEMM runs the plain
-    schedule (no GEMM variant fits it): five launches per block and the final norm."""
+    the activations' pairs are read and the weights' hi halves alone); the final norm into
+    the output. With wgmma, the GEMMs and attention (head dims up to 128; up to 256 where
+    attention_variant names one) run on Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu;
+    attention_variant names the attention kernel's variant, None attention_variant_for's
+    choice; gemm_variant names a GEMM variant, used by each GEMM it fits, see
+    gemm_variant_for). With fuse_norms (wgmma, d_model up to 128), out_proj's epilogue
+    writes norm2's rows and ffn_out's the next block's norm1 rows: five launches per block;
+    the first norm1 and the final norm stay separate. With norm_prologue (see
+    uses_norm_prologue), Q/K/V norms the fp32 residual rows itself (norm1) and ffn_in
+    likewise (norm2), wherever that GEMM runs the plain schedule (no GEMM variant fits it):
+    five launches per block and the final norm."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,

@@ -12,7 +12,7 @@ constexpr int STAGES = 3;
 // and, at three products, lo). The host sizes the launch with the same formula
 // (ops.linear_shared_bytes).
 __host__ __device__ constexpr int linear_shared_bytes(int bm, int bn, int products) {
-    return STAGES * ((products > 1 ? 2 : 1) * bm + (products == 3 ? 2 : 1) * bn) * ROW * 2;
+    return STAGES * (a_parts(products) * bm + w_parts(products) * bn) * ROW * 2;
 }
 
 // Copy rows [r0, r0 + rows) x columns [k0, k0 + BK) of a row-major fp16 matrix into tile,
@@ -48,7 +48,7 @@ linear(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo, long lo
     constexpr int MI = TM / 16, NI = TN / 8;
     static_assert(TM % 16 == 0 && TN % 16 == 0, "warp tile must be a multiple of 16x16");
     static_assert(PRODUCTS >= 1 && PRODUCTS <= 3, "one, two or three fp16 products");
-    constexpr int A_PARTS = PRODUCTS > 1 ? 2 : 1, W_PARTS = PRODUCTS == 3 ? 2 : 1;
+    constexpr int A_PARTS = a_parts(PRODUCTS), W_PARTS = w_parts(PRODUCTS);
     constexpr int A_TILE = BM * ROW, W_TILE = BN * ROW;
     constexpr int STAGE = A_PARTS * A_TILE + W_PARTS * W_TILE;
     extern __shared__ __align__(16) unsigned char shared_raw[];

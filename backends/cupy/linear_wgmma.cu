@@ -206,8 +206,8 @@ __device__ __forceinline__ void issue_tile_products(float (&acc)[BN / 2], unsign
 // <64, 64, 3>: 99328. Four stages: <128, 128, 1>: 132096, <128, 256, 1>: 197632.
 __host__ __device__ constexpr int linear_wgmma_shared_bytes(int bm, int bn, int products,
                                                             int stages) {
-    return stages * ((products > 1 ? 2 : 1) * bm + (products == 3 ? 2 : 1) * bn) *
-           wgmma_detail::ROW_BYTES + wgmma_detail::ALIGN;
+    return stages * (a_parts(products) * bm + w_parts(products) * bn) * wgmma_detail::ROW_BYTES +
+           wgmma_detail::ALIGN;
 }
 
 // The most dynamic shared memory a block may have on sm_90 (227 KiB).
@@ -270,15 +270,14 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     static_assert(linear_wgmma_shared_bytes(BM, BN, PRODUCTS, STAGES) <= MAX_WGMMA_SHARED_BYTES,
                   "the stages must fit one block's shared memory");
     constexpr int THREADS = BM * 2;
-    constexpr int A_PARTS = PRODUCTS > 1 ? 2 : 1, W_PARTS = PRODUCTS == 3 ? 2 : 1;
+    constexpr int A_PARTS = a_parts(PRODUCTS), W_PARTS = w_parts(PRODUCTS);
     constexpr int A_TILE = BM * ROW_BYTES, W_TILE = BN * ROW_BYTES;  // bytes, multiples of 1024
     constexpr int STAGE = A_PARTS * A_TILE + W_PARTS * W_TILE;
     extern __shared__ __align__(1024) unsigned char wgmma_shared[];
 
     // Align the stages to 1024 bytes whatever the start of dynamic shared memory.
-    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(wgmma_shared));
-    const unsigned base = (raw + ALIGN - 1) & ~static_cast<unsigned>(ALIGN - 1);
-    unsigned char* smem = wgmma_shared + (base - raw);
+    unsigned char* smem;
+    const unsigned base = align_shared<ALIGN>(wgmma_shared, smem);
 
     const int2 origin = wd::tile_origin(BM, BN);
     const int m0 = origin.x, n0 = origin.y;
@@ -463,14 +462,13 @@ linear_wgmma_norm_prologue(const float* __restrict__ x, long long x_stride,
     static_assert(linear_wgmma_shared_bytes(BM, BN, PRODUCTS, K_TILES) <=
                   MAX_WGMMA_SHARED_BYTES, "every K tile must fit one block's shared memory");
     constexpr int THREADS = BM * 2, WARPS = THREADS / 32;
-    constexpr int A_PARTS = PRODUCTS > 1 ? 2 : 1, W_PARTS = PRODUCTS == 3 ? 2 : 1;
+    constexpr int A_PARTS = a_parts(PRODUCTS), W_PARTS = w_parts(PRODUCTS);
     constexpr int A_TILE = BM * ROW_BYTES, W_TILE = BN * ROW_BYTES;  // bytes, multiples of 1024
     constexpr int STAGE = A_PARTS * A_TILE + W_PARTS * W_TILE;
     extern __shared__ __align__(1024) unsigned char wgmma_shared[];
 
-    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(wgmma_shared));
-    const unsigned base = (raw + ALIGN - 1) & ~static_cast<unsigned>(ALIGN - 1);
-    unsigned char* smem = wgmma_shared + (base - raw);
+    unsigned char* smem;
+    const unsigned base = align_shared<ALIGN>(wgmma_shared, smem);
 
     const int2 origin = wd::tile_origin(BM, BN);
     const int m0 = origin.x, n0 = origin.y;
@@ -504,28 +502,18 @@ linear_wgmma_norm_prologue(const float* __restrict__ x, long long x_stride,
         const bool ok = lane_in && row < M;
         const float4 v =
             ok ? reinterpret_cast<const float4*>(x + (long long)row * x_stride)[lane] : zero4;
-        float sum = 0.0f + quad_sum(v);  // layer_norm's sum from 0: +0, never -0
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        const float sum = warp_sum(0.0f + quad_sum(v));  // layer_norm's from 0: never -0
         const float mean = sum / K;
-        float sq = lane_in ? quad_square_sum(v, mean) : 0.0f;  // past the row: not summed
-#pragma unroll
-        for (int o = 16; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+        const float sq = warp_sum(lane_in ? quad_square_sum(v, mean) : 0.0f);  // row's only
         const float rstd = rsqrtf(sq / K + eps);
         const float4 y = ok ? normalize_quad(v, mean, rstd, w, b) : zero4;
-        __half h[4], l[4];
-        split_half(y.x, h[0], l[0]);
-        split_half(y.y, h[1], l[1]);
-        split_half(y.z, h[2], l[2]);
-        split_half(y.w, h[3], l[3]);
+        __half2 hi[2], lo[2];
+        split_quad(y, hi, lo);
         const int offset = r * ROW_BYTES + ((chunk ^ (r & 7)) << 4);
-        __half2 hi[2] = {__halves2half2(h[0], h[1]), __halves2half2(h[2], h[3])};
         *reinterpret_cast<uint2*>(a_quad + offset) = *reinterpret_cast<const uint2*>(hi);
-        if (A_PARTS == 2) {
-            __half2 lo[2] = {__halves2half2(l[0], l[1]), __halves2half2(l[2], l[3])};
+        if (A_PARTS == 2)
             *reinterpret_cast<uint2*>(a_quad + A_TILE + W_TILE + offset) =
                 *reinterpret_cast<const uint2*>(lo);
-        }
     }
 
     // 3. W's copies and A's stores visible to the tensor cores, of every thread.
@@ -623,9 +611,8 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
     extern __shared__ __align__(1024) unsigned char wgmma_shared[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
 
-    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(wgmma_shared));
-    const unsigned base = (raw + ALIGN - 1) & ~static_cast<unsigned>(ALIGN - 1);
-    unsigned char* smem = wgmma_shared + (base - raw);
+    unsigned char* smem;
+    const unsigned base = align_shared<ALIGN>(wgmma_shared, smem);
     const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full_bar));
     const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty_bar));
 
@@ -744,8 +731,8 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     extern __shared__ __align__(1024) unsigned char wgmma_shared[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
 
-    const unsigned raw = static_cast<unsigned>(__cvta_generic_to_shared(wgmma_shared));
-    const unsigned base = (raw + ALIGN - 1) & ~static_cast<unsigned>(ALIGN - 1);
+    unsigned char* smem;  // unused: TMA writes the stages
+    const unsigned base = align_shared<ALIGN>(wgmma_shared, smem);
     const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full_bar));
     const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty_bar));
 

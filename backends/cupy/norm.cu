@@ -39,8 +39,7 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
     } else {
         for (int q = lane; q < quads; q += 32) sum += quad_sum(src[q]);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    sum = warp_sum(sum);
     const float mean = sum / D;
 
     float sq = 0.0f;
@@ -51,8 +50,7 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
     } else {
         for (int q = lane; q < quads; q += 32) sq += quad_square_sum(src[q], mean);
     }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    sq = warp_sum(sq);
     const float rstd = rsqrtf(sq / D + eps);
 
     const bool keep = OUT != FLOAT || valid == nullptr || valid[row] != 0;
@@ -62,21 +60,18 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
     // Normalise quad q (values v) of the row and store it.
     auto emit = [&](float4 v, int q) {
         const float4 n = normalize_quad(v, mean, rstd, w4[q], b4[q]);
-        float y[4] = {n.x, n.y, n.z, n.w};
         if (OUT == FLOAT) {
-            float4 r = keep ? make_float4(y[0], y[1], y[2], y[3]) : make_float4(0, 0, 0, 0);
-            reinterpret_cast<float4*>(out_f + o)[q] = r;
+            reinterpret_cast<float4*>(out_f + o)[q] = keep ? n : make_float4(0, 0, 0, 0);
         } else {
-            __half h[4], l[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) split_half(y[e], h[e], l[e]);
+            __half2 h[2], l[2];
+            split_quad(n, h, l);
             __half2* hi = reinterpret_cast<__half2*>(out_hi + o + 4 * q);
-            hi[0] = __halves2half2(h[0], h[1]);
-            hi[1] = __halves2half2(h[2], h[3]);
+            hi[0] = h[0];
+            hi[1] = h[1];
             if (OUT == PAIR) {
                 __half2* lo = reinterpret_cast<__half2*>(out_lo + o + 4 * q);
-                lo[0] = __halves2half2(l[0], l[1]);
-                lo[1] = __halves2half2(l[2], l[3]);
+                lo[0] = l[0];
+                lo[1] = l[1];
             }
         }
     };
