@@ -70,8 +70,7 @@ def sweep(args) -> list[dict] | None:
 
 def sweep_attention(args, device) -> list[dict]:
     """The mma.sync attention kernel and, where the head dim has the wgmma kernel, each of its
-    variants (build.ATTENTION_WGMMA, by name; head dims 129-256 too, whose default is
-    mma.sync) that takes the head dim."""
+    variants (build.ATTENTION_WGMMA, by name) that takes the head dim."""
     kernels = ops.kernels_for(device)
     shape = dict(batch=args.batch, seq_len=args.seq_len, num_heads=args.heads,
                  head_dim=args.head_dim, causal=not args.full)
@@ -80,7 +79,7 @@ def sweep_attention(args, device) -> list[dict]:
         return lambda qkv, ctx: ops.attention(kernels, qkv, ctx, None, None, wgmma=wgmma,
                                               variant=variant, **shape)
     choices = {"mma.sync": kernel(False)}
-    wide = ops.wgmma_attention_pad(args.head_dim, named=True)  # by name: 256's too
+    wide = ops.wgmma_attention_pad(args.head_dim)
     if kernels.has_wgmma and not kernels.wgmma_problem and wide:
         for v in build.ATTENTION_WGMMA[wide]:
             if not v.refusal(args.head_dim, wide):  # the TMA ring runs head dim 64 only

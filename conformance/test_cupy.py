@@ -439,7 +439,7 @@ def _launches():
         qkv = torch.zeros(m, 3 * d, dtype=torch.float16)
         ctx = (torch.zeros(m, d, dtype=torch.float16),) * 2
         mask = torch.ones(2, m // 2, dtype=torch.uint8)
-        wide = ops.wgmma_attention_pad(head_dim, named=True)  # 256's by-name variants too
+        wide = ops.wgmma_attention_pad(head_dim)
         variants = [v.name for v in build.ATTENTION_WGMMA[wide]
                     if not v.refusal(head_dim, wide)] if wide else []
         for wgmma, variant in [(False, None), (True, None)] + [(True, v) for v in variants]:
@@ -516,11 +516,11 @@ def test_headers_are_found_or_refused(cupy_selected, monkeypatch, tmp_path):
 def test_attention_variants(cupy_selected, monkeypatch):
     """Every wgmma attention variant: compiled for sm_90a, the default (first) the timed
     fastest (two blocks an SM up to head dim 64, the plain 128x128 kernel at 128; at 256 the
-    128x64 one, run only by name), two blocks' shared memory fit an SM where it asks for two;
-    ops.attention launches the named one (None: the default; head dims 129-256: mma.sync) and
-    refuses a variant the head dim lacks or the mma.sync kernel; CupyBackend refuses unknown
-    names, and where the wgmma attention does not run or lacks the variant at the config's
-    head dim (head dim 256 takes its variants by name); the layer passes it to attention."""
+    128x64 one), two blocks' shared memory fit an SM where it asks for two; ops.attention
+    launches the named one (None: the default) and refuses a variant the head dim lacks or
+    the mma.sync kernel; CupyBackend refuses unknown names, and where the wgmma attention
+    does not run or lacks the variant at the config's head dim; the layer passes it to
+    attention."""
     from layerbench.backends.cupy import CupyBackend
 
     sm_shared = 228 * 1024  # per SM on sm_90, 1 KiB of it reserved per block
@@ -539,10 +539,9 @@ def test_attention_variants(cupy_selected, monkeypatch):
     assert ops.attention_variant_shared_bytes(64, build.WGMMA_TMA) == 66560  # as the .cu says
     assert ops.attention_variant_shared_bytes(32, build.WGMMA_TMA) == 33792
     assert build.WGMMA_TMA.threads == 384 and build.WGMMA_TWO_PER_SM.threads == 256
-    # head dim 256: the plain schedule at BKV 64, one block an SM, by name only (mma.sync
-    # stays the default); Q and four K/V tiles of 512-byte rows fit 227 KiB, as the .cu says
+    # head dim 256: the plain schedule at BKV 64, one block an SM; Q and four K/V tiles of
+    # 512-byte rows fit 227 KiB, as the .cu says
     assert build.ATTENTION_WGMMA[256] == (build.WGMMA_HD256, build.WGMMA_HD256_ONE_GROUP)
-    assert build.ATTENTION_WGMMA_BY_NAME == {256}
     assert [(v.bq, v.bkv, v.min_blocks, v.pipelined, v.tma, v.threads)
             for v in build.ATTENTION_WGMMA[256]] == [(128, 64, 1, False, False, 256),
                                                      (64, 64, 1, False, False, 128)]
@@ -551,10 +550,9 @@ def test_attention_variants(cupy_selected, monkeypatch):
     assert ops.attention_variant_shared_bytes(256, build.WGMMA_HD256) == 197632 <= 227 * 1024
     assert ops.attention_variant_shared_bytes(256, build.WGMMA_HD256_ONE_GROUP) == 164864
     for head_dim in (136, 200, 256):
-        assert ops.wgmma_attention_pad(head_dim) is None
-        assert ops.wgmma_attention_pad(head_dim, named=True) == 256
-    assert ops.wgmma_attention_pad(128) == ops.wgmma_attention_pad(128, named=True) == 128
-    assert ops.wgmma_attention_pad(264, named=True) is None
+        assert ops.wgmma_attention_pad(head_dim) == 256
+    assert ops.wgmma_attention_pad(128) == 128 and ops.wgmma_attention_pad(8) == 32
+    assert ops.wgmma_attention_pad(264) is None
     # the FlashAttention-3 steps after the ring, timed separately: after it, at 32 and 64
     for hp in (32, 64):
         assert build.ATTENTION_WGMMA[hp][3:] == (build.WGMMA_TMA, build.WGMMA_TMA_PINGPONG,
@@ -608,9 +606,10 @@ def test_attention_variants(cupy_selected, monkeypatch):
         shape = dict(batch=1, seq_len=seq_len, num_heads=heads, head_dim=head_dim, causal=True)
         for variant in [None] + [v.name for v in build.ATTENTION_WGMMA[wide]]:
             k = Recorder()
-            if variant is None and wide in build.ATTENTION_WGMMA_BY_NAME:  # mma.sync's
+            if variant is None:  # the default: the head dim's first variant
                 ops.attention(k, qkv, ctx, None, None, wgmma=True, **shape)
-                assert k.calls[0][0] == build.attention_name(256, 64, 32), k.calls[0][0]
+                want = build.attention_wgmma_name(wide, build.ATTENTION_WGMMA[wide][0])
+                assert k.calls[0][0] == want, k.calls[0][0]
                 continue
             v = build.attention_variant(wide, variant)
             if v.refusal(head_dim, wide):  # the TMA ring below its padded head dim
@@ -2473,9 +2472,8 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
     """Flash attention at odd lengths against the fp32 oracle: every padded head dim, causal
     or full, no mask, prefix masks (one sequence empty) and holed masks, on both tiles where
     two are compiled ("many": enough blocks for 128 queries a block), and on the wgmma kernel
-    where the device has it, every variant of the head dim (build.ATTENTION_WGMMA, by name:
-    at 136 and 256 those run only by name too; one that refuses the head dim must refuse
-    it), variants of one BKV bit-identical (the same
+    where the device has it, every variant of the head dim (build.ATTENTION_WGMMA, by name;
+    one that refuses the head dim must refuse it), variants of one BKV bit-identical (the same
     arithmetic, issued in another order; the TMA ring too: the keys it loads where the others
     zero-fill get P = 0), those with the polynomial exp2 among themselves only (one fraction,
     poly_every, a group), as their P differs. 200 tokens: the
@@ -2498,7 +2496,7 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
     everyone = torch.ones(batch, seq_len, dtype=torch.uint8, device="cuda")
     want, blind = packed_attention(qkv, everyone if valid is None else valid, batch=batch,
                                    seq_len=seq_len, heads=heads, causal=causal)
-    wide = ops.wgmma_attention_pad(head_dim, named=True)  # 136 and 256: by name
+    wide = ops.wgmma_attention_pad(head_dim)
     variants = build.ATTENTION_WGMMA[wide] if wgmma and wide else (None,)
     by_bkv = {}  # (BKV, poly_every) -> (variant name, output) of the first variant with them
     for variant in variants:

@@ -47,8 +47,8 @@ class CupyBackend(Backend):
     (build.ATTENTION_WGMMA; None: "wgmma 192x128 TMA overlap" at head dim 64 from 4096
     tokens (layer.LONG_ATTENTION),
     "wgmma 128x64 2/SM" at other head dims up to 64 and shorter sequences, "wgmma 128x128"
-    above up to 128, mma.sync above 128); needs the wgmma attention (sm_90, head dims up to
-    256: "wgmma 128x64" or "wgmma 64x64" run head dims 129-256 only when named).
+    above up to 128, "wgmma 128x64" above up to 256); needs the wgmma attention (sm_90, head
+    dims up to 256).
     norm_prologue: norm1 and norm2 in the prologues of the GEMMs that read their rows (Q/K/V
     and ffn_in norm their own rows of the fp32 residual stream into shared memory, bit for
     bit as the LayerNorm kernel: five launches per block instead of seven) where the wgmma
@@ -116,7 +116,7 @@ class CupyBackend(Backend):
             wgmma = kernels.has_wgmma and not kernels.wgmma_problem
         variant = self.attention_variant
         if variant is not None:
-            wide = wgmma_attention_pad(config.head_dim, named=True)
+            wide = wgmma_attention_pad(config.head_dim)
             if not (wgmma and wide):
                 raise Unsupported(f"{self.name}: attention_variant {variant!r} needs the wgmma "
                                   f"attention kernel (sm_90, head dim up to 256)")

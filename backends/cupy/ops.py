@@ -343,14 +343,11 @@ def attention_tile(head_padded: int, blocks: int, device: torch.device):
     return tiles[0]
 
 
-def wgmma_attention_pad(head_dim: int, named: bool = False) -> int | None:
+def wgmma_attention_pad(head_dim: int) -> int | None:
     """The padded head dim the wgmma attention kernel runs head_dim at, or None where it has
-    none (head dims above 256) or, unless a variant is named, where its variants run only by
-    name (build.ATTENTION_WGMMA_BY_NAME: head dims 129-256 default to mma.sync)."""
+    none (head dims above 256)."""
     wide = max(32, head_pad(head_dim))
-    if wide not in build.ATTENTION_WGMMA:
-        return None
-    return wide if named or wide not in build.ATTENTION_WGMMA_BY_NAME else None
+    return wide if wide in build.ATTENTION_WGMMA else None
 
 
 def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, num_heads: int,
@@ -358,15 +355,14 @@ def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, nu
               variant: str | None = None) -> None:
     """ctx (an fp16 pair of [tokens, H * hd] rows) = attention of qkv ([tokens, 3 H hd]);
     wgmma: the Hopper kernel where it has the head dim by default (attention_wgmma.cu),
-    variant: one of build.ATTENTION_WGMMA's by name (None: the default; head dims 129-256 run
-    the wgmma kernel only so: wgmma_attention_pad); ValueError for a variant where the
-    wgmma kernel does not run or has no such variant, or that refuses the head dim
-    (AttentionVariant.refusal). A TMA variant (flash_attention_wgmma_tma) also takes the
+    variant: one of build.ATTENTION_WGMMA's by name (None: the default); ValueError for a
+    variant where the wgmma kernel does not run or has no such variant, or that refuses the
+    head dim (AttentionVariant.refusal). A TMA variant (flash_attention_wgmma_tma) also takes the
     3-D tensor maps (k.tensor_map with seq_len) of qkv's first batch x seq_len rows with
     boxes of the padded head dim's columns by BQ rows (Q) and BKV (K and V); ValueError where
     qkv cannot be described by one."""
     hp = head_pad(head_dim)
-    wide = wgmma_attention_pad(head_dim, named=variant is not None)
+    wide = wgmma_attention_pad(head_dim)
     if variant is not None and not (wgmma and wide):
         raise ValueError(f"cupy attention variant {variant!r} needs the wgmma kernel "
                          f"(wgmma=True, head dim up to 256), not wgmma={wgmma} at {head_dim}")
