@@ -92,6 +92,24 @@ __device__ __forceinline__ int2 tile_origin(int bm, int bn) {
                      static_cast<int>(block % gridDim.y) * bn);
 }
 
+// Asks L2 for the fp32 residual rows [m0, m0 + BM) x columns [n0, n0 + BN) of res (row
+// stride `stride`, rows below M and columns below N only), one 128-byte line a request,
+// requests index, index + count, ... of the tile's: issued before the mainloop, so that the
+// epilogue's residual reads (RESIDUAL, RESIDUAL_NORM) find their lines in L2 instead of
+// waiting a DRAM round trip each batch.
+template <int BM, int BN>
+__device__ __forceinline__ void prefetch_residual_tile(const float* res, long long stride,
+                                                       int m0, int n0, int M, int N, int index,
+                                                       int count) {
+    constexpr int LINES = BN * 4 / 128;  // 128-byte lines of a tile row
+    static_assert(LINES >= 1 && BN * 4 % 128 == 0, "whole lines a tile row");
+    for (int i = index; i < BM * LINES; i += count) {
+        const int row = m0 + i / LINES, col = n0 + (i % LINES) * 32;
+        if (row < M && col < N)
+            asm volatile("prefetch.global.L2 [%0];\n" ::"l"(res + row * stride + col));
+    }
+}
+
 // Column groups of a row whose residuals load together (RESIDUAL): 8, or 4 where a thread
 // has at most 112 registers (linear_wgmma_tma at two blocks an SM: 8 spill there).
 constexpr int RESIDUAL_BATCH = 8, RESIDUAL_BATCH_LEAN = 4;
@@ -305,6 +323,8 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
         if (s < k_tiles) load_stage(s, s);
         cp_async_commit();
     }
+    if constexpr (EPI == RESIDUAL || EPI == RESIDUAL_NORM)
+        wd::prefetch_residual_tile<BM, BN>(res, out_stride, m0, n0, M, N, threadIdx.x, THREADS);
 
     for (int kt = 0; kt < k_tiles; ++kt) {
         // 1. This thread's copies of tile kt are done; make them visible to the async proxy
@@ -757,6 +777,10 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
 
     if (role == PRODUCER_ROLE) {
         if constexpr (BLOCKS == 1) wd::setmaxnreg_dec<PRODUCER_REGISTERS>();
+        if constexpr (EPI == RESIDUAL)  // the producer warp, its copies not yet waited for
+            if (threadIdx.x < PRODUCER_THREAD + 32)
+                wd::prefetch_residual_tile<BM, BN>(res, out_stride, m0, n0, M, N,
+                                                   threadIdx.x - PRODUCER_THREAD, 32);
         if (threadIdx.x == PRODUCER_THREAD) {
             for (int kt = 0; kt < k_tiles; ++kt) {
                 const int s = kt % STAGES;
