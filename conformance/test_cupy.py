@@ -381,6 +381,19 @@ def _size(arg) -> int:
     return arg.dtype.itemsize
 
 
+def test_layer_norm_holds_the_fewest_registers_that_fit_the_row(cupy_selected):
+    """The LayerNorm kernel for rows of d columns holds the fewest float4s a lane that take
+    the row (wider rows stream at the most), and each is in the module."""
+    widths = (8, 128, 136, 256, 264, 512, 520, 1024, 1032, 4096)
+    assert [build.norm_held(d) for d in widths] == [1, 1, 2, 2, 4, 4, 8, 8, 8, 8]
+    names = build.name_expressions(build.HOPPER)
+    for d in widths:
+        k = Recorder()
+        ops.layer_norm(k, torch.zeros(3, d), torch.zeros(d), torch.zeros(d),
+                       half=torch.zeros(3, d, dtype=torch.float16))
+        assert k.calls[0][0] == f"lb::layer_norm<1, {build.norm_held(d)}>" in names
+
+
 def _launches():
     """Every kind of launch the layer makes, recorded on CPU tensors."""
     k = Recorder()
@@ -2234,9 +2247,11 @@ def kernels(cupy_selected):
 
 
 @needs_gpu
-@pytest.mark.parametrize("m,d", [(1, 8), (77, 40), (300, 1024), (5, 4096)])
+@pytest.mark.parametrize("m,d", [(1, 8), (77, 40), (6, 128), (7, 136), (9, 264), (11, 520),
+                                 (300, 1024), (3, 1032), (5, 4096)])
 def test_layer_norm_kernel(kernels, m, d):
-    """Every output form against fp64, rows off the block size, invalid rows zeroed."""
+    """Every output form against fp64, rows off the block size, invalid rows zeroed, at
+    each width that the registers a lane holds change (build.norm_held) and past them."""
     g = torch.Generator(device="cuda").manual_seed(m + d)
     x = torch.randn(m, d, device="cuda", generator=g) * 3 + 1
     w, b = (torch.randn(d, device="cuda", generator=g) for _ in range(2))

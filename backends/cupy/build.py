@@ -253,9 +253,20 @@ GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
 GEMM_VARIANT_PRODUCTS = 1
 
 
-def norm_name(output: str) -> str:
-    """Name expression of the LayerNorm kernel writing output ("pair", "half" or "float")."""
-    return f"lb::layer_norm<{NORM_OUTPUTS[output]}>"
+# float4s a lane of the LayerNorm kernel holds (norm.cu's HELD): rows up to 128 x held wide
+# are read once; wider rows stream at the largest.
+NORM_HELD = (1, 2, 4, 8)
+
+
+def norm_held(d: int) -> int:
+    """The fewest float4s a lane that hold a row of d columns (the largest past 1024)."""
+    return next((h for h in NORM_HELD if d <= 128 * h), NORM_HELD[-1])
+
+
+def norm_name(output: str, d: int) -> str:
+    """Name expression of the LayerNorm kernel writing output ("pair", "half" or "float")
+    for rows of d columns."""
+    return f"lb::layer_norm<{NORM_OUTPUTS[output]}, {norm_held(d)}>"
 
 
 def gemm_compiled(epilogue: str, products: int) -> bool:
@@ -392,7 +403,7 @@ def name_expressions(arch: str) -> list[str]:
     tiled = [(p, e) for p in GEMM_PRODUCTS for e in EPILOGUES
              if e != NORM_EPILOGUE and gemm_compiled(e, p)]
     normed = [p for p in GEMM_PRODUCTS if gemm_compiled(NORM_EPILOGUE, p)]
-    names = [norm_name(o) for o in NORM_OUTPUTS]
+    names = [norm_name(o, 128 * h) for o in NORM_OUTPUTS for h in NORM_HELD]
     names += [gemm_name(t, p, e) for t in GEMM_TILES for p, e in tiled]
     if arch == HOPPER:
         names += [wgmma_name(t, p, e) for t in WGMMA_TILES for p, e in tiled]

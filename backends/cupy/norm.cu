@@ -7,14 +7,15 @@ namespace lb {
 enum NormOut { PAIR = 0, ONE_HALF = 1, FLOAT = 2 };
 
 constexpr int NORM_WARPS = 4;  // rows per block
-constexpr int NORM_HELD = 8;   // float4s a lane holds in registers: rows up to 1024 wide
 
 // Row r of x ([M, D], D a multiple of 4, rows 16-byte aligned): y = (x - mean) / sqrt(var +
 // eps) * weight + bias, the variance from a second pass over the row. PAIR writes hi and lo,
 // ONE_HALF hi alone, FLOAT writes out_f, 0 on rows whose valid byte is 0 (valid may be null).
-// Rows up to 128 NORM_HELD wide are read from global memory once, all of a lane's loads in
-// flight together, and held in registers; wider ones are read by each pass.
-template <int OUT>
+// Rows up to 128 HELD wide are read from global memory once, all of a lane's loads in
+// flight together, and held in registers (HELD float4s a lane: 1, 2, 4 or 8, the fewest that
+// hold the row, so that narrow rows keep few registers and many warps an SM); wider ones are
+// read by each pass, at HELD 8 only (the kernels of fewer trap on them).
+template <int OUT, int HELD>
 __global__ void __launch_bounds__(NORM_WARPS * 32)
 layer_norm(const float* __restrict__ x, long long x_stride, const float* __restrict__ weight,
            const float* __restrict__ bias, int M, int D, float eps,
@@ -24,18 +25,20 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
     if (row >= M) return;
     const float4* src = reinterpret_cast<const float4*>(x + (long long)row * x_stride);
     const int quads = D / 4;
-    const bool held = quads <= 32 * NORM_HELD;
+    constexpr bool STREAMS = HELD == 8;  // the one kernel for rows past 1024
+    if (!STREAMS && quads > 32 * HELD) __trap();
+    const bool held = !STREAMS || quads <= 32 * HELD;
 
-    float4 v_held[NORM_HELD];
+    float4 v_held[HELD];
     float sum = 0.0f;
     if (held) {
 #pragma unroll
-        for (int i = 0; i < NORM_HELD; ++i) {
+        for (int i = 0; i < HELD; ++i) {
             const int q = lane + 32 * i;
             v_held[i] = q < quads ? src[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
-        for (int i = 0; i < NORM_HELD; ++i) sum += quad_sum(v_held[i]);
+        for (int i = 0; i < HELD; ++i) sum += quad_sum(v_held[i]);
     } else {
         for (int q = lane; q < quads; q += 32) sum += quad_sum(src[q]);
     }
@@ -45,7 +48,7 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
     float sq = 0.0f;
     if (held) {
 #pragma unroll
-        for (int i = 0; i < NORM_HELD; ++i)  // past the row: padding, not summed
+        for (int i = 0; i < HELD; ++i)  // past the row: padding, not summed
             if (lane + 32 * i < quads) sq += quad_square_sum(v_held[i], mean);
     } else {
         for (int q = lane; q < quads; q += 32) sq += quad_square_sum(src[q], mean);
@@ -77,7 +80,7 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
     };
     if (held) {
 #pragma unroll
-        for (int i = 0; i < NORM_HELD; ++i)
+        for (int i = 0; i < HELD; ++i)
             if (lane + 32 * i < quads) emit(v_held[i], lane + 32 * i);
     } else {
         for (int q = lane; q < quads; q += 32) emit(src[q], q);

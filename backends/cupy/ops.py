@@ -156,7 +156,7 @@ def layer_norm(k: Kernels, x, weight, bias, *, pair=None, half=None, out=None,
         output, hi, lo, stride = "half", half, None, half.stride(0)
     else:
         output, hi, lo, stride = "float", None, None, out.stride(0)
-    k.launch(build.norm_name(output), (cdiv(m, NORM_ROWS), 1, 1), NORM_ROWS * 32, 0,
+    k.launch(build.norm_name(output, d), (cdiv(m, NORM_ROWS), 1, 1), NORM_ROWS * 32, 0,
              (x, np.int64(x.stride(0)), weight, bias, np.int32(m), np.int32(d),
               np.float32(eps), hi, lo, np.int64(stride), out, valid_rows))
 
