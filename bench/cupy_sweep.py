@@ -6,6 +6,8 @@ and GEMM kernel sweeps.
     python bench/cupy_sweep.py plans --plan norm_prologue --shapes 2,5,1,13
         # norm1 and norm2 in the prologues of Q/K/V and ffn_in on / off (where the norms
         # are not fused by default: shape 13 fuses them, so both of its plans are one)
+    python bench/cupy_sweep.py plans --plan pdl --shapes 2,5,1,8,13
+        # programmatic dependent launches on / off
     python bench/cupy_sweep.py plans --plan "wgmma 128x256 TMA" --shapes 8  # a GEMM variant / default
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,2,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
@@ -158,7 +160,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["plans", "products", "attention", "gemm"])
     parser.add_argument("--shapes", default="1,2,7,8,13,6", help="official shape numbers")
-    parser.add_argument("--plan", choices=["wgmma", "fuse_norms", "norm_prologue",
+    parser.add_argument("--plan", choices=["wgmma", "fuse_norms", "norm_prologue", "pdl",
                                            *build.gemm_variant_names()],
                         default="wgmma",
                         help="plans: the option (or GEMM variant: \"wgmma 128x128\" forces "

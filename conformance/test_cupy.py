@@ -145,6 +145,22 @@ def test_sm90_sass(cupy_selected, compiled, hopper_sass):
             assert row["HMMA"] > 0 and row["LDSM"] > 0, (name, row)
 
 
+def test_every_kernel_waits_for_the_one_before_it(cupy_selected, compiled, hopper_sass):
+    """Every sm_90a kernel waits for the kernel before it (griddepcontrol.wait: ACQBULK) and
+    lets the next one launch (PREEXIT), as programmatic dependent launches need; the sm_80
+    module has neither (start_after_previous compiles to nothing there)."""
+    from bench.sass import functions, kernels
+
+    _, lowered = compiled[build.HOPPER]
+    rows = hopper_sass[1]
+    for name, symbol in lowered.items():
+        assert rows[symbol]["dependency_wait"] >= 1, (name, rows[symbol])
+        assert rows[symbol]["dependents_launch"] >= 1, (name, rows[symbol])
+    path, _ = compiled["80"]
+    for symbol, row in kernels(path, functions(path)).items():
+        assert row["dependency_wait"] == 0 and row["dependents_launch"] == 0, (symbol, row)
+
+
 def attention_hgmma_widths(body: str) -> tuple[list[str], list[str]]:
     """The N of each SS HGMMA (Q K^T, both operands by descriptor) and each RS one (P V, A in
     registers, V transposed) in an attention kernel's SASS, in order."""
@@ -379,6 +395,56 @@ def _size(arg) -> int:
         return arg.dtype.itemsize
     assert isinstance(arg, np.generic), f"untyped scalar {arg!r}"
     return arg.dtype.itemsize
+
+
+def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatch):
+    """driver.py's cuLaunchKernelEx structures have cuda.h's layout (CUlaunchAttribute: 72
+    bytes, its value at 8; CUlaunchConfig: 56, stream at 32), the attribute id is
+    cuda.bindings' own, arguments take the bytes the kernels take (_size), and
+    CupyBackend(pdl=...) launches programmatically from sm_90 by default, on request, and
+    refuses where the device cannot."""
+    import ctypes
+
+    from layerbench.backends.cupy import CupyBackend, driver
+
+    assert ctypes.sizeof(driver.LaunchAttribute) == 72
+    assert driver.LaunchAttribute.allowed.offset == 8
+    assert ctypes.sizeof(driver.LaunchConfig) == 56
+    assert (driver.LaunchConfig.shared.offset, driver.LaunchConfig.stream.offset,
+            driver.LaunchConfig.attrs.offset, driver.LaunchConfig.count.offset) == (24, 32, 40,
+                                                                                     48)
+    bindings = pytest.importorskip("cuda.bindings.driver")
+    assert driver.PROGRAMMATIC_STREAM_SERIALIZATION == int(
+        bindings.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    x = torch.zeros(4, 8)
+    args = (x, None, np.int32(3), np.int64(-2), np.float32(0.5),
+            tensor_maps.pack(FAKE_WORDS))
+    buffers = driver.argument_buffers(args)
+    assert [b.nbytes for b in buffers] == [_size(a) for a in args]
+    assert [int(buffers[0]), int(buffers[1]), int(buffers[2]), int(buffers[3])] == [
+        x.data_ptr(), 0, 3, -2]
+    assert buffers[5].tobytes() == np.array(FAKE_WORDS, dtype=np.uint64).tobytes()
+
+    class Hopper:  # stands in for ops.Kernels on an sm_90 device
+        has_wgmma, wgmma_problem, programmatic_problem, arch = True, None, None, "90"
+        launches = []
+
+        def launch(self, *args, programmatic=False):
+            self.launches.append(programmatic)
+    monkeypatch.setattr(ops, "kernels_for", lambda device: Hopper())
+    cfg = LayerConfig(2, 12, 64, 2, 64, 1)
+    sd, cpu = make_reference(cfg, seed=3).state_dict(), torch.device("cpu")
+    for pdl, on in ((None, True), (True, True), (False, False)):
+        layer = CupyBackend(pdl=pdl)._build(cfg, sd, cpu, torch.float32)
+        assert layer.pdl == on and isinstance(layer.kernels, ops.ProgrammaticKernels) == on
+    layer.kernels.launch("k", (1, 1, 1), 32, 0, ())
+    CupyBackend()._build(cfg, sd, cpu, torch.float32).kernels.launch("k", (1, 1, 1), 32, 0, ())
+    assert Hopper.launches == [False, True]
+    assert ops.ProgrammaticKernels(Hopper()).arch == "90"  # the rest passes through
+    Hopper.programmatic_problem = "needs sm_90"
+    assert not CupyBackend()._build(cfg, sd, cpu, torch.float32).pdl
+    with pytest.raises(Unsupported, match="pdl: needs sm_90"):
+        CupyBackend(pdl=True)._build(cfg, sd, cpu, torch.float32)
 
 
 def test_layer_norm_holds_the_fewest_registers_that_fit_the_row(cupy_selected):
@@ -669,7 +735,7 @@ def test_attention_variants(cupy_selected, monkeypatch):
                       seq_len=seq_len, num_heads=2, head_dim=64, causal=True)
 
     class Hopper:  # stands in for ops.Kernels on an sm_90 device
-        has_wgmma, wgmma_problem, arch = True, None, "90"
+        has_wgmma, wgmma_problem, programmatic_problem, arch = True, None, None, "90"
     monkeypatch.setattr(ops, "kernels_for", lambda device: Hopper())
     cpu, two = torch.device("cpu"), build.WGMMA_TWO_PER_SM.name
     tma = build.WGMMA_TMA.name
@@ -773,7 +839,7 @@ def test_gemm_variants(cupy_selected, monkeypatch):
         CupyBackend(gemm_variant="wgmma 1x1")
 
     class Hopper:  # stands in for ops.Kernels on an sm_90 device
-        has_wgmma, wgmma_problem, arch = True, None, "90"
+        has_wgmma, wgmma_problem, programmatic_problem, arch = True, None, None, "90"
     monkeypatch.setattr(ops, "kernels_for", lambda device: Hopper())
     cpu, wide = torch.device("cpu"), build.GEMM_WIDE
     cfg = LayerConfig(2, 12, 512, 4, 64, 1)
@@ -2872,6 +2938,32 @@ def test_layer_keeps_the_contract_and_replays(kernels, number, wgmma, fuse_norms
         for _ in range(3):  # eager, captured, replayed
             report = compare(layer(x, mask), expected)
             assert report.passed, report.summary()
+    assert layer.graphed.graphs and not layer.graphed.uncapturable
+
+
+@needs_gpu
+@pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
+def test_programmatic_launches_give_the_same_bits(kernels, number):
+    """With pdl (each launch a programmatic dependent of the one before it) the layer gives
+    the bits of ordinary launches, eager, captured and replayed, and keeps the contract."""
+    from layerbench.backends.cupy import CupyBackend
+    from layerbench.common.shapes import CI
+
+    if kernels.programmatic_problem:
+        pytest.skip(kernels.programmatic_problem)
+    cfg = CI[number].config
+    model = make_reference(cfg, seed=41)
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
+    expected = reference_forward(model.cuda(), x, mask)
+    plain = CupyBackend(pdl=False).build(cfg, model.state_dict(), device="cuda")
+    layer = CupyBackend(pdl=True).build(cfg, model.state_dict(), device="cuda")
+    assert layer.pdl and not plain.pdl
+    with torch.no_grad():
+        want = plain(x, mask).clone()
+        for _ in range(3):  # eager, captured, replayed
+            got = layer(x, mask)
+            assert torch.equal(got, want)
+            assert compare(got, expected).passed
     assert layer.graphed.graphs and not layer.graphed.uncapturable
 
 

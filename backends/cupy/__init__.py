@@ -22,7 +22,7 @@ class CupyBackend(Backend):
     linear_products: fp16 products of out_proj and the FFN (1: activations and weights
     rounded to fp16; 2: activations split into fp16 pairs, weights rounded; 3: both split;
     default 1 from d_model 512 on, 3 below). wgmma: the GEMMs and attention (head dims up
-    to 128, or 256 where attention_variant names one) on Hopper's wgmma.mma_async; None
+    to 256) on Hopper's wgmma.mma_async; None
     (default) uses it wherever the device and compiled module allow (sm_90), True requires
     it, False keeps mma.sync. fuse_norms: the
     LayerNorms in the residual GEMMs' epilogues (out_proj writes norm2's rows, ffn_out the
@@ -54,8 +54,12 @@ class CupyBackend(Backend):
     bit as the LayerNorm kernel: five launches per block instead of seven) where the wgmma
     GEMMs run, d_model is at most 128 and the norms are not fused into the residual GEMMs
     (fuse_norms wins where both apply), on each of the two GEMMs that runs the plain
-    schedule; elsewhere the plan is unchanged. None or False (default): off (not yet timed
-    on the GPU).
+    schedule; elsewhere the plan is unchanged. None or False (default): off (slower on the
+    H200: bench/PERFORMANCE.md K24).
+    pdl: programmatic dependent launch: each kernel may begin launching while the one before
+    it runs, and waits for it before touching memory (griddepcontrol; through the driver's
+    cuLaunchKernelEx), also inside the replayed CUDA graph. None (default): on from sm_90;
+    True requires it; False launches each kernel after the one before it has finished.
     """
 
     name = "cupy"
@@ -66,7 +70,8 @@ class CupyBackend(Backend):
 
     def __init__(self, linear_products: int | None = None, wgmma: bool | None = None,
                  fuse_norms: bool | None = None, attention_variant: str | None = None,
-                 gemm_variant: str | None = None, norm_prologue: bool | None = None):
+                 gemm_variant: str | None = None, norm_prologue: bool | None = None,
+                 pdl: bool | None = None):
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"cupy linear_products must be 1, 2 or 3, not {linear_products}")
         names = build.attention_variant_names()
@@ -83,6 +88,7 @@ class CupyBackend(Backend):
         self.attention_variant = attention_variant
         self.gemm_variant = gemm_variant
         self.norm_prologue = norm_prologue
+        self.pdl = pdl
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -127,6 +133,12 @@ class CupyBackend(Backend):
         if self.gemm_variant is not None and not wgmma:
             raise Unsupported(f"{self.name}: gemm_variant {self.gemm_variant!r} needs the wgmma "
                               "GEMMs (sm_90)")
+        pdl = self.pdl
+        if pdl and kernels.programmatic_problem:
+            raise Unsupported(f"{self.name}: pdl: {kernels.programmatic_problem}")
+        if pdl is None:
+            pdl = kernels.programmatic_problem is None
         return CupyLayer(self, config, state_dict, device, dtype, kernels, products,
                          wgmma=wgmma, fuse_norms=self.fuse_norms, attention_variant=variant,
-                         gemm_variant=self.gemm_variant, norm_prologue=self.norm_prologue)
+                         gemm_variant=self.gemm_variant, norm_prologue=self.norm_prologue,
+                         pdl=pdl)

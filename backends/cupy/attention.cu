@@ -38,6 +38,7 @@ flash_attention(const __half* __restrict__ qkv, long long qkv_stride,
                 __half* __restrict__ ctx_hi, __half* __restrict__ ctx_lo, long long ctx_stride,
                 const unsigned char* __restrict__ valid, const int* __restrict__ key_info,
                 int seq_len, int num_heads, int head_dim, float scale, int causal) {
+    start_after_previous();
     static_assert(HP % 16 == 0 && HP <= 256, "padded head dim: a multiple of 16, at most 256");
     static_assert(BQ % 16 == 0 && BKV % 16 == 0, "tiles: multiples of 16 rows");
     constexpr int THREADS = BQ / 16 * 32;

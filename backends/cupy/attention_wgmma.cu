@@ -829,6 +829,7 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
                       long long ctx_stride, const unsigned char* __restrict__ valid,
                       const int* __restrict__ key_info, int seq_len, int num_heads,
                       int head_dim, float scale, int causal) {
+    start_after_previous();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(MINB == 1 || MINB == 2, "one or two blocks an SM");
     static_assert(PIPELINE == 0 || PIPELINE == 1, "plain or pipelined schedule");
@@ -958,6 +959,7 @@ flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
                           int head_dim, float scale, int causal,
                           const __grid_constant__ TensorMap q_map,
                           const __grid_constant__ TensorMap kv_map) {
+    start_after_previous();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     static_assert(HP == 32 || HP == 64, "one TMA box (HP columns, one swizzle row) a row");
     static_assert(attention_wgmma_tma_shared_bytes(HP, BQ, BKV, KV_STAGES) <= 227 * 1024,

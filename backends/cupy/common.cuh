@@ -115,6 +115,17 @@ __device__ __forceinline__ float4 normalize_quad(float4 v, float mean, float rst
                        (v.z - mean) * rstd * w.z + b.z, (v.w - mean) * rstd * w.w + b.w);
 }
 
+// Programmatic dependent launch (sm_90 on): wait until the kernel before this one on the
+// stream has completed and its writes are visible, then let the kernel after this one start
+// launching, so that its launch overlaps this kernel's run. No-ops in an ordinary launch and
+// below sm_90. The first statement of every kernel, before any global memory access.
+__device__ __forceinline__ void start_after_previous() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Exact GELU, x * Phi(x), with the libdevice erf.
 __device__ __forceinline__ float gelu(float x) {
     return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f));

@@ -86,8 +86,8 @@ class CupyLayer(BuiltLayer):
     """Per block: norm1 (fp16, read by one product), Q/K/V, attention, out_proj + residual,
     norm2, ffn_in + GELU, ffn_out + residual (one, two or three fp16 products each: at two
     the activations' pairs are read and the weights' hi halves alone); the final norm into
-    the output. With wgmma, the GEMMs and attention (head dims up to 128; up to 256 where
-    attention_variant names one) run on Hopper's wgmma (linear_wgmma.cu, attention_wgmma.cu;
+    the output. With wgmma, the GEMMs and attention (head dims up to 256) run on Hopper's
+    wgmma (linear_wgmma.cu, attention_wgmma.cu;
     attention_variant names the attention kernel's variant, None attention_variant_for's
     choice; gemm_variant names a GEMM variant, used by each GEMM it fits, see
     gemm_variant_for). With fuse_norms (wgmma, d_model up to 128), out_proj's epilogue
@@ -95,14 +95,16 @@ class CupyLayer(BuiltLayer):
     the first norm1 and the final norm stay separate. With norm_prologue (see
     uses_norm_prologue), Q/K/V norms the fp32 residual rows itself (norm1) and ffn_in
     likewise (norm2), wherever that GEMM runs the plain schedule (no GEMM variant fits it):
-    five launches per block and the final norm."""
+    five launches per block and the final norm. With pdl, every launch is a programmatic
+    dependent of the one before it (ops.ProgrammaticKernels)."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,
                  attention_variant: str | None = None, gemm_variant: str | None = None,
-                 norm_prologue: bool | None = False):
+                 norm_prologue: bool | None = False, pdl: bool = False):
         super().__init__(backend, config, device, dtype)
-        self.kernels = kernels
+        self.pdl = pdl  # each launch a programmatic dependent of the one before it
+        self.kernels = ops.ProgrammaticKernels(kernels) if pdl else kernels
         self.products = products
         self.wgmma = wgmma
         self.attention_variant = attention_variant

@@ -43,6 +43,7 @@ linear(const __half* __restrict__ a_hi, const __half* __restrict__ a_lo, long lo
        const float* __restrict__ bias, int M, int N, int K,
        __half* __restrict__ out_hi, __half* __restrict__ out_lo, long long out_stride,
        const float* res, float* out_f, const unsigned char* __restrict__ valid, int zero_sum) {
+    start_after_previous();
     constexpr int THREADS = WM * WN * 32;
     constexpr int TM = BM / WM, TN = BN / WN;  // warp tile
     constexpr int MI = TM / 16, NI = TN / 8;

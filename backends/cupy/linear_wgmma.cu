@@ -275,6 +275,7 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
              const float* res, float* out_f, const unsigned char* __restrict__ valid,
              int zero_sum, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
              float eps, __half* norm_hi, __half* norm_lo, long long norm_stride) {
+    start_after_previous();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     // Qualified names only: linear.cu's lb::BK, lb::STAGES, lb::load_tile may share the module.
     namespace wd = wgmma_detail;
@@ -471,6 +472,7 @@ linear_wgmma_norm_prologue(const float* __restrict__ x, long long x_stride,
                            const float* __restrict__ bias, int M, int N, int K,
                            __half* __restrict__ out_hi, __half* __restrict__ out_lo,
                            long long out_stride) {
+    start_after_previous();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     namespace wd = wgmma_detail;
     constexpr int BK = wd::BK, ROW_BYTES = wd::ROW_BYTES, ALIGN = wd::ALIGN;
@@ -615,6 +617,7 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
                 const float* res, float* out_f, const unsigned char* __restrict__ valid,
                 int zero_sum, const float* __restrict__ norm_w, const float* __restrict__ norm_b,
                 float eps, __half* norm_hi, __half* norm_lo, long long norm_stride) {
+    start_after_previous();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     namespace wd = wgmma_detail;
     constexpr int BM = 128, BK = wd::BK, ROW_BYTES = wd::ROW_BYTES, ALIGN = wd::ALIGN;
@@ -731,6 +734,7 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
                  const float* __restrict__ norm_b, float eps, __half* norm_hi, __half* norm_lo,
                  long long norm_stride, const __grid_constant__ TensorMap a_map,
                  const __grid_constant__ TensorMap w_map) {
+    start_after_previous();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     namespace wd = wgmma_detail;
     constexpr int BM = 128, BK = wd::BK, ROW_BYTES = wd::ROW_BYTES, ALIGN = wd::ALIGN;

@@ -21,6 +21,7 @@ layer_norm(const float* __restrict__ x, long long x_stride, const float* __restr
            const float* __restrict__ bias, int M, int D, float eps,
            __half* __restrict__ out_hi, __half* __restrict__ out_lo, long long out_stride,
            float* __restrict__ out_f, const unsigned char* __restrict__ valid) {
+    start_after_previous();
     const int row = blockIdx.x * NORM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= M) return;
     const float4* src = reinterpret_cast<const float4*>(x + (long long)row * x_stride);

@@ -11,7 +11,7 @@ import torch
 from layerbench.common.cuda_host import cdiv, max_shared_memory_per_block, multiprocessor_count
 from layerbench.reference.model import LN_EPS
 
-from . import build, tensor_maps
+from . import build, driver, tensor_maps
 
 NORM_ROWS = 4  # rows per LayerNorm block (norm.cu NORM_WARPS)
 STAGES, BK_ROW = 3, 40  # linear.cu: pipeline stages, shared row length in halves
@@ -123,20 +123,54 @@ class Kernels:
             kernel.max_dynamic_shared_size_bytes = shared
         return kernel
 
-    def launch(self, name: str, grid, block: int, shared: int, args) -> None:
+    @functools.cached_property
+    def programmatic_problem(self) -> str | None:
+        """Why this device's kernels cannot launch as programmatic dependents, or None."""
+        if int(self.arch) < 90:
+            return f"programmatic dependent launch needs sm_90 or newer, not sm_{self.arch}"
+        return None
+
+    def launch(self, name: str, grid, block: int, shared: int, args,
+               programmatic: bool = False) -> None:
         """Launch kernel name on PyTorch's current stream; tensors pass through DLPack, None
         as a null pointer. The tensors are exported inside the stream context, so PyTorch sees
         its own stream asked for and adds no cross-stream wait (which would break a CUDA
-        graph's capture)."""
+        graph's capture). programmatic: through the driver's cuLaunchKernelEx, allowed to
+        begin while the kernel before it on the stream runs (driver.launch_programmatic)."""
         cupy = self.cupy
         stream = torch.cuda.current_stream(self.device).cuda_stream
         try:
-            with cupy.cuda.Device(self.device.index), cupy.cuda.ExternalStream(stream):
-                packed = tuple(NULL if a is None else cupy.from_dlpack(a.detach())
-                               if isinstance(a, torch.Tensor) else a for a in args)
-                self.function(name, shared)(tuple(grid), (block,), packed, shared_mem=shared)
+            with cupy.cuda.Device(self.device.index):
+                kernel = self.function(name, shared)
+                if programmatic:
+                    result = driver.launch_programmatic(kernel.kernel.ptr, grid, block, shared,
+                                                        stream, args)
+                    if result != 0:
+                        raise RuntimeError(f"cupy kernel {name} failed to launch: CUresult "
+                                           f"{result}")
+                    return
+                with cupy.cuda.ExternalStream(stream):
+                    packed = tuple(NULL if a is None else cupy.from_dlpack(a.detach())
+                                   if isinstance(a, torch.Tensor) else a for a in args)
+                    kernel(tuple(grid), (block,), packed, shared_mem=shared)
         except cupy.cuda.driver.CUDADriverError as exc:
             raise RuntimeError(f"cupy kernel {name} failed to launch: {exc}") from exc
+
+
+class ProgrammaticKernels:
+    """Kernels whose every launch may begin while the kernel before it on the stream still
+    runs (programmatic dependent launch): each kernel first waits for that one to complete
+    (common.cuh start_after_previous), so only the launch latency overlaps."""
+
+    def __init__(self, kernels: Kernels):
+        self.kernels = kernels
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernels, name)
+
+    def launch(self, name: str, grid, block: int, shared: int, args) -> None:
+        """Launch kernel name as a programmatic dependent (Kernels.launch)."""
+        self.kernels.launch(name, grid, block, shared, args, programmatic=True)
 
 
 @functools.cache

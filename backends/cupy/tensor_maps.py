@@ -20,6 +20,8 @@ import functools
 import numpy as np
 import torch
 
+from . import driver
+
 WORDS = 16  # 64-bit words of a CUtensorMap
 TENSOR_MAP_DTYPE = np.dtype([("words", "<u8", (WORDS,))])  # 128 bytes, as lb::TensorMap
 BOX_COLS = 64  # K columns a box: 128 bytes, one 128B-swizzle row (linear_wgmma.cu BK)
@@ -90,14 +92,11 @@ SWIZZLES = {64: SWIZZLE_128B, 32: SWIZZLE_64B}  # box columns -> the swizzle of 
 
 @functools.cache
 def _encoder():
-    """The driver's cuTensorMapEncodeTiled, called through ctypes on the process's libcuda
-    (loaded by PyTorch and CuPy; cuInit a no-op after them). Not through cuda-bindings'
-    driver.cuTensorMapEncodeTiled: it encodes into a CUtensorMap object whose storage CPython
+    """The driver's cuTensorMapEncodeTiled, called through ctypes (driver.libcuda). Not
+    through cuda-bindings' driver.cuTensorMapEncodeTiled: it encodes into a CUtensorMap object whose storage CPython
     aligns to 16 bytes only (getPtr() % 64 == 32 with cuda-bindings 13.5), where the driver
     needs 64 (cuda-python pull request 1692: a segmentation fault)."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuInit(ctypes.c_uint(0))
-    fn = lib.cuTensorMapEncodeTiled
+    fn = driver.libcuda().cuTensorMapEncodeTiled
     u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
