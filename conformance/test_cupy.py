@@ -468,9 +468,14 @@ def _launches():
     w, b = torch.zeros(d), torch.zeros(d)
     pair = (torch.zeros(m, d, dtype=torch.float16), torch.zeros(m, d, dtype=torch.float16))
     valid = torch.ones(m, dtype=torch.uint8)
-    ops.layer_norm(k, x, w, b, pair=pair)
-    ops.layer_norm(k, x, w, b, half=pair[0])
-    ops.layer_norm(k, x, w, b, out=x, valid_rows=valid)
+    for held in build.NORM_HELD:  # rows of each width the LayerNorm kernels hold
+        width = 128 * held
+        rows = torch.zeros(m, width)
+        ones = torch.zeros(width)
+        halves = torch.zeros(m, width, dtype=torch.float16)
+        ops.layer_norm(k, rows, ones, ones, pair=(halves, halves))
+        ops.layer_norm(k, rows, ones, ones, half=halves)
+        ops.layer_norm(k, rows, ones, ones, out=rows, valid_rows=valid)
     for products in build.GEMM_PRODUCTS:
         half = build.gemm_compiled("half", products)  # not at two products
         for tile in build.GEMM_TILES:
