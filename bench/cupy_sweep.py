@@ -6,7 +6,7 @@ and GEMM kernel sweeps.
     python bench/cupy_sweep.py plans --plan norm_prologue --shapes 2,5,1,13
         # norm1 and norm2 in the prologues of Q/K/V and ffn_in on / off (where the norms
         # are not fused by default: shape 13 fuses them, so both of its plans are one)
-    python bench/cupy_sweep.py plans --plan pdl --shapes 2,5,1,8,13
+    python bench/cupy_sweep.py plans --plan pdl --shapes 2,5,1,3,8,13
         # programmatic dependent launches on / off
     python bench/cupy_sweep.py plans --plan "wgmma 128x256 TMA" --shapes 8  # a GEMM variant / default
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,2,3  # out_proj and FFN

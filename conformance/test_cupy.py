@@ -152,13 +152,37 @@ def test_every_kernel_waits_for_the_one_before_it(cupy_selected, compiled, hoppe
     from bench.sass import functions, kernels
 
     _, lowered = compiled[build.HOPPER]
-    rows = hopper_sass[1]
+    bodies, rows = hopper_sass
+    memory = re.compile(r"\b(?:LDG|STG|LDGSTS|UTMALDG|UBLKCP|CCTL|ATOMG|RED|LD|ST)\.")
     for name, symbol in lowered.items():
         assert rows[symbol]["dependency_wait"] >= 1, (name, rows[symbol])
         assert rows[symbol]["dependents_launch"] >= 1, (name, rows[symbol])
+        lines = bodies[symbol].splitlines()
+        wait = next(i for i, line in enumerate(lines) if re.search(r"\bACQBULK\b", line))
+        first = next((i for i, line in enumerate(lines) if memory.search(line)), len(lines))
+        assert wait < first, (name, lines[first])  # nothing global before the wait
     path, _ = compiled["80"]
     for symbol, row in kernels(path, functions(path)).items():
         assert row["dependency_wait"] == 0 and row["dependents_launch"] == 0, (symbol, row)
+
+
+def test_residual_gemms_prefetch_their_residual_tile(cupy_selected, compiled, hopper_sass):
+    """The wgmma GEMMs with a residual epilogue (linear_wgmma's RESIDUAL and RESIDUAL_NORM,
+    linear_wgmma_tma's RESIDUAL) ask L2 for their residual tile (CCTL.E.PF2:
+    prefetch.global.L2); the others do not."""
+    _, lowered = compiled[build.HOPPER]
+    bodies = hopper_sass[0]
+    residual = (build.EPILOGUES["residual"], build.EPILOGUES["residual_norm"])
+    checked = 0
+    for name, symbol in lowered.items():
+        plain = re.fullmatch(r"lb::linear_wgmma<\d+, \d+, \d+, (\d), \d+, \d+>", name)
+        tma = re.fullmatch(r"lb::linear_wgmma_tma<\d+, (\d), \d+, \d+>", name)
+        if plain or tma:
+            prefetches = len(re.findall(r"\bCCTL\.E\.PF2\b", bodies[symbol]))
+            assert (prefetches > 0) == (int((plain or tma).group(1)) in residual), (name,
+                                                                                 prefetches)
+            checked += 1
+    assert checked >= 20
 
 
 def attention_hgmma_widths(body: str) -> tuple[list[str], list[str]]:
@@ -424,6 +448,24 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     assert [int(buffers[0]), int(buffers[1]), int(buffers[2]), int(buffers[3])] == [
         x.data_ptr(), 0, 3, -2]
     assert buffers[5].tobytes() == np.array(FAKE_WORDS, dtype=np.uint64).tobytes()
+    with pytest.raises(TypeError, match="NumPy scalar"):
+        driver.argument_buffers((x, 3))
+
+    class FakeDriver:  # stands in for libcuda: reads back what cuLaunchKernelEx was given
+        def cuLaunchKernelEx(self, config, function, params, extra):
+            c = config._obj
+            attribute = c.attrs[0]
+            self.seen = (tuple(c.grid), tuple(c.block), c.shared, c.stream, c.count,
+                         attribute.id, attribute.allowed, function, extra)
+            pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+            self.params = [ctypes.string_at(pointers[i], _size(a)) for i, a in enumerate(args)]
+            return 0
+    fake = FakeDriver()
+    monkeypatch.setattr(driver, "libcuda", lambda: fake)
+    assert driver.launch_programmatic(0x1234, (5, 6, 7), 288, 1024, 0x99, args) == 0
+    assert fake.seen == ((5, 6, 7), (288, 1, 1), 1024, 0x99, 1,
+                         driver.PROGRAMMATIC_STREAM_SERIALIZATION, 1, 0x1234, None)
+    assert fake.params == [b.tobytes() for b in buffers]
 
     class Hopper:  # stands in for ops.Kernels on an sm_90 device
         has_wgmma, wgmma_problem, programmatic_problem, arch = True, None, None, "90"
@@ -2318,8 +2360,8 @@ def kernels(cupy_selected):
 
 
 @needs_gpu
-@pytest.mark.parametrize("m,d", [(1, 8), (77, 40), (6, 128), (7, 136), (9, 264), (11, 520),
-                                 (300, 1024), (3, 1032), (5, 4096)])
+@pytest.mark.parametrize("m,d", [(1, 8), (77, 40), (6, 128), (7, 136), (4, 256), (9, 264),
+                                 (5, 512), (11, 520), (300, 1024), (3, 1032), (5, 4096)])
 def test_layer_norm_kernel(kernels, m, d):
     """Every output form against fp64, rows off the block size, invalid rows zeroed, at
     each width that the registers a lane holds change (build.norm_held) and past them."""

@@ -163,7 +163,7 @@ WGMMA_HD256_ONE_GROUP = AttentionVariant("wgmma 64x64", 64, 64)
 # the pipelined schedule at BKV 128 spills at every head dim (two score sets of 64
 # registers), so it runs BKV 64. The TMA ring runs at 32 and 64 (boxes of 32 columns with
 # the 64-byte swizzle, 64 with the 128-byte one), head dims below those refused. 256 (head
-# dims 129-256) runs "wgmma 128x64" by default (bench/PERFORMANCE.md K23).
+# dims 129-256) runs "wgmma 128x64" by default (bench/PERFORMANCE.md K23, K25).
 ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
                         WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
                         WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,

@@ -42,9 +42,18 @@ def libcuda():
 
 def argument_buffers(args) -> list[np.ndarray]:
     """Each kernel argument as the bytes the kernel takes: a tensor or None as its 64-bit
-    device address (0 for None), a NumPy scalar or 0-d array (a tensor map) as itself."""
-    return [np.array(0 if a is None else a.data_ptr(), dtype=np.uint64)
-            if a is None or isinstance(a, torch.Tensor) else np.asarray(a) for a in args]
+    device address (0 for None), a NumPy scalar or 0-d array (a tensor map) as itself;
+    TypeError for anything else (a Python number has no size the kernel could agree on)."""
+    buffers = []
+    for a in args:
+        if a is None or isinstance(a, torch.Tensor):
+            buffers.append(np.array(0 if a is None else a.data_ptr(), dtype=np.uint64))
+        elif isinstance(a, (np.generic, np.ndarray)):
+            buffers.append(np.asarray(a))
+        else:
+            raise TypeError(f"a kernel argument must be a tensor, None or a NumPy scalar, "
+                            f"not {type(a).__name__}")
+    return buffers
 
 
 def launch_programmatic(function: int, grid, block: int, shared: int, stream: int,
