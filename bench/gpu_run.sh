@@ -118,9 +118,10 @@ if [[ $stage == cupy ]]; then
     log="$OUT/cupy.log"
     parts=" ${CUPY_PARTS:-tests plans attention gemm profile} "
     if [[ $parts == *" tests "* ]]; then
+        # CUPY_TEST_K: a -k expression, spaces and all; CUPY_TEST_ARGS: more arguments
         timeout "${CUPY_TEST_LIMIT:-420}" python3 -m pytest conformance/test_cupy.py \
-            --backend cupy -q -p no:cacheprovider -rf --maxfail 40${CUPY_TEST_ARGS:+ $CUPY_TEST_ARGS} \
-            >"$log" 2>&1
+            --backend cupy -q -p no:cacheprovider -rf --maxfail 40 \
+            ${CUPY_TEST_K:+-k "$CUPY_TEST_K"}${CUPY_TEST_ARGS:+ $CUPY_TEST_ARGS} >"$log" 2>&1
         status=$((status | $?))
         tail -40 "$log"
     fi
