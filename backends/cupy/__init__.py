@@ -63,7 +63,8 @@ class CupyBackend(Backend):
     """
 
     name = "cupy"
-    summary = "CuPy RawModule (NVRTC): wgmma (sm_90) or mma.sync GEMMs and flash attention, CUDA graph"
+    summary = ("CuPy RawModule (NVRTC): wgmma (sm_90) or mma.sync GEMMs and flash attention, "
+               "programmatic launches (sm_90), CUDA graph")
     capabilities = Capabilities(
         devices=("cuda",), head_dims=HEAD_DIMS,
         notes="sm_80+; fp32 residual stream; kernels compiled at run time by NVRTC")
