@@ -825,7 +825,8 @@ def test_gemm_variants(cupy_selected, monkeypatch):
     others' would not at three, so they have no three-product kernels; two blocks an SM: each
     within half of it); ops.linear launches
     the named variant's kernel (2 BM threads, or 384 for a warp-specialised one's
-    linear_wgmma_ws; its shared bytes, a grid of its tiles), the default's where none is
+    linear_wgmma_ws; its shared bytes, a grid of its tiles, or a persistent one's of two
+    blocks an SM), the default's where none is
     named, and refuses unknown names, the mma.sync GEMMs, epilogues
     and product counts a variant is not compiled for, and another tile; CupyBackend refuses
     unknown names, and a variant where the wgmma GEMMs do not run; the layer passes the
@@ -856,7 +857,12 @@ def test_gemm_variants(cupy_selected, monkeypatch):
                    **outputs[epilogue])
         name, grid, block, shared, _ = k.calls[0]
         assert name == build.gemm_variant_name(v, 1, epilogue)
-        assert grid == (cdiv(m, v.bm), cdiv(n, v.bn), 1) and block == v.threads
+        tiles = (cdiv(m, v.bm), cdiv(n, v.bn), 1)
+        if v.persistent:  # blocks_per_sm blocks for each SM (a CPU counts as one SM)
+            assert grid == (min(tiles[0] * tiles[1], v.blocks_per_sm), 1, 1) == (2, 1, 1)
+        else:
+            assert grid == tiles
+        assert block == v.threads
         assert block == (build.TMA_TWO_PER_SM_THREADS if v.tma and v.blocks_per_sm == 2
                          else build.WS_THREADS if v.warp_specialised or v.tma else 2 * v.bm)
         if v.tma:  # A's map (boxes of BM rows) and W's (BN rows), appended
@@ -1231,11 +1237,13 @@ def ws_producer(k_tiles: int, stages: int, cp_wait: int = 1, fence: bool = True,
         yield ("arrive", ("full", (k_tiles - 1) % stages))
 
 
-def ws_consumer(k_tiles: int, stages: int, release_early: bool = False, full_flip: int = 0):
+def ws_consumer(k_tiles: int, stages: int, release_early: bool = False, full_flip: int = 0,
+                first: int = 0):
     """A consumer's steps 1-3 and the end (release_early: arrive on empty of tile kt right
     after its commit, before any wgmma wait; full_flip: the parity of the full wait is
-    (r & 1) ^ full_flip)."""
-    for kt in range(k_tiles):
+    (r & 1) ^ full_flip; first: the ring's K tiles before these, which are the ring's first
+    + 0 .. first + k_tiles - 1)."""
+    for kt in range(first, first + k_tiles):
         s, r = kt % stages, kt // stages
         yield ("wait", ("full", s), (r & 1) ^ full_flip)  # 1
         yield ("mma", s, kt)  # 2
@@ -1243,11 +1251,11 @@ def ws_consumer(k_tiles: int, stages: int, release_early: bool = False, full_fli
         if release_early:
             yield ("arrive", ("empty", s))
         yield ("mma_wait", 1)  # 3
-        if kt > 0 and not release_early:
+        if kt > first and not release_early:
             yield ("arrive", ("empty", (kt - 1) % stages))
     yield ("mma_wait", 0)
     if k_tiles and not release_early:
-        yield ("arrive", ("empty", (k_tiles - 1) % stages))
+        yield ("arrive", ("empty", (first + k_tiles - 1) % stages))
     yield ("epilogue",)
 
 
@@ -1357,14 +1365,16 @@ def assert_in_order(text: str, lines) -> None:
 
 def check_consumer_source() -> None:
     """consume_stages (linear_wgmma.cu), the consumers of both ring kernels, is the model's
-    ws_consumer: these lines, in this order."""
+    ws_consumer: these lines, in this order (first: the ring's K tiles before this call's)."""
     text = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
     text = text[text.index("void consume_stages("):text.index("}  // namespace wgmma_detail")]
     assert_in_order(text, (
-        "mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);", "wgmma_fence();", "wgmma_commit();",
-        "wgmma_wait<1>();", "if (kt > 0) mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));",
+        "const int s = (first + kt) % STAGES;",
+        "mbarrier_wait(full0 + 8 * s, ((first + kt) / STAGES) & 1);", "wgmma_fence();",
+        "wgmma_commit();", "wgmma_wait<1>();",
+        "if (kt > 0) mbarrier_arrive(empty0 + 8 * ((first + kt - 1) % STAGES));",
         "wgmma_wait<0>();",
-        "if (k_tiles > 0) mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));",
+        "if (k_tiles > 0) mbarrier_arrive(empty0 + 8 * ((first + k_tiles - 1) % STAGES));",
     ))
 
 
@@ -1435,13 +1445,14 @@ def tma_tile_bytes(bn: int) -> dict[str, int]:
 
 
 def tma_producer(k_tiles: int, stages: int, bn: int, tx_bytes: int | None = None,
-                 wait_empty: bool = True, empty_flip: int = 1, expect_first: bool = True):
+                 wait_empty: bool = True, empty_flip: int = 1, expect_first: bool = True,
+                 first: int = 0):
     """The producer thread's steps 1-2 (tx_bytes: the expect_tx count, default both boxes;
     wait_empty: step 1 kept; empty_flip: its parity (r & 1) ^ empty_flip; expect_first: the
-    arrive.expect_tx before the copies, else after)."""
+    arrive.expect_tx before the copies, else after; first: the ring's K tiles before these)."""
     parts = tma_tile_bytes(bn)
     tx = sum(parts.values()) if tx_bytes is None else tx_bytes
-    for kt in range(k_tiles):
+    for kt in range(first, first + k_tiles):
         s, r = kt % stages, kt // stages
         if wait_empty:
             yield ("wait", ("empty", s), (r & 1) ^ empty_flip)  # 1
@@ -1451,22 +1462,28 @@ def tma_producer(k_tiles: int, stages: int, bn: int, tx_bytes: int | None = None
 
 
 def check_tma_ring(k_tiles: int, stages: int, bn: int, pick, full_count: int = 1,
-                   **mistake) -> None:
+                   tiles: int = 1, **mistake) -> None:
     """Run the producer thread, the two consumer warpgroups and the landing of each issued TMA
     copy, pick(runnable names) choosing who steps next, and assert: a wgmma reads a stage
     only while both its boxes hold the tile wanted and have landed; no copy is issued or lands
     in a stage while a wgmma group of either consumer may read it, nor before both consumers
     have read the tile it replaces; each consumer reads every tile once, in order, with no
     wgmma pending at its epilogue; no copy is left in flight; no barrier's transaction bytes
-    go below zero at a phase's end; every agent finishes (no deadlock)."""
+    go below zero at a phase's end; every agent finishes (no deadlock). tiles: output tiles
+    of k_tiles K tiles each, one after another (a persistent block), the ring's K tiles
+    counted on across them (restart, a mistake: counted from 0 again at each)."""
+    restart = mistake.pop("restart", False)
     producer = {k: v for k, v in mistake.items()
                 if k in ("tx_bytes", "wait_empty", "empty_flip", "expect_first")}
     consumer = {k: v for k, v in mistake.items() if k in ("release_early", "full_flip")}
-    agents = {"P": tma_producer(k_tiles, stages, bn, **producer)}
-    agents |= {f"C{c}": ws_consumer(k_tiles, stages, **consumer) for c in range(2)}
+    firsts = [0 if restart else t * k_tiles for t in range(tiles)]
+    agents = {"P": itertools.chain(*(tma_producer(k_tiles, stages, bn, first=f, **producer)
+                                     for f in firsts))}
+    agents |= {f"C{c}": itertools.chain(*(ws_consumer(k_tiles, stages, first=f, **consumer)
+                                          for f in firsts)) for c in range(2)}
     counts = {(kind, s): full_count if kind == "full" else TMA_COUNTS[kind]
               for kind in TMA_COUNTS for s in range(stages)}
-    run_tma_ring(agents, counts, k_tiles,
+    run_tma_ring(agents, counts, tiles * k_tiles,
                  lambda s, tile: [((s, "A"), tile), ((s, "W"), tile)], pick)
 
 
@@ -1591,12 +1608,15 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
                  "wd::mbarrier_init(full0 + 8 * s, 1);",
                  "wd::mbarrier_init(empty0 + 8 * s, 256);", "wd::fence_mbarrier_init();",
                  "if (threadIdx.x == PRODUCER_THREAD) {",
+                 "for (int tile = block; tile < tile_end; tile += tile_step, done += k_tiles) {",
+                 "const int kt = done + k, s = kt % STAGES;",
                  "wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);",
                  "wd::mbarrier_arrive_expect_tx(full, STAGE);\n"
-                 "                wd::tma_load_2d(st, &a_map, full, kt * BK, m0);\n"
-                 "                wd::tma_load_2d(st + A_TILE, &w_map, full, kt * BK, n0);",
-                 "wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group);"):
+                 "                    wd::tma_load_2d(st, &a_map, full, k * BK, m0);\n"
+                 "                    wd::tma_load_2d(st + A_TILE, &w_map, full, k * BK, n0);",
+                 "wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group, done);"):
         assert line in text, line
+    assert text.count("for (int tile = block; tile < tile_end;") == 2  # producer, consumers
     assert text.count("mbarrier_arrive") == 1 and text.count("__syncthreads()") == 1
     assert text.count("tma_load_2d(") == 2 and "cp_async" not in text
     check_consumer_source()
@@ -1609,10 +1629,15 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
             128, 1, build.TMA_TWO_PER_SM_THREADS if two else build.WS_THREADS, False)
         name = build.gemm_variant_name(v, 1, "half")
         assert name in names and name == (f"lb::linear_wgmma_tma<{v.bn}, 0, {v.stages}"
-                                          f"{', 2' if two else ''}>")
+                                          f"{', 2' if two else ''}"
+                                          f"{', 1' if v.persistent else ''}>")
         for k_tiles in range(12):
             for pick in ws_picks():
                 check_tma_ring(k_tiles, v.stages, v.bn, pick)
+        if v.persistent:  # a block's output tiles one after another, the ring running on
+            for tiles, k_tiles in ((2, 1), (3, 2), (2, 5), (4, 3)):
+                for pick in ws_picks():
+                    check_tma_ring(k_tiles, v.stages, v.bn, pick, tiles=tiles)
     for stages in (2, 3):  # the fewest stages the kernel allows still run
         for pick in ws_picks(5):
             check_tma_ring(7, stages, 256, pick)
@@ -1621,16 +1646,18 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
 @pytest.mark.parametrize("mistake", [dict(tx_bytes=128 * 128), dict(tx_bytes=3 * 128 * 256),
                                      dict(wait_empty=False), dict(empty_flip=0),
                                      dict(full_flip=1), dict(release_early=True),
-                                     dict(full_count=2), dict(stages=1)],
+                                     dict(full_count=2), dict(stages=1),
+                                     dict(tiles=3, restart=True)],
                          ids=["expect-tx-A-only", "expect-tx-too-many", "no-empty-wait",
                               "empty-parity", "full-parity", "release-before-wgmma-wait",
-                              "full-count-2", "one-stage"])
+                              "full-count-2", "one-stage", "persistent-count-restarts"])
 def test_tma_ring_model_catches_mistakes(cupy_selected, mistake):
     """check_tma_ring fails the 128x256 TMA ring (4 stages) when expect_tx announces A's
     bytes alone (the phase completes before W lands: a wgmma reads W in flight) or more than
     land (deadlock), the producer skips or mis-parities its empty wait (a copy lands under
     a wgmma, or deadlock), a consumer mis-parities its full wait or releases a stage before
-    its wgmma wait, full barriers count two arrivals (deadlock), or the ring has one stage."""
+    its wgmma wait, full barriers count two arrivals (deadlock), the ring has one stage, or a
+    persistent block counts its K tiles from 0 again at each output tile."""
     args = dict(stages=build.GEMM_TMA_WIDE.stages, bn=build.GEMM_TMA_WIDE.bn) | mistake
     with pytest.raises(AssertionError):
         for k_tiles in range(1, 10):

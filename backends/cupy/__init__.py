@@ -36,7 +36,9 @@ class CupyBackend(Backend):
     warp-specialised 6-stage" (a producer warpgroup's copies handed to two consumer
     warpgroups through mbarriers), or "wgmma 128x256 TMA" / "wgmma 128x128 TMA 6-stage" (the
     same consumers fed by TMA tensor copies from one thread; only where tensor maps can
-    describe both operands) or "wgmma 128x128 TMA 2/SM" (the same at two blocks an SM). A
+    describe both operands), "wgmma 128x128 TMA 2/SM" (the same at two blocks an SM) or
+    "wgmma 128x128 TMA 2/SM persistent" (two blocks an SM in all, each taking output tiles
+    in turn, the next tile's copies under this tile's epilogue). A
     GEMM runs it where the module has it for the GEMM's epilogue and product count (the
     non-default ones: half, gelu_pair and residual at one product, so every GEMM from
     d_model 512, Q/K/V alone below), the output is at least one tile wide and the grid has a

@@ -190,7 +190,8 @@ class GemmVariant:
     running: pending 1). tma: linear_wgmma_tma instead (as linear_wgmma_ws, but one producer
     thread copies each stage with TMA from the tensor maps of A and W, appended to the
     arguments by ops.linear; blocks_per_sm 2: two blocks an SM, TMA_TWO_PER_SM_THREADS threads,
-    the producer a warp after the consumers)."""
+    the producer a warp after the consumers; persistent: a grid of blocks_per_sm blocks an
+    SM, each taking output tiles in turn, its ring running on across them)."""
 
     name: str
     bm: int
@@ -200,6 +201,7 @@ class GemmVariant:
     warp_specialised: bool = False
     tma: bool = False
     blocks_per_sm: int = 1
+    persistent: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
@@ -236,6 +238,10 @@ GEMM_TMA = GemmVariant("wgmma 128x128 TMA 6-stage", 128, 128, stages=6, pending=
 TMA_TWO_PER_SM_THREADS = 288  # two consumer warpgroups and a producer warp
 GEMM_TMA_TWO_PER_SM = GemmVariant("wgmma 128x128 TMA 2/SM", 128, 128, stages=3, pending=1,
                                   tma=True, blocks_per_sm=2)
+# ... and persistent: two blocks an SM in all, each walking its share of the output tiles, so
+# that the producer copies a tile's first stages under the previous tile's epilogue.
+GEMM_TMA_PERSISTENT = GemmVariant("wgmma 128x128 TMA 2/SM persistent", 128, 128, stages=3,
+                                  pending=1, tma=True, blocks_per_sm=2, persistent=True)
 # The layer's GEMMs run it where no variant is named and it fits (layer.gemm_variant_for), from
 # a reduction of LAYER_TMA_MIN_K columns on: faster than every other variant on shape 8's GEMMs
 # on the H200, each epilogue. Shorter reductions (two K tiles at d_model 128) keep the plain.
@@ -248,7 +254,7 @@ LAYER_TMA_MIN_K = 512
 # slower than LAYER_GEMM_VARIANT on shape 8's GEMMs (the one-block-an-SM TMA ones faster than
 # the plain schedule alone, slower in whole layers) and stays an option.
 GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS, GEMM_TMA_WIDE,
-                 GEMM_TMA, GEMM_TMA_TWO_PER_SM)
+                 GEMM_TMA, GEMM_TMA_TWO_PER_SM, GEMM_TMA_PERSISTENT)
 GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
 GEMM_VARIANT_PRODUCTS = 1
 
@@ -308,12 +314,14 @@ def gemm_variant_name(variant: GemmVariant, products: int, epilogue: str) -> str
     """Name expression of the Hopper GEMM kernel of variant for products and epilogue (a
     warp-specialised variant: linear_wgmma_ws<BN, epilogue, stages>, a TMA one
     linear_wgmma_tma<BN, epilogue, stages> or, two blocks an SM,
-    linear_wgmma_tma<BN, epilogue, stages, 2>, one product only)."""
+    linear_wgmma_tma<BN, epilogue, stages, 2> (persistent: <BN, epilogue, stages, 2, 1>),
+    one product only)."""
     if variant.warp_specialised or variant.tma:
         if products != 1 or variant.bm != 128 or variant.pending != 1:
             raise ValueError(f"{variant.name} runs one product on BM 128, one group pending")
         kernel = "linear_wgmma_tma" if variant.tma else "linear_wgmma_ws"
         blocks = f", {variant.blocks_per_sm}" if variant.blocks_per_sm != 1 else ""
+        blocks += ", 1" if variant.persistent else ""
         return f"lb::{kernel}<{variant.bn}, {EPILOGUES[epilogue]}, {variant.stages}{blocks}>"
     return wgmma_name(variant.tile, products, epilogue, variant.stages, variant.pending)
 

@@ -92,6 +92,12 @@ __device__ __forceinline__ int2 tile_origin(int bm, int bn) {
                      static_cast<int>(block % gridDim.y) * bn);
 }
 
+// The first row and column of output tile `tile` of a grid of n_tiles tiles along N, in the
+// same order (a persistent block's tiles: blockIdx.x, + gridDim.x, ...).
+__device__ __forceinline__ int2 tile_origin_of(int tile, int n_tiles, int bm, int bn) {
+    return make_int2(tile / n_tiles * bm, tile % n_tiles * bn);
+}
+
 // Asks L2 for the fp32 residual rows [m0, m0 + BM) x columns [n0, n0 + BN) of res (row
 // stride `stride`, rows below M and columns below N only), one 128-byte line a request,
 // requests index, index + count, ... of the tile's: issued before the mainloop, so that the
@@ -157,20 +163,22 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[BN / 2], int r
 
 // The consumer warpgroups of linear_wgmma_ws and linear_wgmma_tma: acc (this thread's part of
 // warpgroup group's 64 x BN tile) = the sum over the k_tiles K tiles of the stage ring at base
-// (stage s: A tile of 128 rows, then W tile of BN rows, 128 bytes each), tile kt in stage
-// kt % STAGES. Per tile: wait on full[s] (parity: its round & 1); wgmma fence; the tile's
-// BK / 16 k16 wgmmas; commit; wgmma wait 1, so tile kt - 1's group is complete and its stage
-// is released on empty (tile kt's runs on). After the loop: wait 0 and release the last.
+// (stage s: A tile of 128 rows, then W tile of BN rows, 128 bytes each), tile kt the ring's
+// (first + kt)-th, in stage (first + kt) % STAGES (first: the K tiles a persistent block's
+// earlier output tiles took). Per tile: wait on full[s] (parity: its round & 1); wgmma fence;
+// the tile's BK / 16 k16 wgmmas; commit; wgmma wait 1, so tile kt - 1's group is complete and
+// its stage is released on empty (tile kt's runs on). After the loop: wait 0 and release the
+// last.
 template <int BN, int STAGES>
 __device__ __forceinline__ void consume_stages(float (&acc)[BN / 2], unsigned base,
                                                unsigned full0, unsigned empty0, int k_tiles,
-                                               int group) {
+                                               int group, int first = 0) {
     constexpr int A_TILE = 128 * ROW_BYTES, STAGE = A_TILE + BN * ROW_BYTES;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
     for (int kt = 0; kt < k_tiles; ++kt) {
-        const int s = kt % STAGES;
-        mbarrier_wait(full0 + 8 * s, (kt / STAGES) & 1);
+        const int s = (first + kt) % STAGES;
+        mbarrier_wait(full0 + 8 * s, ((first + kt) / STAGES) & 1);
         const unsigned st = base + s * STAGE;
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) fence_operand(acc[i]);
@@ -185,12 +193,12 @@ __device__ __forceinline__ void consume_stages(float (&acc)[BN / 2], unsigned ba
         wgmma_wait<1>();
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) fence_operand(acc[i]);
-        if (kt > 0) mbarrier_arrive(empty0 + 8 * ((kt - 1) % STAGES));
+        if (kt > 0) mbarrier_arrive(empty0 + 8 * ((first + kt - 1) % STAGES));
     }
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) fence_operand(acc[i]);
-    if (k_tiles > 0) mbarrier_arrive(empty0 + 8 * ((k_tiles - 1) % STAGES));
+    if (k_tiles > 0) mbarrier_arrive(empty0 + 8 * ((first + k_tiles - 1) % STAGES));
 }
 
 // Issues one K tile's wgmmas (BK / 16 k16 steps x PRODUCTS) into acc from the stage at shared
@@ -706,6 +714,12 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
 // BLOCKS 2 (BN 128, STAGES 3): two blocks an SM, so that one block's epilogue runs under the
 // other's wgmmas; 288 threads, the consumers warpgroups 0 and 1 and the producer thread
 // threadIdx.x 256 (warp 8), no setmaxnreg (launch bounds cap a thread at 112 registers).
+// PERSISTENT (with BLOCKS 2): a grid of at most two blocks an SM along x, each taking output
+// tiles blockIdx.x, blockIdx.x + gridDim.x, ... of the (ceil(M / 128), ceil(N / BN)) tiles
+// in tile_origin's order; the ring runs on across a block's tiles (kt below counts the
+// block's K tiles over all of them), so the producer copies the next tile's first stages while
+// the consumers run this tile's epilogue. The producer warp loops over the tiles together
+// (its other lanes prefetch each tile's residual rows), its first lane issuing the copies.
 //
 // Tile kt lives in stage s = kt % STAGES in round r = kt / STAGES. full[s] has count 1 (the
 // producer's arrive.expect_tx of STAGE_BYTES = (128 + BN) x 128 bytes: TMA counts the whole
@@ -713,17 +727,21 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
 // copies' bytes have landed (complete_tx; TMA writes through the async proxy, which wgmma reads
 // through: no proxy fence). empty[s] has count 256 as in linear_wgmma_ws. Parities as there.
 //   Before the split: thread 0 initialises the barriers, fence.mbarrier_init; __syncthreads.
-//   Producer thread, tile kt = 0 .. k_tiles - 1:
+//   Producer thread, tile kt = 0 .. k_tiles - 1 (PERSISTENT: on through the block's output
+//   tiles, kt counting on; the tile's own K offset is k = kt - its first kt):
 //   1. wait empty[s] phase r - 1 (parity (r & 1) ^ 1): tile kt - STAGES's wgmmas are complete.
 //   2. arrive.expect_tx(full[s], STAGE_BYTES); TMA A box (k0, m0) and W box (k0, n0) into
 //      stage s, both completing on full[s].
-//   Then exit (the copies complete on their own). The other producer threads exit at once.
+//   Then exit (the copies complete on their own). The producer warp's other lanes wait for
+//   the first at the end of each output tile; the producer warpgroup's other warps (BLOCKS
+//   1) exit at once.
 //   Consumers: linear_wgmma_ws's steps (wait full[s] parity r & 1; wgmmas; commit; wait 1;
-//   release tile kt - 1 on empty), wait 0 and release the last tile, the epilogue.
+//   release tile kt - 1 on empty), wait 0 and release the last tile, the epilogue; then the
+//   next output tile's (PERSISTENT), the ring's kt counting on.
 // The producer at tile kt needs tile kt - STAGES released, which the consumers do at tile
 // kt - STAGES + 1 after its full wait, announced at producer step kt - STAGES + 1 < kt: any
 // STAGES >= 2 is deadlock-free; up to STAGES tiles are copied ahead of the one computed.
-template <int BN, int EPI, int STAGES, int BLOCKS = 1>
+template <int BN, int EPI, int STAGES, int BLOCKS = 1, int PERSISTENT = 0>
 __global__ void __launch_bounds__(BLOCKS == 1 ? 384 : 288, BLOCKS)
 linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
                  const __half* __restrict__ w_hi, const __half* __restrict__ w_lo,
@@ -741,6 +759,7 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
     static_assert(BLOCKS == 1 || BLOCKS == 2, "one block an SM (384 threads) or two (288)");
     static_assert(BLOCKS == 1 || BN == 128, "two blocks an SM: 64 accumulators a thread");
+    static_assert(!PERSISTENT || BLOCKS == 2, "persistent: the two-blocks-an-SM layout");
     static_assert(BLOCKS == 1 || 2 * (linear_wgmma_shared_bytes(BM, BN, 1, STAGES) + 1024) <=
                                      228 * 1024, "two blocks' stages must fit an SM");
     static_assert(BN == 128 || BN == 256, "wgmma n128 or n256; a TMA box of at most 256 rows");
@@ -760,8 +779,11 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full_bar));
     const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty_bar));
 
-    const int2 origin = wd::tile_origin(BM, BN);
-    const int m0 = origin.x, n0 = origin.y;
+    // This block's output tiles: its own, or (PERSISTENT) blockIdx.x, + gridDim.x, ...
+    const int block = blockIdx.x + blockIdx.y * gridDim.x;
+    const int n_tiles = PERSISTENT ? (N + BN - 1) / BN : gridDim.y;
+    const int tile_end = PERSISTENT ? (M + BM - 1) / BM * n_tiles : block + 1;
+    const int tile_step = PERSISTENT ? gridDim.x : 1;
     const int k_tiles = (K + BK - 1) / BK;
     const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
     // The producer: warpgroup 0 (BLOCKS 1), or warp 8 after the two consumers (BLOCKS 2).
@@ -781,34 +803,43 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
 
     if (role == PRODUCER_ROLE) {
         if constexpr (BLOCKS == 1) wd::setmaxnreg_dec<PRODUCER_REGISTERS>();
-        if constexpr (EPI == RESIDUAL)  // the producer warp, its copies not yet waited for
-            if (threadIdx.x < PRODUCER_THREAD + 32)
+        if (threadIdx.x >= PRODUCER_THREAD + 32) return;  // the producer warp goes on
+        int done = 0;  // the block's K tiles before this output tile's
+        for (int tile = block; tile < tile_end; tile += tile_step, done += k_tiles) {
+            const int2 origin = wd::tile_origin_of(tile, n_tiles, BM, BN);
+            const int m0 = origin.x, n0 = origin.y;
+            if constexpr (EPI == RESIDUAL)  // the whole warp, before its copies are waited for
                 wd::prefetch_residual_tile<BM, BN>(res, out_stride, m0, n0, M, N,
                                                    threadIdx.x - PRODUCER_THREAD, 32);
-        if (threadIdx.x == PRODUCER_THREAD) {
-            for (int kt = 0; kt < k_tiles; ++kt) {
-                const int s = kt % STAGES;
-                wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);  // 1
-                const unsigned full = full0 + 8 * s, st = base + s * STAGE;  // 2
-                wd::mbarrier_arrive_expect_tx(full, STAGE);
-                wd::tma_load_2d(st, &a_map, full, kt * BK, m0);
-                wd::tma_load_2d(st + A_TILE, &w_map, full, kt * BK, n0);
+            if (threadIdx.x == PRODUCER_THREAD) {
+                for (int k = 0; k < k_tiles; ++k) {
+                    const int kt = done + k, s = kt % STAGES;
+                    wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);  // 1
+                    const unsigned full = full0 + 8 * s, st = base + s * STAGE;  // 2
+                    wd::mbarrier_arrive_expect_tx(full, STAGE);
+                    wd::tma_load_2d(st, &a_map, full, k * BK, m0);
+                    wd::tma_load_2d(st + A_TILE, &w_map, full, k * BK, n0);
+                }
             }
+            __syncwarp();
         }
         return;
     }
 
-    // Consumers: warpgroup group computes rows 64 group .. 64 group + 63.
+    // Consumers: warpgroup group computes rows 64 group .. 64 group + 63 of each tile.
     if constexpr (BLOCKS == 1) wd::setmaxnreg_inc<CONSUMER_REGISTERS>();
     const int group = BLOCKS == 1 ? role - 1 : role;
-    float acc[BN / 2];
-    wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group);
-
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     constexpr int BATCH = BLOCKS == 1 ? wd::RESIDUAL_BATCH : wd::RESIDUAL_BATCH_LEAN;
-    wd::store_fragment<BN, EPI, BATCH>(acc, m0 + group * 64 + warp * 16 + lane / 4, n0,
-                                       lane % 4, M, N, bias, out_hi, out_lo, out_stride, res,
-                                       out_f, valid, zero_sum);
+    float acc[BN / 2];
+    int done = 0;
+    for (int tile = block; tile < tile_end; tile += tile_step, done += k_tiles) {
+        const int2 origin = wd::tile_origin_of(tile, n_tiles, BM, BN);
+        wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group, done);
+        wd::store_fragment<BN, EPI, BATCH>(acc, origin.x + group * 64 + warp * 16 + lane / 4,
+                                           origin.y, lane % 4, M, N, bias, out_hi, out_lo,
+                                           out_stride, res, out_f, valid, zero_sum);
+    }
 #elif defined(__CUDA_ARCH__)
     __trap();  // wgmma and TMA need sm_90a: compile this kernel for sm_90a
 #endif

@@ -299,7 +299,11 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
         bm, bn, wm, wn = tile
         name, threads = build.gemm_name(tile, products, epilogue), wm * wn * 32
         shared = linear_shared_bytes(bm, bn, products)
-    k.launch(name, (cdiv(m, bm), cdiv(n, bn), 1), threads, shared, args)
+    grid = (cdiv(m, bm), cdiv(n, bn), 1)
+    if wgmma and variant.persistent:  # blocks_per_sm blocks an SM at most, walking the tiles
+        grid = (min(grid[0] * grid[1],
+                    variant.blocks_per_sm * multiprocessor_count(a[0].device)), 1, 1)
+    k.launch(name, grid, threads, shared, args)
 
 
 def norm_prologue_refusal(x, norm_weight, norm_bias, weight, epilogue: str, products: int,
