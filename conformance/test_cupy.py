@@ -1607,18 +1607,28 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
     for line in ("constexpr int STAGE = A_TILE + W_TILE;",
                  "wd::mbarrier_init(full0 + 8 * s, 1);",
                  "wd::mbarrier_init(empty0 + 8 * s, 256);", "wd::fence_mbarrier_init();",
-                 "if (threadIdx.x == PRODUCER_THREAD) {",
-                 "for (int tile = block; tile < tile_end; tile += tile_step, done += k_tiles) {",
-                 "const int kt = done + k, s = kt % STAGES;",
-                 "wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);",
-                 "wd::mbarrier_arrive_expect_tx(full, STAGE);\n"
-                 "                    wd::tma_load_2d(st, &a_map, full, k * BK, m0);\n"
-                 "                    wd::tma_load_2d(st + A_TILE, &w_map, full, k * BK, n0);",
-                 "wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group, done);"):
+                 "if (threadIdx.x == PRODUCER_THREAD)",
+                 "wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group, done);",
+                 "compute_tile(m0, n0, 0);", "compute_tile(at.x, at.y, done);"):
         assert line in text, line
-    assert text.count("for (int tile = block; tile < tile_end;") == 2  # producer, consumers
-    assert text.count("mbarrier_arrive") == 1 and text.count("__syncthreads()") == 1
-    assert text.count("tma_load_2d(") == 2 and "cp_async" not in text
+    # both producers copy through produce_tile; the persistent ones walk the tiles in turn
+    assert text.count("wd::produce_tile<STAGES, A_TILE, STAGE>(") == 2
+    assert text.count("k_tiles, done, at.x, at.y);") == 1
+    assert text.count("k_tiles, 0, m0, n0);") == 1
+    assert text.count("for (int tile = blockIdx.x; tile < tile_end; tile += gridDim.x, "
+                      "done += k_tiles) {") == 2  # producer and consumers
+    assert text.count("__syncthreads()") == 1 and "mbarrier_arrive" not in text
+    assert "tma_load_2d(" not in text and "cp_async" not in text
+    producer = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
+    producer = producer[producer.index("void produce_tile("):]
+    producer = producer[:producer.index("\n}\n")]
+    assert_in_order(producer, ("for (int k = 0; k < k_tiles; ++k) {",
+                               "const int kt = done + k, s = kt % STAGES;",
+                               "mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);",
+                               "mbarrier_arrive_expect_tx(full, STAGE);",
+                               "tma_load_2d(st, a_map, full, k * BK, m0);",
+                               "tma_load_2d(st + A_TILE, w_map, full, k * BK, n0);"))
+    assert producer.count("tma_load_2d(") == 2 and producer.count("mbarrier_arrive") == 1
     check_consumer_source()
     names = build.name_expressions(build.HOPPER)
     tma = [v for v in build.GEMM_VARIANTS if v.tma]

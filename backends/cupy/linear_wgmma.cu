@@ -201,6 +201,25 @@ __device__ __forceinline__ void consume_stages(float (&acc)[BN / 2], unsigned ba
     if (k_tiles > 0) mbarrier_arrive(empty0 + 8 * ((first + k_tiles - 1) % STAGES));
 }
 
+// linear_wgmma_tma's producer thread for one output tile (rows from m0, columns from n0): its
+// k_tiles K tiles, the ring's done + 0 .. done + k_tiles - 1 (done: the block's K tiles
+// before this output tile's), tile kt in stage kt % STAGES. Per K tile k: 1. wait until the
+// stage's last wgmmas are complete (empty, parity (round & 1) ^ 1); 2. arm full with the
+// stage's bytes and copy A's box (k BK, m0) and W's (k BK, n0) into it.
+template <int STAGES, int A_TILE, int STAGE>
+__device__ __forceinline__ void produce_tile(unsigned base, unsigned full0, unsigned empty0,
+                                             const TensorMap* a_map, const TensorMap* w_map,
+                                             int k_tiles, int done, int m0, int n0) {
+    for (int k = 0; k < k_tiles; ++k) {
+        const int kt = done + k, s = kt % STAGES;
+        mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);  // 1
+        const unsigned full = full0 + 8 * s, st = base + s * STAGE;  // 2
+        mbarrier_arrive_expect_tx(full, STAGE);
+        tma_load_2d(st, a_map, full, k * BK, m0);
+        tma_load_2d(st + A_TILE, w_map, full, k * BK, n0);
+    }
+}
+
 // Issues one K tile's wgmmas (BK / 16 k16 steps x PRODUCTS) into acc from the stage at shared
 // address s (A_hi, W_hi, then A_lo past one product, then W_lo at three; A_TILE and W_TILE
 // bytes each), for the warpgroup's 64 rows. Product 0: a_hi w_hi; 1: a_hi w_lo; 2: a_lo w_hi
@@ -779,15 +798,14 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full_bar));
     const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty_bar));
 
-    // This block's output tiles: its own, or (PERSISTENT) blockIdx.x, + gridDim.x, ...
-    const int block = blockIdx.x + blockIdx.y * gridDim.x;
-    const int n_tiles = PERSISTENT ? (N + BN - 1) / BN : gridDim.y;
-    const int tile_end = PERSISTENT ? (M + BM - 1) / BM * n_tiles : block + 1;
-    const int tile_step = PERSISTENT ? gridDim.x : 1;
+    const int2 origin = wd::tile_origin(BM, BN);  // a persistent block's first tile's: unused
+    const int m0 = origin.x, n0 = origin.y;
     const int k_tiles = (K + BK - 1) / BK;
     const int role = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
     // The producer: warpgroup 0 (BLOCKS 1), or warp 8 after the two consumers (BLOCKS 2).
     constexpr int PRODUCER_ROLE = BLOCKS == 1 ? 0 : 2, PRODUCER_THREAD = 128 * PRODUCER_ROLE;
+    // PERSISTENT: this block's output tiles, blockIdx.x, + gridDim.x, ... below tile_end.
+    const int n_tiles = (N + BN - 1) / BN, tile_end = (M + BM - 1) / BM * n_tiles;
 
     if (threadIdx.x == 0) {
         wd::prefetch_tensormap(&a_map);
@@ -803,25 +821,27 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
 
     if (role == PRODUCER_ROLE) {
         if constexpr (BLOCKS == 1) wd::setmaxnreg_dec<PRODUCER_REGISTERS>();
-        if (threadIdx.x >= PRODUCER_THREAD + 32) return;  // the producer warp goes on
-        int done = 0;  // the block's K tiles before this output tile's
-        for (int tile = block; tile < tile_end; tile += tile_step, done += k_tiles) {
-            const int2 origin = wd::tile_origin_of(tile, n_tiles, BM, BN);
-            const int m0 = origin.x, n0 = origin.y;
-            if constexpr (EPI == RESIDUAL)  // the whole warp, before its copies are waited for
-                wd::prefetch_residual_tile<BM, BN>(res, out_stride, m0, n0, M, N,
-                                                   threadIdx.x - PRODUCER_THREAD, 32);
-            if (threadIdx.x == PRODUCER_THREAD) {
-                for (int k = 0; k < k_tiles; ++k) {
-                    const int kt = done + k, s = kt % STAGES;
-                    wd::mbarrier_wait(empty0 + 8 * s, ((kt / STAGES) & 1) ^ 1);  // 1
-                    const unsigned full = full0 + 8 * s, st = base + s * STAGE;  // 2
-                    wd::mbarrier_arrive_expect_tx(full, STAGE);
-                    wd::tma_load_2d(st, &a_map, full, k * BK, m0);
-                    wd::tma_load_2d(st + A_TILE, &w_map, full, k * BK, n0);
-                }
+        if constexpr (PERSISTENT) {
+            if (threadIdx.x >= PRODUCER_THREAD + 32) return;  // the producer warp goes on
+            int done = 0;  // the block's K tiles before this output tile's
+            for (int tile = blockIdx.x; tile < tile_end; tile += gridDim.x, done += k_tiles) {
+                const int2 at = wd::tile_origin_of(tile, n_tiles, BM, BN);
+                if constexpr (EPI == RESIDUAL)  // the whole warp, ahead of the copies
+                    wd::prefetch_residual_tile<BM, BN>(res, out_stride, at.x, at.y, M, N,
+                                                       threadIdx.x - PRODUCER_THREAD, 32);
+                if (threadIdx.x == PRODUCER_THREAD)
+                    wd::produce_tile<STAGES, A_TILE, STAGE>(base, full0, empty0, &a_map,
+                                                            &w_map, k_tiles, done, at.x, at.y);
+                __syncwarp();
             }
-            __syncwarp();
+        } else {
+            if constexpr (EPI == RESIDUAL)  // the producer warp, its copies not yet waited for
+                if (threadIdx.x < PRODUCER_THREAD + 32)
+                    wd::prefetch_residual_tile<BM, BN>(res, out_stride, m0, n0, M, N,
+                                                       threadIdx.x - PRODUCER_THREAD, 32);
+            if (threadIdx.x == PRODUCER_THREAD)
+                wd::produce_tile<STAGES, A_TILE, STAGE>(base, full0, empty0, &a_map, &w_map,
+                                                        k_tiles, 0, m0, n0);
         }
         return;
     }
@@ -832,13 +852,21 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     constexpr int BATCH = BLOCKS == 1 ? wd::RESIDUAL_BATCH : wd::RESIDUAL_BATCH_LEAN;
     float acc[BN / 2];
-    int done = 0;
-    for (int tile = block; tile < tile_end; tile += tile_step, done += k_tiles) {
-        const int2 origin = wd::tile_origin_of(tile, n_tiles, BM, BN);
+    // One output tile's wgmmas from the ring (done: the block's K tiles before it) and epilogue.
+    auto compute_tile = [&](int tile_m0, int tile_n0, int done) {
         wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group, done);
-        wd::store_fragment<BN, EPI, BATCH>(acc, origin.x + group * 64 + warp * 16 + lane / 4,
-                                           origin.y, lane % 4, M, N, bias, out_hi, out_lo,
+        wd::store_fragment<BN, EPI, BATCH>(acc, tile_m0 + group * 64 + warp * 16 + lane / 4,
+                                           tile_n0, lane % 4, M, N, bias, out_hi, out_lo,
                                            out_stride, res, out_f, valid, zero_sum);
+    };
+    if constexpr (PERSISTENT) {
+        int done = 0;
+        for (int tile = blockIdx.x; tile < tile_end; tile += gridDim.x, done += k_tiles) {
+            const int2 at = wd::tile_origin_of(tile, n_tiles, BM, BN);
+            compute_tile(at.x, at.y, done);
+        }
+    } else {
+        compute_tile(m0, n0, 0);
     }
 #elif defined(__CUDA_ARCH__)
     __trap();  // wgmma and TMA need sm_90a: compile this kernel for sm_90a
