@@ -2995,6 +2995,23 @@ def test_norm_prologue_sass(cupy_selected, compiled, hopper_sass):
         assert row["stack_bytes"] == 0 and row["spill_stores"] == 0, (name, row)
 
 
+def _layer_case(cfg):
+    """(model, x, mask, expected) on the GPU: cfg's reference model (seed 41), inputs padded
+    by 0.25 (seed 42) and the reference's output."""
+    model = make_reference(cfg, seed=41)
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
+    return model, x, mask, reference_forward(model.cuda(), x, mask)
+
+
+def _keeps_contract_and_replays(layer, x, mask, expected) -> None:
+    """The layer keeps the contract eager, captured and replayed from its CUDA graph."""
+    with torch.no_grad():
+        for _ in range(3):  # eager, captured, replayed
+            report = compare(layer(x, mask), expected)
+            assert report.passed, report.summary()
+    assert layer.graphed.graphs and not layer.graphed.uncapturable
+
+
 @needs_gpu
 @pytest.mark.parametrize("fuse_norms", [False, True], ids=["norms", "fused-norms"])
 @pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
@@ -3012,17 +3029,11 @@ def test_layer_keeps_the_contract_and_replays(kernels, number, wgmma, fuse_norms
     if fuse_norms and not wgmma:
         pytest.skip("fuse_norms applies on the wgmma GEMMs only")
     cfg = CI[number].config
-    model = make_reference(cfg, seed=41)
-    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
-    expected = reference_forward(model.cuda(), x, mask)
+    model, x, mask, expected = _layer_case(cfg)
     layer = CupyBackend(wgmma=wgmma, fuse_norms=fuse_norms).build(cfg, model.state_dict(),
                                                                   device="cuda")
     assert layer.fuse_norms == (fuse_norms and cfg.d_model <= 128)
-    with torch.no_grad():
-        for _ in range(3):  # eager, captured, replayed
-            report = compare(layer(x, mask), expected)
-            assert report.passed, report.summary()
-    assert layer.graphed.graphs and not layer.graphed.uncapturable
+    _keeps_contract_and_replays(layer, x, mask, expected)
 
 
 @needs_gpu
@@ -3036,9 +3047,7 @@ def test_programmatic_launches_give_the_same_bits(kernels, number):
     if kernels.programmatic_problem:
         pytest.skip(kernels.programmatic_problem)
     cfg = CI[number].config
-    model = make_reference(cfg, seed=41)
-    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
-    expected = reference_forward(model.cuda(), x, mask)
+    model, x, mask, expected = _layer_case(cfg)
     plain = CupyBackend(pdl=False).build(cfg, model.state_dict(), device="cuda")
     layer = CupyBackend(pdl=True).build(cfg, model.state_dict(), device="cuda")
     assert layer.pdl and not plain.pdl
@@ -3063,17 +3072,11 @@ def test_layer_with_norm_prologue_keeps_the_contract_and_replays(kernels, number
     if not kernels.has_wgmma:
         pytest.skip(f"no wgmma on sm_{kernels.arch}")
     cfg = CI[number].config
-    model = make_reference(cfg, seed=41)
-    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
-    expected = reference_forward(model.cuda(), x, mask)
+    model, x, mask, expected = _layer_case(cfg)
     layer = CupyBackend(norm_prologue=True, fuse_norms=False).build(cfg, model.state_dict(),
                                                                      device="cuda")
     assert layer.norm_prologue and not layer.fuse_norms
-    with torch.no_grad():
-        for _ in range(3):  # eager, captured, replayed
-            report = compare(layer(x, mask), expected)
-            assert report.passed, report.summary()
-    assert layer.graphed.graphs and not layer.graphed.uncapturable
+    _keeps_contract_and_replays(layer, x, mask, expected)
 
 
 def _layer_runs_variant(cfg, option: str, variant: str, op: str, monkeypatch) -> None:
@@ -3082,9 +3085,7 @@ def _layer_runs_variant(cfg, option: str, variant: str, op: str, monkeypatch) ->
     variant (its variant keyword: gemm_variant or variant)."""
     from layerbench.backends.cupy import CupyBackend
 
-    model = make_reference(cfg, seed=41)
-    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=42, device="cuda")
-    expected = reference_forward(model.cuda(), x, mask)
+    model, x, mask, expected = _layer_case(cfg)
     layer = CupyBackend(**{option: variant}).build(cfg, model.state_dict(), device="cuda")
     names = []
     real = getattr(ops, op)
@@ -3094,12 +3095,8 @@ def _layer_runs_variant(cfg, option: str, variant: str, op: str, monkeypatch) ->
         names.append(kwargs.get(keyword))
         return real(*args, **kwargs)
     monkeypatch.setattr(ops, op, recorded)
-    with torch.no_grad():
-        for _ in range(3):  # eager, captured, replayed
-            report = compare(layer(x, mask), expected)
-            assert report.passed, report.summary()
+    _keeps_contract_and_replays(layer, x, mask, expected)
     assert names and set(names) == {variant}, names
-    assert layer.graphed.graphs and not layer.graphed.uncapturable
 
 
 @needs_gpu

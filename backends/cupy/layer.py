@@ -59,8 +59,7 @@ def uses_norm_prologue(config, norm_prologue: bool | None, wgmma: bool,
                        fuse_norms: bool) -> bool:
     """Whether norm1 and norm2 run in the prologues of Q/K/V and ffn_in: asked for, on the
     wgmma GEMMs, rows one block norms whole (d_model up to build.MAX_PROLOGUE_K), and the
-    norms not fused into the residual GEMMs' epilogues (fuse_norms wins where both apply: it
-    was timed, this is not)."""
+    norms not fused into the residual GEMMs' epilogues (fuse_norms wins where both apply)."""
     return bool(norm_prologue and wgmma and config.d_model <= build.MAX_PROLOGUE_K
                 and not fuse_norms)
 

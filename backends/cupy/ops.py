@@ -97,6 +97,10 @@ class Kernels:
         self.functions: dict[str, object] = {}
         self.tensor_maps = tensor_maps.TensorMapCache()
         self.wgmma_problem = self._wgmma_problem() if self.has_wgmma else None
+        # why kernels cannot launch as programmatic dependents here, or None
+        self.programmatic_problem = (
+            None if int(self.arch) >= 90
+            else f"programmatic dependent launch needs sm_90 or newer, not sm_{self.arch}")
 
     def _wgmma_problem(self) -> str | None:
         """Why the module's wgmma kernels cannot run, or None: compiled for plain sm_90 (if
@@ -122,13 +126,6 @@ class Kernels:
         if shared > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < shared:
             kernel.max_dynamic_shared_size_bytes = shared
         return kernel
-
-    @functools.cached_property
-    def programmatic_problem(self) -> str | None:
-        """Why this device's kernels cannot launch as programmatic dependents, or None."""
-        if int(self.arch) < 90:
-            return f"programmatic dependent launch needs sm_90 or newer, not sm_{self.arch}"
-        return None
 
     def launch(self, name: str, grid, block: int, shared: int, args,
                programmatic: bool = False) -> None:
