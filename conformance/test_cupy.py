@@ -258,7 +258,9 @@ def test_gemm_variants_sass(cupy_selected, compiled, hopper_sass):
                     assert "USETMAXREG" not in body, name
                 assert re.search(r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", body), name
                 assert re.search(r"\bSYNCS\.ARRIVE\.TRANS64\b", body), name
-                assert len(re.findall(r"\bBAR\.SYNC\b", body)) == 1, name
+                # the staged epilogue: two more, around the tile's trip through shared memory
+                bars = 3 if v.staged_epilogue else 1
+                assert len(re.findall(r"\bBAR\.SYNC\b", body)) == bars, name
             else:
                 assert "USETMAXREG" not in body and "SYNCS" not in body, name
 
@@ -266,7 +268,8 @@ def test_gemm_variants_sass(cupy_selected, compiled, hopper_sass):
 def test_gemm_products_sass(cupy_selected, compiled, hopper_sass):
     """sm_90a SASS of the plain-schedule wgmma GEMMs at each product count: BK / 16 k16 wgmmas
     per product in the one loop body, no local memory; at two products more cp.async copies
-    than at one (A's lo tile) and fewer than at three (no W lo tile)."""
+    than at one (A's lo tile) and fewer than at three (no W lo tile); the staged twins of the
+    STAGED_TILE kernels the same wgmmas, two more barriers and 16-byte shared loads."""
     _, lowered = compiled[build.HOPPER]
     bodies = hopper_sass[0]
     tiles = [(t, e) for t in build.WGMMA_TILES for e in ("gelu_pair", "residual")]
@@ -280,6 +283,14 @@ def test_gemm_products_sass(cupy_selected, compiled, hopper_sass):
             assert len(hgmma) == 4 * products and set(hgmma) == {str(tile[1])}, (name, hgmma)
             assert not re.search(r"\b(LDL|STL)\b", body), name
             copies[products] = len(re.findall(r"\bLDGSTS\b", body))
+            if tuple(tile) == build.STAGED_TILE:  # its staged twin: the same mainloop, then
+                # two barriers around the tile's trip through shared memory, read 16 bytes a lane
+                twin = bodies[lowered[build.wgmma_name(tile, products, epilogue, staged=True)]]
+                assert re.findall(r"\bHGMMA\.64x(\d+)x16\.F32\b", twin) == hgmma, name
+                assert not re.search(r"\b(LDL|STL)\b", twin), name
+                bars = len(re.findall(r"\bBAR\.SYNC\b", body))
+                assert len(re.findall(r"\bBAR\.SYNC\b", twin)) == bars + 2, name
+                assert re.search(r"\bLDS\.128\b", twin), name
         assert copies[1] < copies[2] < copies[3], (tile, epilogue, copies)
 
 
@@ -529,20 +540,23 @@ def _launches():
                        out_pair=(torch.zeros(m, f, dtype=torch.float16),) * 2, tile=tile)
             ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", products,
                        res=x, out=x, valid_rows=valid, zero_sum=True, tile=tile)
-        for tile in build.WGMMA_TILES:
-            ops.linear(k, pair, weight_pair(torch.zeros(f, d)), torch.zeros(f), "gelu_pair",
-                       products, out_pair=(torch.zeros(m, f, dtype=torch.float16), None),
-                       tile=tile, wgmma=True)
-            if half:
-                ops.linear(k, pair, weight_pair(torch.zeros(f, d)), torch.zeros(f), "half",
-                           products, out_half=torch.zeros(m, f, dtype=torch.float16),
-                           tile=tile, wgmma=True)
-            ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", products,
-                       res=x, out=x, valid_rows=None, tile=tile, wgmma=True)
-        for tile, norm_out in itertools.product(build.NORM_TILES, (pair, (pair[0], None))):
-            ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual_norm", products,
-                       res=x, out=x, valid_rows=valid, zero_sum=True, norm=(w, b),
-                       norm_out=norm_out, tile=tile, wgmma=True)
+        for staged in (False, True):  # staged: the STAGED_TILE kernels' twins
+            tiles = [build.STAGED_TILE] if staged else build.WGMMA_TILES
+            for tile in tiles:
+                ops.linear(k, pair, weight_pair(torch.zeros(f, d)), torch.zeros(f), "gelu_pair",
+                           products, out_pair=(torch.zeros(m, f, dtype=torch.float16), None),
+                           tile=tile, wgmma=True, staged=staged)
+                if half:
+                    ops.linear(k, pair, weight_pair(torch.zeros(f, d)), torch.zeros(f), "half",
+                               products, out_half=torch.zeros(m, f, dtype=torch.float16),
+                               tile=tile, wgmma=True, staged=staged)
+                ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", products,
+                           res=x, out=x, valid_rows=None, tile=tile, wgmma=True, staged=staged)
+            tiles = [build.STAGED_TILE] if staged else build.NORM_TILES
+            for tile, norm_out in itertools.product(tiles, (pair, (pair[0], None))):
+                ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual_norm",
+                           products, res=x, out=x, valid_rows=valid, zero_sum=True,
+                           norm=(w, b), norm_out=norm_out, tile=tile, wgmma=True, staged=staged)
     for v in build.GEMM_VARIANTS:  # one product, as the layer runs them
         variant = {"wgmma": True, "gemm_variant": v.name}
         wp = weight_pair(torch.zeros(f, d))
@@ -1640,7 +1654,8 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
         name = build.gemm_variant_name(v, 1, "half")
         assert name in names and name == (f"lb::linear_wgmma_tma<{v.bn}, 0, {v.stages}"
                                           f"{', 2' if two else ''}"
-                                          f"{', 1' if v.persistent else ''}>")
+                                          f"{', 1' if v.persistent else ''}"
+                                          f"{', 0, 1' if v.staged_epilogue else ''}>")
         for k_tiles in range(12):
             for pick in ws_picks():
                 check_tma_ring(k_tiles, v.stages, v.bn, pick)
@@ -2361,7 +2376,8 @@ def test_tensor_maps(cupy_selected, monkeypatch):
     from layerbench.backends.cupy.layer import CupyLayer
 
     monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 1)
-    layer = SimpleNamespace(gemm_variant=build.GEMM_TMA, wgmma=True, device=None)
+    layer = SimpleNamespace(gemm_variant=build.GEMM_TMA, wgmma=True, device=None,
+                            staged_epilogue=True)
     pick = CupyLayer.gemm_variant_for
     a = (torch.zeros(m, d, dtype=torch.float16), None)
     assert pick(layer, "half", 1, wp, m, a) == build.GEMM_TMA.name
@@ -2377,6 +2393,9 @@ def test_tensor_maps(cupy_selected, monkeypatch):
     a_long = (torch.zeros(m, long_k, dtype=torch.float16), None)
     assert pick(layer, "half", 1, wide, m, a_long) == build.LAYER_GEMM_VARIANT.name
     assert pick(layer, "residual", 1, wide, m, a_long) == build.LAYER_GEMM_VARIANT.name
+    layer.staged_epilogue = False  # the unstaged twin
+    assert pick(layer, "residual", 1, wide, m, a_long) == build.UNSTAGED_GEMM_VARIANT.name
+    layer.staged_epilogue = True
     assert pick(layer, "residual", 3, wide, m, a_long) is None  # compiled at one product
     assert pick(layer, "half", 1, wp, m, a) is None  # d 136: below LAYER_TMA_MIN_K
     misaligned = torch.zeros(m, long_k + 8, dtype=torch.float16)[:, 4:]
@@ -2433,7 +2452,7 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
     against A @ W^T the weights' fp16 rounding alone would be ~1e-3); one within 2e-3. The
     wait-1 schedule and the warp-specialised and TMA 128x128 kernels are bit-identical to the
     plain one on the same tile, the warp-specialised and TMA 128x256 to the wait-1 128x256
-    (the same wgmmas in the same order)."""
+    (the same wgmmas in the same order), and the staged twins to their kernels."""
     g = torch.Generator(device="cuda").manual_seed(m + n)
     a = torch.randn(m, k, device="cuda", generator=g)
     w = torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)
@@ -2453,6 +2472,8 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
     if kernels.has_wgmma:
         runs += [(build.GEMM_VARIANT_PRODUCTS, {"wgmma": True, "gemm_variant": v.name})
                  for v in build.GEMM_VARIANTS]
+        runs += [(p, {"tile": build.STAGED_TILE, "wgmma": True, "staged": True})
+                 for p in build.GEMM_PRODUCTS]
     results = {}
     for products, gemm in runs:
         acc = exact_two if products == 2 else exact
@@ -2482,8 +2503,13 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
             got, tol = out.double(), 1e-4 if products > 1 else 2e-3
         err = ((got - want).abs() / want.abs().clamp_min(1.0)).nan_to_num(nan=math.inf)
         assert err.max().item() < tol, f"{epilogue} {products} products {gemm}: {err.max()}"
-        results[products, gemm.get("gemm_variant") or gemm["tile"]] = got
+        key = (products, gemm.get("gemm_variant") or gemm["tile"])
+        results[key + (("staged",) if gemm.get("staged") else ())] = got
     if kernels.has_wgmma:
+        for products in build.GEMM_PRODUCTS:  # the staged twins: the same values
+            if (products, build.STAGED_TILE, "staged") in results:
+                assert torch.equal(results[products, build.STAGED_TILE, "staged"],
+                                   results[products, build.STAGED_TILE]), (epilogue, products)
         plain = results[1, build.GEMM_PLAIN.name]
         assert torch.equal(results[1, build.GEMM_WAIT1.name], plain), epilogue
         assert torch.equal(results[1, build.WGMMA_TILES[0]], plain), epilogue
@@ -2492,9 +2518,61 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
         assert torch.equal(results[1, build.GEMM_WS_WIDE.name],
                            results[1, build.GEMM_WIDE.name]), epilogue
         # ... and so do the TMA kernels (zero-filled boxes as the cp.async zero fill)
-        assert torch.equal(results[1, build.GEMM_TMA.name], plain), epilogue
+        for v in (build.GEMM_TMA, build.GEMM_TMA_TWO_PER_SM, build.GEMM_TMA_PERSISTENT,
+                  build.GEMM_TMA_STAGED):
+            assert torch.equal(results[1, v.name], plain), (epilogue, v.name)
         assert torch.equal(results[1, build.GEMM_TMA_WIDE.name],
                            results[1, build.GEMM_WIDE.name]), epilogue
+
+
+@needs_gpu
+@pytest.mark.parametrize("width", [3, 4])
+@pytest.mark.parametrize("kernel", ["plain", "tma"])
+@pytest.mark.parametrize("epilogue", ["half", "gelu_pair", "residual", "residual_norm"])
+def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
+    """The staged epilogue's one-by-one path, in the plain 128 x 128 kernel and the TMA one:
+    outputs (the residual and the norm's rows too) as views one column into buffers `width`
+    columns wider (rows of n + 3, or n + 4 from a base off 16 bytes), bit-identical to the same
+    kernel on contiguous outputs, the columns around them untouched (NaN)."""
+    if not kernels.has_wgmma:
+        pytest.skip("needs the wgmma kernels (sm_90a)")
+    if kernel == "tma" and epilogue == "residual_norm":
+        pytest.skip("the TMA GEMMs have no residual_norm epilogue")
+    m, k, n = 300, 136, 120 if epilogue == "residual_norm" else 200
+    g = torch.Generator(device="cuda").manual_seed(7)
+    a_pair = split_fp16(torch.randn(m, k, device="cuda", generator=g))
+    w_pair = weight_pair(torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k))
+    bias = torch.randn(n, device="cuda", generator=g)
+    norm = tuple(torch.randn(n, device="cuda", generator=g) for _ in range(2))
+    res = torch.randn(m, n, device="cuda", generator=g)
+    valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
+    gemm = ({"gemm_variant": build.GEMM_TMA_STAGED.name} if kernel == "tma"
+            else {"tile": build.STAGED_TILE, "staged": True})
+
+    def buffers(dtype, views: bool):
+        """Two NaN buffers and the m x n outputs in them."""
+        bufs = [torch.full((m, n + (width if views else 0)), math.nan, device="cuda",
+                           dtype=dtype) for _ in range(2)]
+        return bufs, [b[:, 1:n + 1] if views else b for b in bufs]
+
+    def run(views: bool) -> list:
+        fp32, f32_outs = buffers(torch.float32, views)
+        fp16, f16_outs = buffers(torch.float16, views)
+        outs = {"half": {"out_half": f16_outs[0]},
+                "gelu_pair": {"out_pair": tuple(f16_outs)},
+                "residual": {"res": f32_outs[0], "out": f32_outs[0], "valid_rows": valid},
+                "residual_norm": {"res": f32_outs[0], "out": f32_outs[0], "valid_rows": valid,
+                                  "norm": norm, "norm_out": tuple(f16_outs)}}[epilogue]
+        f32_outs[0].copy_(res)
+        ops.linear(kernels, a_pair, w_pair, bias, epilogue, 1, wgmma=True, **gemm, **outs)
+        return fp32[:1] + fp16 if epilogue == "residual_norm" else (
+            fp32[:1] if epilogue == "residual" else fp16[:1 if epilogue == "half" else 2])
+
+    contiguous, views = run(False), run(True)
+    for i, (want, got) in enumerate(zip(contiguous, views)):
+        assert not want.isnan().any(), (epilogue, i)
+        assert torch.equal(got[:, 1:n + 1], want), (epilogue, kernel, i)
+        assert got[:, 0].isnan().all() and got[:, n + 1:].isnan().all(), (epilogue, kernel, i)
 
 
 @needs_gpu
@@ -2527,9 +2605,12 @@ def test_linear_residual_norm_kernel(kernels, m, n, k):
         err = (got - want).abs() / want.abs().clamp_min(1.0)
         return err.nan_to_num(nan=math.inf).max().item()
     cases = itertools.product(build.GEMM_PRODUCTS, build.NORM_TILES, (None, mask), (0, 1),
-                              ("pair", "hi"))
-    for products, tile, valid, zero_sum, form in cases:
-        case = f"{products} products {tile} mask={valid is not None} zero_sum={zero_sum} {form}"
+                              ("pair", "hi"), (False, True))
+    for products, tile, valid, zero_sum, form, staged in cases:
+        if staged and tile != build.STAGED_TILE:
+            continue
+        case = (f"{products} products {tile} mask={valid is not None} zero_sum={zero_sum} "
+                f"{form} staged={staged}")
         # Padded buffers: one row and 8 columns more than written, NaN outside the M x N view
         buffer = torch.full((m + 1, n), math.nan, device="cuda")
         out = buffer[:m]
@@ -2539,7 +2620,7 @@ def test_linear_residual_norm_kernel(kernels, m, n, k):
         norm_out = (normed[0][:m, :n], normed[1][:m, :n] if form == "pair" else None)
         ops.linear(kernels, a_pair, w_pair, bias, "residual_norm", products, res=out, out=out,
                    valid_rows=valid, zero_sum=bool(zero_sum), norm=(norm_w, norm_b),
-                   norm_out=norm_out, tile=tile, wgmma=True)
+                   norm_out=norm_out, tile=tile, wgmma=True, staged=staged)
         keep = (torch.ones(m, 1, dtype=torch.bool, device="cuda") if valid is None
                 else valid.bool()[:, None])
         acc = exact[products]
@@ -2714,7 +2795,8 @@ class StandIns:
 
     def linear(self, k, a, weight, bias, epilogue, products, *, out_pair=None, out_half=None,
                res=None, out=None, valid_rows=None, zero_sum=False, norm=None, norm_out=None,
-               eps=1e-5, tile=None, wgmma=False, gemm_variant=None, prologue_norm=None):
+               eps=1e-5, tile=None, wgmma=False, gemm_variant=None, prologue_norm=None,
+               staged=False):
         """The GEMM and its epilogue over products fp16 products (residual_norm: then the
         LayerNorm of the new rows, on the wgmma GEMMs and rows up to 128 wide; prologue_norm
         (x, weight, bias): A is the LayerNorm of x's fp32 rows as layer_norm writes it, hi

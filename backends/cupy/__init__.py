@@ -38,7 +38,8 @@ class CupyBackend(Backend):
     same consumers fed by TMA tensor copies from one thread; only where tensor maps can
     describe both operands), "wgmma 128x128 TMA 2/SM" (the same at two blocks an SM) or
     "wgmma 128x128 TMA 2/SM persistent" (two blocks an SM in all, each taking output tiles
-    in turn, the next tile's copies under this tile's epilogue). A
+    in turn, the next tile's copies under this tile's epilogue) or "wgmma 128x128 TMA 2/SM
+    staged epilogue" (two blocks an SM, the epilogue through shared memory a warp a row). A
     GEMM runs it where the module has it for the GEMM's epilogue and product count (the
     non-default ones: half, gelu_pair and residual at one product, so every GEMM from
     d_model 512, Q/K/V alone below), the output is at least one tile wide and the grid has a
@@ -62,6 +63,10 @@ class CupyBackend(Backend):
     it runs, and waits for it before touching memory (griddepcontrol; through the driver's
     cuLaunchKernelEx), also inside the replayed CUDA graph. None (default): on from sm_90;
     True requires it; False launches each kernel after the one before it has finished.
+    staged_epilogue: the wgmma GEMMs' epilogues through shared memory, so that a warp reads
+    and writes whole rows (the plain schedule's 128 x 128 kernels, and "wgmma 128x128 TMA
+    2/SM staged epilogue" in place of "wgmma 128x128 TMA 2/SM" where no variant is named);
+    the same values. None (default) or True: on where the wgmma GEMMs run; False: off.
     """
 
     name = "cupy"
@@ -74,7 +79,7 @@ class CupyBackend(Backend):
     def __init__(self, linear_products: int | None = None, wgmma: bool | None = None,
                  fuse_norms: bool | None = None, attention_variant: str | None = None,
                  gemm_variant: str | None = None, norm_prologue: bool | None = None,
-                 pdl: bool | None = None):
+                 pdl: bool | None = None, staged_epilogue: bool | None = None):
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"cupy linear_products must be 1, 2 or 3, not {linear_products}")
         names = build.attention_variant_names()
@@ -92,6 +97,7 @@ class CupyBackend(Backend):
         self.gemm_variant = gemm_variant
         self.norm_prologue = norm_prologue
         self.pdl = pdl
+        self.staged_epilogue = staged_epilogue
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -144,4 +150,4 @@ class CupyBackend(Backend):
         return CupyLayer(self, config, state_dict, device, dtype, kernels, products,
                          wgmma=wgmma, fuse_norms=self.fuse_norms, attention_variant=variant,
                          gemm_variant=self.gemm_variant, norm_prologue=self.norm_prologue,
-                         pdl=pdl)
+                         pdl=pdl, staged_epilogue=self.staged_epilogue is not False)

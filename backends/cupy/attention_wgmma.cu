@@ -122,14 +122,6 @@ __device__ __forceinline__ float softmax_exp2(float x, int j) {
     return exp2f(x);
 }
 
-// Named barriers of the consumers' turns (256 threads: the warpgroup arriving and the next
-// one syncing).
-__device__ __forceinline__ void named_sync(unsigned id) {
-    asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
-}
-__device__ __forceinline__ void named_arrive(unsigned id) {
-    asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
-}
 // named_arrive where on, predicated (no branch: a pending wgmma may cross it).
 __device__ __forceinline__ void named_arrive_if(bool on, unsigned id) {
     asm volatile(

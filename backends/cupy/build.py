@@ -29,6 +29,9 @@ GEMM_PRODUCTS = (1, 2, 3)
 # past one product: out_proj's and ffn_out's residual (or residual_norm), ffn_in's gelu_pair.
 TWO_PRODUCT_EPILOGUES = ("gelu_pair", "residual", "residual_norm")
 WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads, plain schedule
+# The plain-schedule tile whose kernels also come with the epilogue through shared memory
+# (linear_wgmma's STAGED; CupyBackend(staged_epilogue=...)), every epilogue and product count.
+STAGED_TILE = (128, 128)
 NORM_TILES = ((128, 128), (64, 128))  # (BM, BN) of linear_wgmma's residual_norm: rows <= BN
 MAX_NORM_WIDTH = 128  # the widest row residual_norm norms (one block holds it)
 # linear_wgmma_norm_prologue (LayerNorm of the fp32 rows in the GEMM's prologue): the wgmma
@@ -191,7 +194,8 @@ class GemmVariant:
     thread copies each stage with TMA from the tensor maps of A and W, appended to the
     arguments by ops.linear; blocks_per_sm 2: two blocks an SM, TMA_TWO_PER_SM_THREADS threads,
     the producer a warp after the consumers; persistent: a grid of blocks_per_sm blocks an
-    SM, each taking output tiles in turn, its ring running on across them)."""
+    SM, each taking output tiles in turn, its ring running on across them; staged_epilogue:
+    the tile's epilogue through shared memory, a warp a row, store_tile_staged)."""
 
     name: str
     bm: int
@@ -202,11 +206,17 @@ class GemmVariant:
     tma: bool = False
     blocks_per_sm: int = 1
     persistent: bool = False
+    staged_epilogue: bool = False
 
     @property
     def tile(self) -> tuple[int, int]:
         """(BM, BN)."""
         return self.bm, self.bn
+
+    @property
+    def tile_schedule(self) -> tuple[int, int]:
+        """(stages, pending)."""
+        return self.stages, self.pending
 
     @property
     def distance(self) -> int:
@@ -242,10 +252,16 @@ GEMM_TMA_TWO_PER_SM = GemmVariant("wgmma 128x128 TMA 2/SM", 128, 128, stages=3, 
 # that the producer copies a tile's first stages under the previous tile's epilogue.
 GEMM_TMA_PERSISTENT = GemmVariant("wgmma 128x128 TMA 2/SM persistent", 128, 128, stages=3,
                                   pending=1, tma=True, blocks_per_sm=2, persistent=True)
+# ... and (not persistent) its epilogue through shared memory, so that a warp reads and writes
+# whole rows: 512 contiguous bytes of the fp32 residual a warp instead of eight 32-byte pieces.
+GEMM_TMA_STAGED = GemmVariant("wgmma 128x128 TMA 2/SM staged epilogue", 128, 128, stages=3,
+                              pending=1, tma=True, blocks_per_sm=2, staged_epilogue=True)
 # The layer's GEMMs run it where no variant is named and it fits (layer.gemm_variant_for), from
 # a reduction of LAYER_TMA_MIN_K columns on: faster than every other variant on shape 8's GEMMs
-# on the H200, each epilogue. Shorter reductions (two K tiles at d_model 128) keep the plain.
-LAYER_GEMM_VARIANT = GEMM_TMA_TWO_PER_SM
+# on the H200, each epilogue (UNSTAGED_GEMM_VARIANT with CupyBackend(staged_epilogue=False)).
+# Shorter reductions (two K tiles at d_model 128) keep the plain schedule.
+LAYER_GEMM_VARIANT = GEMM_TMA_STAGED
+UNSTAGED_GEMM_VARIANT = GEMM_TMA_TWO_PER_SM
 LAYER_TMA_MIN_K = 512
 # linear_wgmma's variants, the default first: its schedule runs every tile (WGMMA_TILES,
 # NORM_TILES), epilogue and product count, and ops.gemm_tile picks its tile where no variant
@@ -254,7 +270,7 @@ LAYER_TMA_MIN_K = 512
 # slower than LAYER_GEMM_VARIANT on shape 8's GEMMs (the one-block-an-SM TMA ones faster than
 # the plain schedule alone, slower in whole layers) and stays an option.
 GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS, GEMM_TMA_WIDE,
-                 GEMM_TMA, GEMM_TMA_TWO_PER_SM, GEMM_TMA_PERSISTENT)
+                 GEMM_TMA, GEMM_TMA_TWO_PER_SM, GEMM_TMA_PERSISTENT, GEMM_TMA_STAGED)
 GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
 GEMM_VARIANT_PRODUCTS = 1
 
@@ -289,12 +305,15 @@ def gemm_name(tile, products: int, epilogue: str) -> str:
 
 
 def wgmma_name(tile, products: int, epilogue: str, stages: int = GEMM_PLAIN.stages,
-               pending: int = GEMM_PLAIN.pending) -> str:
+               pending: int = GEMM_PLAIN.pending, staged: bool = False) -> str:
     """Name expression of the Hopper GEMM kernel for tile (BM, BN), products, epilogue and
-    schedule (cp.async stages, wgmma groups left running; default the plain schedule)."""
+    schedule (cp.async stages, wgmma groups left running; default the plain schedule);
+    staged: its epilogue through shared memory (STAGED_TILE, the plain schedule only)."""
     bm, bn = tile
+    if staged and (tuple(tile) != STAGED_TILE or (stages, pending) != GEMM_PLAIN.tile_schedule):
+        raise ValueError(f"the staged epilogue runs on the plain {STAGED_TILE} GEMM only")
     return (f"lb::linear_wgmma<{bm}, {bn}, {products}, {EPILOGUES[epilogue]}, {stages}, "
-            f"{pending}>")
+            f"{pending}{', 1' if staged else ''}>")
 
 
 def norm_prologue_name(tile, products: int, epilogue: str) -> str:
@@ -314,14 +333,15 @@ def gemm_variant_name(variant: GemmVariant, products: int, epilogue: str) -> str
     """Name expression of the Hopper GEMM kernel of variant for products and epilogue (a
     warp-specialised variant: linear_wgmma_ws<BN, epilogue, stages>, a TMA one
     linear_wgmma_tma<BN, epilogue, stages> or, two blocks an SM,
-    linear_wgmma_tma<BN, epilogue, stages, 2> (persistent: <BN, epilogue, stages, 2, 1>),
+    linear_wgmma_tma<BN, epilogue, stages, 2> (persistent: <BN, epilogue, stages, 2, 1>,
+    staged epilogue: <BN, epilogue, stages, 2, 0, 1>),
     one product only)."""
     if variant.warp_specialised or variant.tma:
         if products != 1 or variant.bm != 128 or variant.pending != 1:
             raise ValueError(f"{variant.name} runs one product on BM 128, one group pending")
         kernel = "linear_wgmma_tma" if variant.tma else "linear_wgmma_ws"
         blocks = f", {variant.blocks_per_sm}" if variant.blocks_per_sm != 1 else ""
-        blocks += ", 1" if variant.persistent else ""
+        blocks += ", 1" if variant.persistent else ", 0, 1" if variant.staged_epilogue else ""
         return f"lb::{kernel}<{variant.bn}, {EPILOGUES[epilogue]}, {variant.stages}{blocks}>"
     return wgmma_name(variant.tile, products, epilogue, variant.stages, variant.pending)
 
@@ -407,7 +427,8 @@ def name_expressions(arch: str) -> list[str]:
     """Every kernel instantiation of the module compiled for arch (the wgmma GEMMs on sm_90a
     only; residual_norm on the wgmma NORM_TILES only; two products for TWO_PRODUCT_EPILOGUES
     only; the GEMM variants past the default on GEMM_VARIANT_EPILOGUES at one product; the
-    norm-prologue GEMMs on PROLOGUE_EPILOGUES)."""
+    staged-epilogue twins of the STAGED_TILE GEMMs; the norm-prologue GEMMs on
+    PROLOGUE_EPILOGUES)."""
     tiled = [(p, e) for p in GEMM_PRODUCTS for e in EPILOGUES
              if e != NORM_EPILOGUE and gemm_compiled(e, p)]
     normed = [p for p in GEMM_PRODUCTS if gemm_compiled(NORM_EPILOGUE, p)]
@@ -416,6 +437,8 @@ def name_expressions(arch: str) -> list[str]:
     if arch == HOPPER:
         names += [wgmma_name(t, p, e) for t in WGMMA_TILES for p, e in tiled]
         names += [wgmma_name(t, p, NORM_EPILOGUE) for t in NORM_TILES for p in normed]
+        names += [wgmma_name(STAGED_TILE, p, e, staged=True) for p, e in tiled]
+        names += [wgmma_name(STAGED_TILE, p, NORM_EPILOGUE, staged=True) for p in normed]
         names += [gemm_variant_name(v, GEMM_VARIANT_PRODUCTS, e) for v in GEMM_VARIANTS[1:]
                   for e in GEMM_VARIANT_EPILOGUES]
         names += [norm_prologue_name(t, p, e) for t in WGMMA_TILES

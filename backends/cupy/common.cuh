@@ -86,6 +86,12 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Two fp16 values as one 32-bit word, a first (the lower address).
+__device__ __forceinline__ unsigned pack_halves(__half a, __half b) {
+    const __half2 h = __halves2half2(a, b);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+
 // y's four values split into fp16 (hi, lo) pairs (split_half), packed two to a __half2.
 __device__ __forceinline__ void split_quad(float4 y, __half2 (&hi)[2], __half2 (&lo)[2]) {
     __half h[4], l[4];

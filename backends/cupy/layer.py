@@ -95,13 +95,17 @@ class CupyLayer(BuiltLayer):
     uses_norm_prologue), Q/K/V norms the fp32 residual rows itself (norm1) and ffn_in
     likewise (norm2), wherever that GEMM runs the plain schedule (no GEMM variant fits it):
     five launches per block and the final norm. With pdl, every launch is a programmatic
-    dependent of the one before it (ops.ProgrammaticKernels)."""
+    dependent of the one before it (ops.ProgrammaticKernels). With staged_epilogue, the
+    wgmma GEMMs that have it write through shared memory (ops.linear's staged, and
+    build.LAYER_GEMM_VARIANT rather than build.UNSTAGED_GEMM_VARIANT)."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,
                  attention_variant: str | None = None, gemm_variant: str | None = None,
-                 norm_prologue: bool | None = False, pdl: bool = False):
+                 norm_prologue: bool | None = False, pdl: bool = False,
+                 staged_epilogue: bool = False):
         super().__init__(backend, config, device, dtype)
+        self.staged_epilogue = staged_epilogue  # GEMM epilogues through shared memory
         self.pdl = pdl  # each launch a programmatic dependent of the one before it
         self.kernels = ops.ProgrammaticKernels(kernels) if pdl else kernels
         self.products = products
@@ -128,11 +132,13 @@ class CupyLayer(BuiltLayer):
         wider than the output and its grid has a block for every SM, and (a TMA variant)
         tensor maps can describe the operand pair a's hi half and the weight's; else None
         (the plain schedule). The variant is the one named, or where none is,
-        build.LAYER_GEMM_VARIANT on reductions of build.LAYER_TMA_MIN_K columns or more."""
+        build.LAYER_GEMM_VARIANT (without staged_epilogue build.UNSTAGED_GEMM_VARIANT) on
+        reductions of build.LAYER_TMA_MIN_K columns or more."""
         v = self.gemm_variant
         n, k = weight[0].shape[0], (a[0].shape[1] if a is not None else 0)
         if v is None and k >= build.LAYER_TMA_MIN_K:
-            v = build.LAYER_GEMM_VARIANT
+            v = (build.LAYER_GEMM_VARIANT if self.staged_epilogue
+                 else build.UNSTAGED_GEMM_VARIANT)
         fits = (v is not None and self.wgmma and n >= v.bn
                 and build.gemm_variant_compiled(v, epilogue, products)
                 and cdiv(rows, v.bm) * cdiv(n, v.bn) >= multiprocessor_count(self.device))
@@ -167,7 +173,7 @@ class CupyLayer(BuiltLayer):
         def gemm(epilogue: str, count: int, weight, a) -> dict:
             """The GEMM family and variant of one launch (count: its products, a: its A
             operand pair)."""
-            return {"wgmma": self.wgmma,
+            return {"wgmma": self.wgmma, "staged": self.staged_epilogue,
                     "gemm_variant": self.gemm_variant_for(epilogue, count, weight,
                                                           x2.shape[0], a)}
         valid, info = masks

@@ -161,6 +161,154 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[BN / 2], int r
     }
 }
 
+// Floats a row of the staged output tile takes (STAGED): BN + 8, so that a half-warp's float2
+// fragment stores (8 rows' 4 lanes) fall in distinct banks.
+template <int BN>
+__host__ __device__ constexpr int staged_row(void) { return BN + 8; }
+
+// The epilogues of a 128 x 128 output tile through shared memory (STAGED), for the 256 threads
+// of two warpgroups (linear_wgmma's block, linear_wgmma_tma's consumers): both warpgroups'
+// accumulators (store_fragment's layout) go to tile (fp32, staged_row floats a row) once every
+// wgmma of both has read its stages (named barrier 1); then, after a second barrier, warp w
+// (0 .. 7 across the two warpgroups) takes rows w, w + 8, ... and its lane the four columns
+// n0 + 4 lane .. + 3, so that a warp reads and writes whole rows: 512 contiguous bytes of the
+// fp32 residual (HALF and GELU_PAIR: 256 of fp16) instead of eight 32-byte pieces. RESIDUAL
+// and RESIDUAL_NORM read ROWS rows' residuals before writing any (res may be out_f: each
+// element is read and written by one thread). RESIDUAL_NORM (n0 0, N <= 128: a warp holds
+// whole rows) then LayerNorms each new row as layer_norm does (a lane's four columns summed,
+// a butterfly over the warp, the variance from a second pass) into norm_hi (and norm_lo).
+// Columns go four at a time where all four are below N and the rows are 16-byte aligned
+// (8-byte for fp16), else one by one.
+template <int EPI>
+__device__ __forceinline__ void store_tile_staged(
+    const float (&acc)[64], float* tile, int group, int warp, int lane, int m0, int n0, int M,
+    int N, const float* bias, __half* out_hi, __half* out_lo, long long out_stride,
+    const float* res, float* out_f, const unsigned char* valid, int zero_sum,
+    const float* norm_w = nullptr, const float* norm_b = nullptr, float eps = 0.0f,
+    __half* norm_hi = nullptr, __half* norm_lo = nullptr, long long norm_stride = 0) {
+    constexpr int BN = 128, STRIDE = staged_row<BN>(), ROWS = 4;
+    constexpr bool FP32_OUT = EPI == RESIDUAL || EPI == RESIDUAL_NORM;
+    named_sync(1);  // both warpgroups' wgmmas are complete: the stages are free
+    {
+        float* mine = tile + (group * 64 + warp * 16 + lane / 4) * STRIDE + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                *reinterpret_cast<float2*>(mine + h * 8 * STRIDE + 8 * j) =
+                    make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    }
+    named_sync(1);
+    const int col = n0 + 4 * lane, first = group * 4 + warp;
+    const bool live = col < N;  // RESIDUAL_NORM: dead lanes still join the row's sums
+    if (EPI != RESIDUAL_NORM && !live) return;
+    const unsigned long long at = FP32_OUT
+        ? reinterpret_cast<unsigned long long>(out_f) | reinterpret_cast<unsigned long long>(res)
+        : reinterpret_cast<unsigned long long>(out_hi) | reinterpret_cast<unsigned long long>(out_lo);
+    const bool wide = col + 4 <= N && (out_stride & 3) == 0 && (at & 15) == 0;
+    const bool norm_wide = col + 4 <= N && (norm_stride & 3) == 0 &&
+        ((reinterpret_cast<unsigned long long>(norm_hi) |
+          reinterpret_cast<unsigned long long>(norm_lo)) & 7) == 0;
+    float b[4], nw[4], nb[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        b[e] = col + e < N ? bias[col + e] : 0.0f;
+        if constexpr (EPI == RESIDUAL_NORM) {
+            nw[e] = col + e < N ? norm_w[col + e] : 0.0f;
+            nb[e] = col + e < N ? norm_b[col + e] : 0.0f;
+        }
+    }
+    for (int r0 = first; r0 < 128; r0 += 8 * ROWS) {
+        float4 v[ROWS], rv[ROWS];
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            const int r = r0 + 8 * i, row = m0 + r;
+            v[i] = *reinterpret_cast<const float4*>(tile + r * STRIDE + 4 * lane);
+            v[i] = make_float4(v[i].x + b[0], v[i].y + b[1], v[i].z + b[2], v[i].w + b[3]);
+            rv[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (FP32_OUT && live && row < M) {
+                const float* from = res + row * out_stride + col;
+                if (wide) {
+                    rv[i] = *reinterpret_cast<const float4*>(from);
+                } else {
+                    rv[i].x = from[0];
+                    if (col + 1 < N) rv[i].y = from[1];
+                    if (col + 2 < N) rv[i].z = from[2];
+                    if (col + 3 < N) rv[i].w = from[3];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+            const int row = m0 + r0 + 8 * i;
+            if (row >= M) break;  // the same row across the warp
+            const long long o = row * out_stride + col;
+            float y[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+            if constexpr (FP32_OUT) {
+                const bool keep = valid == nullptr || valid[row] != 0;
+                const float2 p = residual_value(y[0], y[1], make_float2(rv[i].x, rv[i].y), keep,
+                                                zero_sum);
+                const float2 q = residual_value(y[2], y[3], make_float2(rv[i].z, rv[i].w), keep,
+                                                zero_sum);
+                y[0] = p.x, y[1] = p.y, y[2] = q.x, y[3] = q.y;
+                if (wide) {
+                    *reinterpret_cast<float4*>(out_f + o) = make_float4(y[0], y[1], y[2], y[3]);
+                } else if (live) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (col + e < N) out_f[o + e] = y[e];
+                }
+            }
+            __half hi[4], lo[4];
+            if constexpr (EPI == RESIDUAL_NORM) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) y[e] = col + e < N ? y[e] : 0.0f;
+                const float mean = warp_sum(y[0] + y[1] + y[2] + y[3]) / N;
+                float sq = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float d = col + e < N ? y[e] - mean : 0.0f;
+                    sq += d * d;
+                }
+                const float rstd = rsqrtf(warp_sum(sq) / N + eps);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    split_half((y[e] - mean) * rstd * nw[e] + nb[e], hi[e], lo[e]);
+            } else if constexpr (!FP32_OUT) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (EPI == GELU_PAIR) {
+                        split_half(gelu(y[e]), hi[e], lo[e]);
+                    } else {
+                        hi[e] = __float2half_rn(y[e]);
+                    }
+                }
+            }
+            if constexpr (EPI != RESIDUAL) {  // fp16 rows: the output's, or the norm's
+                __half* to_hi = EPI == RESIDUAL_NORM ? norm_hi : out_hi;
+                __half* to_lo = EPI == RESIDUAL_NORM ? norm_lo : EPI == GELU_PAIR ? out_lo
+                                                                                  : nullptr;
+                const long long n = EPI == RESIDUAL_NORM ? row * norm_stride + col : o;
+                const bool vec = EPI == RESIDUAL_NORM ? norm_wide : wide;
+                if (vec) {
+                    *reinterpret_cast<uint2*>(to_hi + n) = make_uint2(
+                        pack_halves(hi[0], hi[1]), pack_halves(hi[2], hi[3]));
+                    if (to_lo != nullptr)
+                        *reinterpret_cast<uint2*>(to_lo + n) = make_uint2(
+                            pack_halves(lo[0], lo[1]), pack_halves(lo[2], lo[3]));
+                } else if (live) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        if (col + e >= N) continue;
+                        to_hi[n + e] = hi[e];
+                        if (to_lo != nullptr) to_lo[n + e] = lo[e];
+                    }
+                }
+            }
+        }
+    }
+}
+
 // The consumer warpgroups of linear_wgmma_ws and linear_wgmma_tma: acc (this thread's part of
 // warpgroup group's 64 x BN tile) = the sum over the k_tiles K tiles of the stage ring at base
 // (stage s: A tile of 128 rows, then W tile of BN rows, 128 bytes each), tile kt the ring's
@@ -293,7 +441,9 @@ constexpr int MAX_WGMMA_SHARED_BYTES = 227 * 1024;
 //      copies and issue; tile kt + 1's wgmmas chain onto the same accumulators, which no
 //      other instruction touches before the wait 0 after the loop.
 //   After the loop: wgmma wait 0 (PENDING 1), cp.async wait 0, the epilogue.
-template <int BM, int BN, int PRODUCTS, int EPI, int STAGES, int PENDING>
+// STAGED 1 (the 128 x 128 tile): the epilogue through shared memory (store_tile_staged) after
+// the mainloop, the output tile staged over the stages, a warp a row.
+template <int BM, int BN, int PRODUCTS, int EPI, int STAGES, int PENDING, int STAGED = 0>
 __global__ void __launch_bounds__(BM * 2, 1)
 linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
              const __half* __restrict__ w_hi, const __half* __restrict__ w_lo,
@@ -313,6 +463,10 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     static_assert(PRODUCTS >= 1 && PRODUCTS <= 3, "one, two or three fp16 products");
     static_assert(PENDING == 0 || PENDING == 1, "wgmma groups left running: 0 or 1");
     static_assert(DISTANCE >= 1, "at least one K tile copied ahead");
+    static_assert(!STAGED || (BM == 128 && BN == 128), "staged: the 128 x 128 tile");
+    static_assert(!STAGED || 128 * wd::staged_row<BN>() * 4 <=
+                                 STAGES * (a_parts(PRODUCTS) * BM + w_parts(PRODUCTS) * BN) * 128,
+                  "the staged tile must fit in the stages");
     static_assert(linear_wgmma_shared_bytes(BM, BN, PRODUCTS, STAGES) <= MAX_WGMMA_SHARED_BYTES,
                   "the stages must fit one block's shared memory");
     constexpr int THREADS = BM * 2;
@@ -392,11 +546,16 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     // acc[4 j + 2 h + e] is row 16 w + g + 8 h, column 8 j + 2 t + e of the warpgroup's 64 x BN.
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    if constexpr (EPI == RESIDUAL_NORM) {
+    if (EPI == RESIDUAL_NORM && (gridDim.y != 1 || N > BN)) __trap();  // whole rows a block
+    if constexpr (STAGED) {  // every copy has landed (cp_async_wait above, then the barrier)
+        wd::store_tile_staged<EPI>(acc, reinterpret_cast<float*>(smem), group, warp, lane, m0,
+                                   n0, M, N, bias, out_hi, out_lo, out_stride, res, out_f,
+                                   valid, zero_sum, norm_w, norm_b, eps, norm_hi, norm_lo,
+                                   norm_stride);
+    } else if constexpr (EPI == RESIDUAL_NORM) {
         // A row's N columns lie in the 4 lanes of one quad (n0 = 0): each lane sums its own
         // over j, two shuffles within the quad give the row's sum. Rows past M take part in
         // the shuffles with zeros and store nothing.
-        if (gridDim.y != 1 || N > BN) __trap();  // a block must hold whole rows
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = m0 + group * 64 + warp * 16 + g + h * 8;
@@ -733,6 +892,8 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
 // BLOCKS 2 (BN 128, STAGES 3): two blocks an SM, so that one block's epilogue runs under the
 // other's wgmmas; 288 threads, the consumers warpgroups 0 and 1 and the producer thread
 // threadIdx.x 256 (warp 8), no setmaxnreg (launch bounds cap a thread at 112 registers).
+// STAGED (with BLOCKS 2, not PERSISTENT): the epilogue through shared memory once the last
+// wgmma is done (store_tile_staged), the tile staged over the stages.
 // PERSISTENT (with BLOCKS 2): a grid of at most two blocks an SM along x, each taking output
 // tiles blockIdx.x, blockIdx.x + gridDim.x, ... of the (ceil(M / 128), ceil(N / BN)) tiles
 // in tile_origin's order; the ring runs on across a block's tiles (kt below counts the
@@ -760,7 +921,7 @@ linear_wgmma_ws(const __half* a_hi, const __half* a_lo, long long a_stride,
 // The producer at tile kt needs tile kt - STAGES released, which the consumers do at tile
 // kt - STAGES + 1 after its full wait, announced at producer step kt - STAGES + 1 < kt: any
 // STAGES >= 2 is deadlock-free; up to STAGES tiles are copied ahead of the one computed.
-template <int BN, int EPI, int STAGES, int BLOCKS = 1, int PERSISTENT = 0>
+template <int BN, int EPI, int STAGES, int BLOCKS = 1, int PERSISTENT = 0, int STAGED = 0>
 __global__ void __launch_bounds__(BLOCKS == 1 ? 384 : 288, BLOCKS)
 linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
                  const __half* __restrict__ w_hi, const __half* __restrict__ w_lo,
@@ -779,6 +940,9 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     static_assert(BLOCKS == 1 || BLOCKS == 2, "one block an SM (384 threads) or two (288)");
     static_assert(BLOCKS == 1 || BN == 128, "two blocks an SM: 64 accumulators a thread");
     static_assert(!PERSISTENT || BLOCKS == 2, "persistent: the two-blocks-an-SM layout");
+    static_assert(!STAGED || (BLOCKS == 2 && !PERSISTENT), "staged: one tile a block, BN 128");
+    static_assert(!STAGED || 128 * wd::staged_row<BN>() * 4 <= STAGES * (128 + BN) * 128,
+                  "the staged tile must fit in the stages");
     static_assert(BLOCKS == 1 || 2 * (linear_wgmma_shared_bytes(BM, BN, 1, STAGES) + 1024) <=
                                      228 * 1024, "two blocks' stages must fit an SM");
     static_assert(BN == 128 || BN == 256, "wgmma n128 or n256; a TMA box of at most 256 rows");
@@ -793,7 +957,7 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     extern __shared__ __align__(1024) unsigned char wgmma_shared[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
 
-    unsigned char* smem;  // unused: TMA writes the stages
+    unsigned char* smem;  // TMA writes the stages; STAGED: the output tile after them
     const unsigned base = align_shared<ALIGN>(wgmma_shared, smem);
     const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full_bar));
     const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty_bar));
@@ -865,6 +1029,11 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
             const int2 at = wd::tile_origin_of(tile, n_tiles, BM, BN);
             compute_tile(at.x, at.y, done);
         }
+    } else if constexpr (STAGED) {  // every copy has landed: the stages hold the tile
+        wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group);
+        wd::store_tile_staged<EPI>(acc, reinterpret_cast<float*>(smem), group, warp, lane, m0,
+                                   n0, M, N, bias, out_hi, out_lo, out_stride, res, out_f,
+                                   valid, zero_sum);
     } else {
         compute_tile(m0, n0, 0);
     }

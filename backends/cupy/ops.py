@@ -213,7 +213,7 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
            out_half=None, res=None, out=None, valid_rows=None, zero_sum: bool = False,
            norm=None, norm_out=None, eps: float = LN_EPS, tile=None,
            wgmma: bool = False, gemm_variant: str | None = None,
-           prologue_norm=None) -> None:
+           prologue_norm=None, staged: bool = False) -> None:
     """out = epilogue(a @ weight^T + bias) with a and weight as fp16 (hi, lo) pairs over
     products fp16 products (1: a_hi w_hi; 2: + a_lo w_hi; 3: + a_hi w_lo; ValueError where
     the module has no GEMM for the epilogue at that count, see build.gemm_compiled); "half"
@@ -228,7 +228,8 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
     cannot be described by one (tensor_maps.check: a misaligned base or row stride).
     prologue_norm = (x, norm_weight, norm_bias), with a None: A is LayerNorm(x) of the fp32
     rows x (eps), computed in the GEMM's prologue as layer_norm computes it (see
-    linear_norm_prologue)."""
+    linear_norm_prologue). staged: where the plain schedule runs on build.STAGED_TILE, its
+    twin with the epilogue through shared memory (the same values)."""
     if prologue_norm is not None or a is None:
         linear_norm_prologue(k, prologue_norm, a, weight, bias, epilogue, products,
                              out_pair=out_pair, out_half=out_half, res=res, out=out,
@@ -278,8 +279,11 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
         bm, bn = tile
         if variant.warp_specialised or variant.tma:  # linear_wgmma_ws / _tma
             name, threads = build.gemm_variant_name(variant, products, epilogue), variant.threads
-        else:
-            name = build.wgmma_name(tile, products, epilogue, variant.stages, variant.pending)
+        else:  # staged: the plain schedule's 128 x 128 kernels have the staged twin
+            staged = (staged and tuple(tile) == build.STAGED_TILE
+                      and variant.tile_schedule == build.GEMM_PLAIN.tile_schedule)
+            name = build.wgmma_name(tile, products, epilogue, variant.stages, variant.pending,
+                                    staged=staged)
             threads = 2 * bm
         shared = wgmma_shared_bytes(bm, bn, products, variant.stages)
         norm_w, norm_b = norm if fused_norm else (None, None)

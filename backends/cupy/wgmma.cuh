@@ -19,6 +19,16 @@ static_assert(sizeof(TensorMap) == 128 && alignof(TensorMap) == 64, "CUtensorMap
 
 namespace wgmma {
 
+// Named barrier id among 256 threads (two warpgroups): bar.sync waits for all 256, bar.arrive
+// counts this thread in without waiting (the attention consumers' turns, the GEMMs' staged
+// epilogue).
+__device__ __forceinline__ void named_sync(unsigned id) {
+    asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_arrive(unsigned id) {
+    asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
+}
+
 // wgmma shared-memory matrix descriptor: start address >> 4 (bits 0-13), leading-dimension byte
 // offset >> 4 (bits 16-29), stride-dimension byte offset >> 4 (bits 32-45), base offset 0 (bits
 // 49-51: every swizzle pattern starts at a multiple of its size), swizzle mode (bits 62-63):
