@@ -4,7 +4,7 @@
 # run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
-#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|cutile|cutile-jit|cupy|sanitize]
+#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|cutile|cutile-jit|cupy|sanitize|ncu]
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
 #   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
@@ -12,6 +12,7 @@
 #   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
 #   bash bench/gpu_run.sh cupy        # cupy kernel tests, an option on/off, attention and GEMM sweeps, GPU time per kernel
+#   NCU_BACKEND=cupy NCU_SHAPE=13 NCU_KERNEL=flash_attention bash bench/gpu_run.sh ncu
 # The cutile backend needs its cubins: export them where cuda-tile is installed
 # (python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile)
 # and bring build/cutile along.
@@ -175,6 +176,23 @@ if [[ $stage == sanitize ]]; then
             status=$((status | ${PIPESTATUS[0]}))
         done
     done
+fi
+if [[ $stage == ncu ]]; then
+    # Nsight Compute on NCU_COUNT launches (1) of the kernels whose name matches NCU_KERNEL,
+    # after skipping NCU_SKIP of them (0; one forward's launches to profile the second of the
+    # two eager forwards of NCU_BACKEND on NCU_SHAPE): speed of light, warp states,
+    # scheduler, occupancy, launch, memory and compute sections to $OUT/ncu.txt; clocks left
+    # as the GPU sets them.
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    timeout "${NCU_LIMIT:-300}" "$ncu" --clock-control none -k "regex:${NCU_KERNEL:?NCU_KERNEL}" \
+        --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-1}" \
+        --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis \
+        python3 bench/one_forward.py --backend "${NCU_BACKEND:-cupy}" --shape "${NCU_SHAPE:-13}" \
+        --forwards 2 >"$OUT/ncu.txt" 2>&1
+    status=$((status | $?))
+    tail -60 "$OUT/ncu.txt"
 fi
 if [[ $stage == all || $stage == collect ]] && [[ -f $OUT/conformance.jsonl && -f $OUT/bench.json ]]; then
     # Keep this run's raw files next to the results, then rebuild them from every kept run.
