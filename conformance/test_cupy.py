@@ -269,7 +269,9 @@ def test_gemm_products_sass(cupy_selected, compiled, hopper_sass):
     """sm_90a SASS of the plain-schedule wgmma GEMMs at each product count: BK / 16 k16 wgmmas
     per product in the one loop body, no local memory; at two products more cp.async copies
     than at one (A's lo tile) and fewer than at three (no W lo tile); the staged twins of the
-    STAGED_TILE kernels the same wgmmas, two more barriers and 16-byte shared loads."""
+    STAGED_TILE kernels the same wgmmas, two more barriers and 16-byte shared loads; the
+    short residual-norm GEMMs BK / 16 wgmmas per product, 16-byte shared loads, no local
+    memory."""
     _, lowered = compiled[build.HOPPER]
     bodies = hopper_sass[0]
     tiles = [(t, e) for t in build.WGMMA_TILES for e in ("gelu_pair", "residual")]
@@ -292,6 +294,15 @@ def test_gemm_products_sass(cupy_selected, compiled, hopper_sass):
                 assert len(re.findall(r"\bBAR\.SYNC\b", twin)) == bars + 2, name
                 assert re.search(r"\bLDS\.128\b", twin), name
         assert copies[1] < copies[2] < copies[3], (tile, epilogue, copies)
+    for products in build.GEMM_PRODUCTS:  # the short residual-norm GEMMs
+        if not build.gemm_compiled(build.NORM_EPILOGUE, products):
+            continue
+        name = build.short_norm_name(products)
+        body = bodies[lowered[name]]
+        hgmma = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32\b", body)
+        assert len(hgmma) == 4 * products and set(hgmma) == {"128"}, (name, hgmma)
+        assert not re.search(r"\b(LDL|STL)\b", body), name
+        assert re.search(r"\bLDS\.128\b", body), name
 
 
 def test_attention_tma_sass(cupy_selected, compiled, hopper_sass):
@@ -437,7 +448,8 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     bytes, its value at 8; CUlaunchConfig: 56, stream at 32), the attribute id is
     cuda.bindings' own, arguments take the bytes the kernels take (_size), and
     CupyBackend(pdl=...) launches programmatically from sm_90 by default, on request, and
-    refuses where the device cannot."""
+    refuses where the device cannot; CupyBackend(staged_epilogue=...) stages by default and
+    on request, not with False; short_norm_gemm only on request."""
     import ctypes
 
     from layerbench.backends.cupy import CupyBackend, driver
@@ -490,6 +502,12 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     for pdl, on in ((None, True), (True, True), (False, False)):
         layer = CupyBackend(pdl=pdl)._build(cfg, sd, cpu, torch.float32)
         assert layer.pdl == on and isinstance(layer.kernels, ops.ProgrammaticKernels) == on
+    for staged, on in ((None, True), (True, True), (False, False)):
+        assert CupyBackend(staged_epilogue=staged)._build(cfg, sd, cpu,
+                                                          torch.float32).staged_epilogue == on
+    for short, on in ((None, False), (False, False), (True, True)):
+        assert CupyBackend(short_norm_gemm=short)._build(cfg, sd, cpu,
+                                                         torch.float32).short_norm_gemm == on
     layer.kernels.launch("k", (1, 1, 1), 32, 0, ())
     CupyBackend()._build(cfg, sd, cpu, torch.float32).kernels.launch("k", (1, 1, 1), 32, 0, ())
     assert Hopper.launches == [False, True]
@@ -557,6 +575,10 @@ def _launches():
                 ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual_norm",
                            products, res=x, out=x, valid_rows=valid, zero_sum=True,
                            norm=(w, b), norm_out=norm_out, tile=tile, wgmma=True, staged=staged)
+        if build.gemm_compiled(build.NORM_EPILOGUE, products):  # the short residual-norm GEMM
+            ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual_norm", products,
+                       res=x, out=x, valid_rows=valid, zero_sum=True, norm=(w, b),
+                       norm_out=pair, wgmma=True, short_norm=True)
     for v in build.GEMM_VARIANTS:  # one product, as the layer runs them
         variant = {"wgmma": True, "gemm_variant": v.name}
         wp = weight_pair(torch.zeros(f, d))
@@ -831,6 +853,64 @@ def test_attention_variants(cupy_selected, monkeypatch):
     _run_stand_ins(cfg, stand, x, mask, monkeypatch, fuse_norms=True,
                    attention_variant=build.WGMMA_PIPELINED.name)
     assert stand.variants == [build.WGMMA_PIPELINED.name] * cfg.num_layers
+
+
+def test_staged_launch_names(cupy_selected):
+    """ops.linear's staged: on the plain schedule's STAGED_TILE the staged twin of each
+    epilogue and product count, never on another tile or without staged; the layer passes
+    its staged_epilogue to every GEMM."""
+    m, d = 300, 128
+    x = torch.zeros(m, d)
+    pair = (torch.zeros(m, d, dtype=torch.float16),) * 2
+    norm = {"norm": (torch.zeros(d), torch.zeros(d)), "norm_out": pair}
+    outputs = {"half": {"out_half": pair[0]}, "gelu_pair": {"out_pair": pair},
+               "residual": {"res": x, "out": x}, "residual_norm": {"res": x, "out": x, **norm}}
+    for epilogue, products in itertools.product(outputs, build.GEMM_PRODUCTS):
+        if not build.gemm_compiled(epilogue, products):
+            continue
+        tiles = build.NORM_TILES if epilogue == "residual_norm" else build.WGMMA_TILES
+        for tile, staged in itertools.product(tiles, (False, True)):
+            k = Recorder()
+            ops.linear(k, pair, weight_pair(torch.zeros(d, d)), torch.zeros(d), epilogue,
+                       products, tile=tile, wgmma=True, staged=staged, **outputs[epilogue])
+            twin = staged and tuple(tile) == build.STAGED_TILE
+            assert k.calls[0][0] == build.wgmma_name(tile, products, epilogue, staged=twin)
+            assert k.calls[0][0].endswith(", 1>") == twin, (epilogue, products, tile, staged)
+    source = (build.SOURCE_DIR / "layer.py").read_text()
+    assert '"staged": self.staged_epilogue' in source
+
+
+def test_short_norm_gemm_launch(cupy_selected):
+    """ops.linear's short_norm: residual_norm with no tile named and K up to two stages of 64
+    columns launches the short residual-norm GEMM (64 x 128 tiles, 128 threads, two stages'
+    shared bytes, within half an SM's 228 KiB at every product count); past that K, with a
+    tile named, or for another epilogue, the usual kernel."""
+    from layerbench.common.cuda_host import cdiv
+
+    m, d = 300, 128
+    x = torch.zeros(m, d)
+    norm = (torch.zeros(d), torch.zeros(d))
+    out = (torch.zeros(m, d, dtype=torch.float16), None)
+
+    def launch(k_cols, epilogue="residual_norm", **kw):
+        k = Recorder()
+        pair = (torch.zeros(m, k_cols, dtype=torch.float16),) * 2
+        extra = {"norm": norm, "norm_out": out} if epilogue == "residual_norm" else {}
+        ops.linear(k, pair, weight_pair(torch.zeros(d, k_cols)), torch.zeros(d), epilogue, 3,
+                   res=x, out=x, wgmma=True, short_norm=True, **extra, **kw)
+        return k.calls[0]
+    for products in build.GEMM_PRODUCTS:
+        shared = ops.wgmma_shared_bytes(*build.SHORT_NORM_TILE, products,
+                                        build.SHORT_NORM_STAGES)
+        assert 2 * (shared + 1024) <= 228 * 1024, products
+    for k_cols in (8, 64, 128):
+        name, grid, block, shared, _ = launch(k_cols)
+        assert name == build.short_norm_name(3) == "lb::linear_wgmma<64, 128, 3, 3, 2, 0, 1>"
+        assert (grid, block) == ((cdiv(m, 64), 1, 1), 128)
+        assert shared == ops.wgmma_shared_bytes(64, 128, 3, build.SHORT_NORM_STAGES)
+    assert launch(136)[0] != build.short_norm_name(3)  # three K tiles: the usual kernel
+    assert launch(128, tile=(128, 128))[0] == build.wgmma_name((128, 128), 3, "residual_norm")
+    assert launch(128, epilogue="residual")[0] != build.short_norm_name(3)
 
 
 def test_gemm_variants(cupy_selected, monkeypatch):
@@ -1644,6 +1724,19 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
                                "tma_load_2d(st + A_TILE, w_map, full, k * BK, n0);"))
     assert producer.count("tma_load_2d(") == 2 and producer.count("mbarrier_arrive") == 1
     check_consumer_source()
+    # the staged epilogue overwrites the stages: only after every consumer's last full wait
+    # and wgmma (consume_stages, then a barrier of both consumers), with no producer copy left
+    # (one output tile a block: not persistent)
+    assert 'static_assert(!STAGED || (BLOCKS == 2 && !PERSISTENT)' in text
+    assert_in_order(text, ("} else if constexpr (STAGED) {",
+                           "wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, "
+                           "group);", "wd::store_tile_staged<EPI>("))
+    staged = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
+    staged = staged[staged.index("void store_tile_staged("):]
+    staged = staged[:staged.index("\n}\n")]
+    assert_in_order(staged, ("named_sync<2 * BM>(1);", "*reinterpret_cast<float2*>(mine",
+                             "named_sync<2 * BM>(1);", "*reinterpret_cast<const float4*>(tile"))
+    assert staged.count("named_sync<2 * BM>(1);") == 2
     names = build.name_expressions(build.HOPPER)
     tma = [v for v in build.GEMM_VARIANTS if v.tma]
     assert {build.GEMM_TMA_WIDE, build.GEMM_TMA, build.GEMM_TMA_TWO_PER_SM} <= set(tma)
@@ -2507,9 +2600,10 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
         results[key + (("staged",) if gemm.get("staged") else ())] = got
     if kernels.has_wgmma:
         for products in build.GEMM_PRODUCTS:  # the staged twins: the same values
-            if (products, build.STAGED_TILE, "staged") in results:
-                assert torch.equal(results[products, build.STAGED_TILE, "staged"],
-                                   results[products, build.STAGED_TILE]), (epilogue, products)
+            if epilogue == "half" and products != 1:
+                continue  # half runs at one product only
+            assert torch.equal(results[products, build.STAGED_TILE, "staged"],
+                               results[products, build.STAGED_TILE]), (epilogue, products)
         plain = results[1, build.GEMM_PLAIN.name]
         assert torch.equal(results[1, build.GEMM_WAIT1.name], plain), epilogue
         assert torch.equal(results[1, build.WGMMA_TILES[0]], plain), epilogue
@@ -2527,10 +2621,11 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
 
 @needs_gpu
 @pytest.mark.parametrize("width", [3, 4])
-@pytest.mark.parametrize("kernel", ["plain", "tma"])
+@pytest.mark.parametrize("kernel", ["plain", "tma", "short"])
 @pytest.mark.parametrize("epilogue", ["half", "gelu_pair", "residual", "residual_norm"])
 def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
-    """The staged epilogue's one-by-one path, in the plain 128 x 128 kernel and the TMA one:
+    """The staged epilogue's one-by-one path, in the plain 128 x 128 kernel, the TMA one and
+    the short residual-norm one (64 rows a block):
     outputs (the residual and the norm's rows too) as views one column into buffers `width`
     columns wider (rows of n + 3, or n + 4 from a base off 16 bytes), bit-identical to the same
     kernel on contiguous outputs, the columns around them untouched (NaN)."""
@@ -2538,7 +2633,10 @@ def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
         pytest.skip("needs the wgmma kernels (sm_90a)")
     if kernel == "tma" and epilogue == "residual_norm":
         pytest.skip("the TMA GEMMs have no residual_norm epilogue")
-    m, k, n = 300, 136, 120 if epilogue == "residual_norm" else 200
+    if kernel == "short" and epilogue != "residual_norm":
+        pytest.skip("the short GEMM is residual_norm's only")
+    m, k = 300, 120 if kernel == "short" else 136
+    n = 120 if epilogue == "residual_norm" else 200
     g = torch.Generator(device="cuda").manual_seed(7)
     a_pair = split_fp16(torch.randn(m, k, device="cuda", generator=g))
     w_pair = weight_pair(torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k))
@@ -2546,8 +2644,9 @@ def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
     norm = tuple(torch.randn(n, device="cuda", generator=g) for _ in range(2))
     res = torch.randn(m, n, device="cuda", generator=g)
     valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
-    gemm = ({"gemm_variant": build.GEMM_TMA_STAGED.name} if kernel == "tma"
-            else {"tile": build.STAGED_TILE, "staged": True})
+    gemm = {"tma": {"gemm_variant": build.GEMM_TMA_STAGED.name},
+            "plain": {"tile": build.STAGED_TILE, "staged": True},
+            "short": {"short_norm": True}}[kernel]
 
     def buffers(dtype, views: bool):
         """Two NaN buffers and the m x n outputs in them."""
@@ -2578,10 +2677,12 @@ def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
 @needs_gpu
 @pytest.mark.parametrize("m", [1, 77, 300])
 @pytest.mark.parametrize("n", [8, 40, 128])
-@pytest.mark.parametrize("k", [8, 136])
+@pytest.mark.parametrize("k", [8, 128, 136])
 def test_linear_residual_norm_kernel(kernels, m, n, k):
     """The wgmma residual_norm epilogue against fp64 (the residual, then LayerNorm of the new
-    rows): both tiles, one, two and three products, with and without a mask, invalid rows
+    rows): both tiles (the 128 x 128 one also staged, the norm a warp a row) and, where K is
+    at most 128, the short residual-norm GEMM; one, two and three products, with and without
+    a mask, invalid rows
     kept or zeroed, the norm as a pair or its hi half alone; in place, and nothing written
     past the M x N rows of either output."""
     if not kernels.has_wgmma:
@@ -2604,11 +2705,12 @@ def test_linear_residual_norm_kernel(kernels, m, n, k):
     def rel_err(got, want):
         err = (got - want).abs() / want.abs().clamp_min(1.0)
         return err.nan_to_num(nan=math.inf).max().item()
-    cases = itertools.product(build.GEMM_PRODUCTS, build.NORM_TILES, (None, mask), (0, 1),
-                              ("pair", "hi"), (False, True))
+    short = ("short",) if k <= build.SHORT_NORM_STAGES * 64 else ()
+    cases = itertools.product(build.GEMM_PRODUCTS, build.NORM_TILES + short, (None, mask),
+                              (0, 1), ("pair", "hi"), (False, True))
     for products, tile, valid, zero_sum, form, staged in cases:
-        if staged and tile != build.STAGED_TILE:
-            continue
+        if (not staged) if tile == "short" else (staged and tile != build.STAGED_TILE):
+            continue  # staged: the 128 x 128 tile's twin; the short GEMM is staged only
         case = (f"{products} products {tile} mask={valid is not None} zero_sum={zero_sum} "
                 f"{form} staged={staged}")
         # Padded buffers: one row and 8 columns more than written, NaN outside the M x N view
@@ -2620,7 +2722,8 @@ def test_linear_residual_norm_kernel(kernels, m, n, k):
         norm_out = (normed[0][:m, :n], normed[1][:m, :n] if form == "pair" else None)
         ops.linear(kernels, a_pair, w_pair, bias, "residual_norm", products, res=out, out=out,
                    valid_rows=valid, zero_sum=bool(zero_sum), norm=(norm_w, norm_b),
-                   norm_out=norm_out, tile=tile, wgmma=True, staged=staged)
+                   norm_out=norm_out, tile=None if tile == "short" else tile, wgmma=True,
+                   staged=staged, short_norm=tile == "short")
         keep = (torch.ones(m, 1, dtype=torch.bool, device="cuda") if valid is None
                 else valid.bool()[:, None])
         acc = exact[products]
@@ -2796,7 +2899,7 @@ class StandIns:
     def linear(self, k, a, weight, bias, epilogue, products, *, out_pair=None, out_half=None,
                res=None, out=None, valid_rows=None, zero_sum=False, norm=None, norm_out=None,
                eps=1e-5, tile=None, wgmma=False, gemm_variant=None, prologue_norm=None,
-               staged=False):
+               staged=False, short_norm=False):
         """The GEMM and its epilogue over products fp16 products (residual_norm: then the
         LayerNorm of the new rows, on the wgmma GEMMs and rows up to 128 wide; prologue_norm
         (x, weight, bias): A is the LayerNorm of x's fp32 rows as layer_norm writes it, hi

@@ -44,8 +44,9 @@ class CupyBackend(Backend):
     non-default ones: half, gelu_pair and residual at one product, so every GEMM from
     d_model 512, Q/K/V alone below), the output is at least one tile wide and the grid has a
     block for every SM; the other GEMMs keep the plain schedule. Needs the wgmma GEMMs.
-    None (default): "wgmma 128x128 TMA 2/SM" where it fits on reductions of 512 columns or
-    more, elsewhere the plain schedule, its tile picked per GEMM (layer.gemm_variant_for).
+    None (default): "wgmma 128x128 TMA 2/SM staged epilogue" ("wgmma 128x128 TMA 2/SM" with
+    staged_epilogue=False) where it fits on reductions of 512 columns or more, elsewhere the
+    plain schedule, its tile picked per GEMM (layer.gemm_variant_for).
     attention_variant: a variant of the wgmma attention kernel by name
     (build.ATTENTION_WGMMA; None: "wgmma 192x128 TMA overlap" at head dim 64 from 4096
     tokens (layer.LONG_ATTENTION),
@@ -66,7 +67,12 @@ class CupyBackend(Backend):
     staged_epilogue: the wgmma GEMMs' epilogues through shared memory, so that a warp reads
     and writes whole rows (the plain schedule's 128 x 128 kernels, and "wgmma 128x128 TMA
     2/SM staged epilogue" in place of "wgmma 128x128 TMA 2/SM" where no variant is named);
-    the same values. None (default) or True: on where the wgmma GEMMs run; False: off.
+    the same values (residual_norm's row statistics but for their order of summation). None
+    (default) or True: on where the wgmma GEMMs run; False: off.
+    short_norm_gemm: the fused residual-norm GEMMs (fuse_norms) of reductions up to 128
+    columns on 64 x 128 tiles with both K tiles resident (two stages, 97 KiB at three
+    products), so that two blocks share an SM, their epilogues staged. None or False
+    (default): off; True: where it applies.
     """
 
     name = "cupy"
@@ -79,7 +85,8 @@ class CupyBackend(Backend):
     def __init__(self, linear_products: int | None = None, wgmma: bool | None = None,
                  fuse_norms: bool | None = None, attention_variant: str | None = None,
                  gemm_variant: str | None = None, norm_prologue: bool | None = None,
-                 pdl: bool | None = None, staged_epilogue: bool | None = None):
+                 pdl: bool | None = None, staged_epilogue: bool | None = None,
+                 short_norm_gemm: bool | None = None):
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"cupy linear_products must be 1, 2 or 3, not {linear_products}")
         names = build.attention_variant_names()
@@ -98,6 +105,7 @@ class CupyBackend(Backend):
         self.norm_prologue = norm_prologue
         self.pdl = pdl
         self.staged_epilogue = staged_epilogue
+        self.short_norm_gemm = short_norm_gemm
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -150,4 +158,5 @@ class CupyBackend(Backend):
         return CupyLayer(self, config, state_dict, device, dtype, kernels, products,
                          wgmma=wgmma, fuse_norms=self.fuse_norms, attention_variant=variant,
                          gemm_variant=self.gemm_variant, norm_prologue=self.norm_prologue,
-                         pdl=pdl, staged_epilogue=self.staged_epilogue is not False)
+                         pdl=pdl, staged_epilogue=self.staged_epilogue is not False,
+                         short_norm_gemm=bool(self.short_norm_gemm))

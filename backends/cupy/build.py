@@ -32,6 +32,11 @@ WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads, 
 # The plain-schedule tile whose kernels also come with the epilogue through shared memory
 # (linear_wgmma's STAGED; CupyBackend(staged_epilogue=...)), every epilogue and product count.
 STAGED_TILE = (128, 128)
+# The residual-norm GEMM for short reductions (CupyBackend(short_norm_gemm=True)): 64 x 128
+# tiles in SHORT_NORM_STAGES stages, staged, so that a block's shared memory (97 KiB at three
+# products) leaves room for a second block on the SM; run where K <= SHORT_NORM_STAGES x 64
+# (every K tile resident, none refilled).
+SHORT_NORM_TILE, SHORT_NORM_STAGES = (64, 128), 2
 NORM_TILES = ((128, 128), (64, 128))  # (BM, BN) of linear_wgmma's residual_norm: rows <= BN
 MAX_NORM_WIDTH = 128  # the widest row residual_norm norms (one block holds it)
 # linear_wgmma_norm_prologue (LayerNorm of the fp32 rows in the GEMM's prologue): the wgmma
@@ -266,8 +271,8 @@ LAYER_TMA_MIN_K = 512
 # linear_wgmma's variants, the default first: its schedule runs every tile (WGMMA_TILES,
 # NORM_TILES), epilogue and product count, and ops.gemm_tile picks its tile where no variant
 # is named. The others are compiled for GEMM_VARIANT_EPILOGUES at one product (three products
-# would double their shared memory, past a block's 227 KiB); timed on the H200, each was
-# slower than LAYER_GEMM_VARIANT on shape 8's GEMMs (the one-block-an-SM TMA ones faster than
+# would double their shared memory, past a block's 227 KiB); timed on the H200, each other
+# one was slower than LAYER_GEMM_VARIANT on shape 8's GEMMs (the one-block-an-SM TMA ones faster than
 # the plain schedule alone, slower in whole layers) and stays an option.
 GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS, GEMM_TMA_WIDE,
                  GEMM_TMA, GEMM_TMA_TWO_PER_SM, GEMM_TMA_PERSISTENT, GEMM_TMA_STAGED)
@@ -310,10 +315,21 @@ def wgmma_name(tile, products: int, epilogue: str, stages: int = GEMM_PLAIN.stag
     schedule (cp.async stages, wgmma groups left running; default the plain schedule);
     staged: its epilogue through shared memory (STAGED_TILE, the plain schedule only)."""
     bm, bn = tile
-    if staged and (tuple(tile) != STAGED_TILE or (stages, pending) != GEMM_PLAIN.tile_schedule):
-        raise ValueError(f"the staged epilogue runs on the plain {STAGED_TILE} GEMM only")
+    short_norm = ((tuple(tile), epilogue, stages, pending)
+                  == (SHORT_NORM_TILE, NORM_EPILOGUE, SHORT_NORM_STAGES, 0))
+    if staged and not short_norm and (tuple(tile) != STAGED_TILE
+                                      or (stages, pending) != GEMM_PLAIN.tile_schedule):
+        raise ValueError(f"the staged epilogue runs on the plain {STAGED_TILE} GEMM and the "
+                         "short residual-norm one only")
     return (f"lb::linear_wgmma<{bm}, {bn}, {products}, {EPILOGUES[epilogue]}, {stages}, "
             f"{pending}{', 1' if staged else ''}>")
+
+
+def short_norm_name(products: int) -> str:
+    """Name expression of the short residual-norm GEMM (SHORT_NORM_TILE, SHORT_NORM_STAGES,
+    staged) at products."""
+    return wgmma_name(SHORT_NORM_TILE, products, NORM_EPILOGUE, SHORT_NORM_STAGES, 0,
+                      staged=True)
 
 
 def norm_prologue_name(tile, products: int, epilogue: str) -> str:
@@ -427,7 +443,8 @@ def name_expressions(arch: str) -> list[str]:
     """Every kernel instantiation of the module compiled for arch (the wgmma GEMMs on sm_90a
     only; residual_norm on the wgmma NORM_TILES only; two products for TWO_PRODUCT_EPILOGUES
     only; the GEMM variants past the default on GEMM_VARIANT_EPILOGUES at one product; the
-    staged-epilogue twins of the STAGED_TILE GEMMs; the norm-prologue GEMMs on
+    staged-epilogue twins of the STAGED_TILE GEMMs and the short residual-norm GEMMs; the
+    norm-prologue GEMMs on
     PROLOGUE_EPILOGUES)."""
     tiled = [(p, e) for p in GEMM_PRODUCTS for e in EPILOGUES
              if e != NORM_EPILOGUE and gemm_compiled(e, p)]
@@ -439,6 +456,7 @@ def name_expressions(arch: str) -> list[str]:
         names += [wgmma_name(t, p, NORM_EPILOGUE) for t in NORM_TILES for p in normed]
         names += [wgmma_name(STAGED_TILE, p, e, staged=True) for p, e in tiled]
         names += [wgmma_name(STAGED_TILE, p, NORM_EPILOGUE, staged=True) for p in normed]
+        names += [short_norm_name(p) for p in normed]
         names += [gemm_variant_name(v, GEMM_VARIANT_PRODUCTS, e) for v in GEMM_VARIANTS[1:]
                   for e in GEMM_VARIANT_EPILOGUES]
         names += [norm_prologue_name(t, p, e) for t in WGMMA_TILES

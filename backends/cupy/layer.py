@@ -97,15 +97,17 @@ class CupyLayer(BuiltLayer):
     five launches per block and the final norm. With pdl, every launch is a programmatic
     dependent of the one before it (ops.ProgrammaticKernels). With staged_epilogue, the
     wgmma GEMMs that have it write through shared memory (ops.linear's staged, and
-    build.LAYER_GEMM_VARIANT rather than build.UNSTAGED_GEMM_VARIANT)."""
+    build.LAYER_GEMM_VARIANT rather than build.UNSTAGED_GEMM_VARIANT). With short_norm_gemm,
+    the fused residual-norm GEMMs of short reductions run ops.linear's short_norm."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,
                  attention_variant: str | None = None, gemm_variant: str | None = None,
                  norm_prologue: bool | None = False, pdl: bool = False,
-                 staged_epilogue: bool = False):
+                 staged_epilogue: bool = False, short_norm_gemm: bool = False):
         super().__init__(backend, config, device, dtype)
         self.staged_epilogue = staged_epilogue  # GEMM epilogues through shared memory
+        self.short_norm_gemm = short_norm_gemm  # residual-norm GEMMs two blocks an SM
         self.pdl = pdl  # each launch a programmatic dependent of the one before it
         self.kernels = ops.ProgrammaticKernels(kernels) if pdl else kernels
         self.products = products
@@ -174,6 +176,7 @@ class CupyLayer(BuiltLayer):
             """The GEMM family and variant of one launch (count: its products, a: its A
             operand pair)."""
             return {"wgmma": self.wgmma, "staged": self.staged_epilogue,
+                    "short_norm": self.short_norm_gemm,
                     "gemm_variant": self.gemm_variant_for(epilogue, count, weight,
                                                           x2.shape[0], a)}
         valid, info = masks

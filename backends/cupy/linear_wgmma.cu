@@ -162,33 +162,36 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[BN / 2], int r
 }
 
 // Floats a row of the staged output tile takes (STAGED): BN + 8, so that a half-warp's float2
-// fragment stores (8 rows' 4 lanes) fall in distinct banks.
+// fragment stores (4 rows' 4 lanes) fall in distinct banks.
 template <int BN>
 __host__ __device__ constexpr int staged_row(void) { return BN + 8; }
 
-// The epilogues of a 128 x 128 output tile through shared memory (STAGED), for the 256 threads
-// of two warpgroups (linear_wgmma's block, linear_wgmma_tma's consumers): both warpgroups'
-// accumulators (store_fragment's layout) go to tile (fp32, staged_row floats a row) once every
-// wgmma of both has read its stages (named barrier 1); then, after a second barrier, warp w
-// (0 .. 7 across the two warpgroups) takes rows w, w + 8, ... and its lane the four columns
+// The epilogues of a BM x 128 output tile through shared memory (STAGED), for the 2 BM threads
+// of its warpgroups (BM 128: linear_wgmma's block or linear_wgmma_tma's consumers; BM 64:
+// linear_wgmma's one warpgroup): their accumulators (store_fragment's layout) go to tile
+// (fp32, staged_row floats a row) once every wgmma of all of them has read its stages (named
+// barrier 1 of 2 BM threads); then, after a second barrier, warp w (0 .. BM / 16 - 1 across
+// the warpgroups) takes rows w, w + BM / 16, ... and its lane the four columns
 // n0 + 4 lane .. + 3, so that a warp reads and writes whole rows: 512 contiguous bytes of the
 // fp32 residual (HALF and GELU_PAIR: 256 of fp16) instead of eight 32-byte pieces. RESIDUAL
 // and RESIDUAL_NORM read ROWS rows' residuals before writing any (res may be out_f: each
 // element is read and written by one thread). RESIDUAL_NORM (n0 0, N <= 128: a warp holds
-// whole rows) then LayerNorms each new row as layer_norm does (a lane's four columns summed,
-// a butterfly over the warp, the variance from a second pass) into norm_hi (and norm_lo).
-// Columns go four at a time where all four are below N and the rows are 16-byte aligned
-// (8-byte for fp16), else one by one.
-template <int EPI>
+// whole rows) then LayerNorms each new row a warp a row (a lane's four columns summed in
+// order, a butterfly over the warp, the variance from a second pass: the unstaged epilogue's
+// operations summed in another order) into norm_hi (and norm_lo).
+// Columns go four at a time where all four are below N and the rows and bases are 16-byte
+// aligned (the fp16 outputs' 8-byte stores too; the norm's rows 8-byte), else one by one.
+template <int EPI, int BM = 128>
 __device__ __forceinline__ void store_tile_staged(
     const float (&acc)[64], float* tile, int group, int warp, int lane, int m0, int n0, int M,
     int N, const float* bias, __half* out_hi, __half* out_lo, long long out_stride,
     const float* res, float* out_f, const unsigned char* valid, int zero_sum,
     const float* norm_w = nullptr, const float* norm_b = nullptr, float eps = 0.0f,
     __half* norm_hi = nullptr, __half* norm_lo = nullptr, long long norm_stride = 0) {
-    constexpr int BN = 128, STRIDE = staged_row<BN>(), ROWS = 4;
+    constexpr int BN = 128, STRIDE = staged_row<BN>(), ROWS = 4, WARPS = BM / 16;
     constexpr bool FP32_OUT = EPI == RESIDUAL || EPI == RESIDUAL_NORM;
-    named_sync(1);  // both warpgroups' wgmmas are complete: the stages are free
+    static_assert(BM == 64 || BM == 128, "one or two warpgroups");
+    named_sync<2 * BM>(1);  // every warpgroup's wgmmas are complete: the stages are free
     {
         float* mine = tile + (group * 64 + warp * 16 + lane / 4) * STRIDE + 2 * (lane % 4);
 #pragma unroll
@@ -198,7 +201,7 @@ __device__ __forceinline__ void store_tile_staged(
                 *reinterpret_cast<float2*>(mine + h * 8 * STRIDE + 8 * j) =
                     make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
     }
-    named_sync(1);
+    named_sync<2 * BM>(1);
     const int col = n0 + 4 * lane, first = group * 4 + warp;
     const bool live = col < N;  // RESIDUAL_NORM: dead lanes still join the row's sums
     if (EPI != RESIDUAL_NORM && !live) return;
@@ -218,11 +221,11 @@ __device__ __forceinline__ void store_tile_staged(
             nb[e] = col + e < N ? norm_b[col + e] : 0.0f;
         }
     }
-    for (int r0 = first; r0 < 128; r0 += 8 * ROWS) {
+    for (int r0 = first; r0 < BM; r0 += WARPS * ROWS) {
         float4 v[ROWS], rv[ROWS];
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) {
-            const int r = r0 + 8 * i, row = m0 + r;
+            const int r = r0 + WARPS * i, row = m0 + r;
             v[i] = *reinterpret_cast<const float4*>(tile + r * STRIDE + 4 * lane);
             v[i] = make_float4(v[i].x + b[0], v[i].y + b[1], v[i].z + b[2], v[i].w + b[3]);
             rv[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -240,7 +243,7 @@ __device__ __forceinline__ void store_tile_staged(
         }
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) {
-            const int row = m0 + r0 + 8 * i;
+            const int row = m0 + r0 + WARPS * i;
             if (row >= M) break;  // the same row across the warp
             const long long o = row * out_stride + col;
             float y[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
@@ -441,8 +444,8 @@ constexpr int MAX_WGMMA_SHARED_BYTES = 227 * 1024;
 //      copies and issue; tile kt + 1's wgmmas chain onto the same accumulators, which no
 //      other instruction touches before the wait 0 after the loop.
 //   After the loop: wgmma wait 0 (PENDING 1), cp.async wait 0, the epilogue.
-// STAGED 1 (the 128 x 128 tile): the epilogue through shared memory (store_tile_staged) after
-// the mainloop, the output tile staged over the stages, a warp a row.
+// STAGED 1 (tiles BN 128): the epilogue through shared memory (store_tile_staged) after the
+// mainloop, the output tile staged over the stages, a warp a row.
 template <int BM, int BN, int PRODUCTS, int EPI, int STAGES, int PENDING, int STAGED = 0>
 __global__ void __launch_bounds__(BM * 2, 1)
 linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
@@ -463,8 +466,8 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     static_assert(PRODUCTS >= 1 && PRODUCTS <= 3, "one, two or three fp16 products");
     static_assert(PENDING == 0 || PENDING == 1, "wgmma groups left running: 0 or 1");
     static_assert(DISTANCE >= 1, "at least one K tile copied ahead");
-    static_assert(!STAGED || (BM == 128 && BN == 128), "staged: the 128 x 128 tile");
-    static_assert(!STAGED || 128 * wd::staged_row<BN>() * 4 <=
+    static_assert(!STAGED || BN == 128, "staged: tiles 128 wide");
+    static_assert(!STAGED || BM * wd::staged_row<BN>() * 4 <=
                                  STAGES * (a_parts(PRODUCTS) * BM + w_parts(PRODUCTS) * BN) * 128,
                   "the staged tile must fit in the stages");
     static_assert(linear_wgmma_shared_bytes(BM, BN, PRODUCTS, STAGES) <= MAX_WGMMA_SHARED_BYTES,
@@ -548,10 +551,10 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     const int g = lane / 4, t = lane % 4;
     if (EPI == RESIDUAL_NORM && (gridDim.y != 1 || N > BN)) __trap();  // whole rows a block
     if constexpr (STAGED) {  // every copy has landed (cp_async_wait above, then the barrier)
-        wd::store_tile_staged<EPI>(acc, reinterpret_cast<float*>(smem), group, warp, lane, m0,
-                                   n0, M, N, bias, out_hi, out_lo, out_stride, res, out_f,
-                                   valid, zero_sum, norm_w, norm_b, eps, norm_hi, norm_lo,
-                                   norm_stride);
+        wd::store_tile_staged<EPI, BM>(acc, reinterpret_cast<float*>(smem), group, warp, lane,
+                                       m0, n0, M, N, bias, out_hi, out_lo, out_stride, res,
+                                       out_f, valid, zero_sum, norm_w, norm_b, eps, norm_hi,
+                                       norm_lo, norm_stride);
     } else if constexpr (EPI == RESIDUAL_NORM) {
         // A row's N columns lie in the 4 lanes of one quad (n0 = 0): each lane sums its own
         // over j, two shuffles within the quad give the row's sum. Rows past M take part in
@@ -648,7 +651,7 @@ constexpr int MAX_PROLOGUE_K = 2 * wgmma_detail::BK;
 //   3. cp.async wait 0; proxy fence (the W copies and the generic stores of A become visible
 //      to the tensor cores); barrier.
 //   4. Per K tile: wgmma fence, its BK / 16 k16 steps x PRODUCTS, commit, wait 0.
-//   5. The epilogue, as linear_wgmma's.
+//   5. The epilogue, store_fragment (as the unstaged linear_wgmma).
 template <int BM, int BN, int PRODUCTS, int EPI>
 __global__ void __launch_bounds__(BM * 2, 1)
 linear_wgmma_norm_prologue(const float* __restrict__ x, long long x_stride,
@@ -957,7 +960,7 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     extern __shared__ __align__(1024) unsigned char wgmma_shared[];
     __shared__ __align__(8) unsigned long long full_bar[STAGES], empty_bar[STAGES];
 
-    unsigned char* smem;  // TMA writes the stages; STAGED: the output tile after them
+    unsigned char* smem;  // TMA writes the stages; STAGED: the output tile over them after
     const unsigned base = align_shared<ALIGN>(wgmma_shared, smem);
     const unsigned full0 = static_cast<unsigned>(__cvta_generic_to_shared(full_bar));
     const unsigned empty0 = static_cast<unsigned>(__cvta_generic_to_shared(empty_bar));

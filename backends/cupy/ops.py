@@ -213,7 +213,7 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
            out_half=None, res=None, out=None, valid_rows=None, zero_sum: bool = False,
            norm=None, norm_out=None, eps: float = LN_EPS, tile=None,
            wgmma: bool = False, gemm_variant: str | None = None,
-           prologue_norm=None, staged: bool = False) -> None:
+           prologue_norm=None, staged: bool = False, short_norm: bool = False) -> None:
     """out = epilogue(a @ weight^T + bias) with a and weight as fp16 (hi, lo) pairs over
     products fp16 products (1: a_hi w_hi; 2: + a_lo w_hi; 3: + a_hi w_lo; ValueError where
     the module has no GEMM for the epilogue at that count, see build.gemm_compiled); "half"
@@ -229,7 +229,10 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
     prologue_norm = (x, norm_weight, norm_bias), with a None: A is LayerNorm(x) of the fp32
     rows x (eps), computed in the GEMM's prologue as layer_norm computes it (see
     linear_norm_prologue). staged: where the plain schedule runs on build.STAGED_TILE, its
-    twin with the epilogue through shared memory (the same values)."""
+    twin with the epilogue through shared memory (the same values; residual_norm's row
+    statistics summed in another order). short_norm: residual_norm
+    with no tile given and K at most build.SHORT_NORM_STAGES x 64 runs the short
+    residual-norm GEMM (build.short_norm_name: 64 x 128 tiles, two stages, staged)."""
     if prologue_norm is not None or a is None:
         linear_norm_prologue(k, prologue_norm, a, weight, bias, epilogue, products,
                              out_pair=out_pair, out_half=out_half, res=res, out=out,
@@ -268,6 +271,10 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
         if tile is not None and tuple(tile) not in build.NORM_TILES:
             raise ValueError(f"cupy residual_norm runs on the tiles {build.NORM_TILES}, "
                              f"not {tile}")
+    short_norm = (short_norm and fused_norm and wgmma and tile is None and gemm_variant is None
+                  and kdim <= build.SHORT_NORM_STAGES * 64)  # 64: the K columns of a stage
+    if short_norm:
+        tile = build.SHORT_NORM_TILE
     tile = tile or gemm_tile(m, n, a[0].device, products, wgmma, norm=fused_norm)
     hi = out_half if epilogue == "half" else (out_pair[0] if out_pair is not None else None)
     lo = out_pair[1] if out_pair is not None else None
@@ -277,7 +284,10 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
             hi, lo, np.int64(stride), res, out, valid_rows, np.int32(int(zero_sum)))
     if wgmma:
         bm, bn = tile
-        if variant.warp_specialised or variant.tma:  # linear_wgmma_ws / _tma
+        stages = build.SHORT_NORM_STAGES if short_norm else variant.stages
+        if short_norm:  # every K tile in its own stage, two blocks an SM
+            name, threads = build.short_norm_name(products), 2 * bm
+        elif variant.warp_specialised or variant.tma:  # linear_wgmma_ws / _tma
             name, threads = build.gemm_variant_name(variant, products, epilogue), variant.threads
         else:  # staged: the plain schedule's 128 x 128 kernels have the staged twin
             staged = (staged and tuple(tile) == build.STAGED_TILE
@@ -285,7 +295,7 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
             name = build.wgmma_name(tile, products, epilogue, variant.stages, variant.pending,
                                     staged=staged)
             threads = 2 * bm
-        shared = wgmma_shared_bytes(bm, bn, products, variant.stages)
+        shared = wgmma_shared_bytes(bm, bn, products, stages)
         norm_w, norm_b = norm if fused_norm else (None, None)
         norm_hi, norm_lo = norm_out if fused_norm else (None, None)
         args += (norm_w, norm_b, np.float32(eps), norm_hi, norm_lo,

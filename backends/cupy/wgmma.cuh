@@ -19,11 +19,12 @@ static_assert(sizeof(TensorMap) == 128 && alignof(TensorMap) == 64, "CUtensorMap
 
 namespace wgmma {
 
-// Named barrier id among 256 threads (two warpgroups): bar.sync waits for all 256, bar.arrive
-// counts this thread in without waiting (the attention consumers' turns, the GEMMs' staged
-// epilogue).
+// Named barrier id among COUNT threads (256: two warpgroups): bar.sync waits for all of them,
+// bar.arrive counts this thread in without waiting (the attention consumers' turns, the GEMMs'
+// staged epilogue).
+template <int COUNT = 256>
 __device__ __forceinline__ void named_sync(unsigned id) {
-    asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(COUNT) : "memory");
 }
 __device__ __forceinline__ void named_arrive(unsigned id) {
     asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
