@@ -8,6 +8,8 @@ and GEMM kernel sweeps.
         # are not fused by default: shape 13 fuses them, so both of its plans are one)
     python bench/cupy_sweep.py plans --plan pdl --shapes 2,5,1,3,8,13
         # programmatic dependent launches on / off
+    python bench/cupy_sweep.py plans --plan staged_epilogue --shapes 13,5,1,2,6,8
+        # the GEMM epilogues through shared memory on / off (short_norm_gemm likewise)
     python bench/cupy_sweep.py plans --plan "wgmma 128x256 TMA" --shapes 8  # a GEMM variant / default
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,2,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64

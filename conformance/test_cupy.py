@@ -1728,9 +1728,9 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
     # and wgmma (consume_stages, then a barrier of both consumers), with no producer copy left
     # (one output tile a block: not persistent)
     assert 'static_assert(!STAGED || (BLOCKS == 2 && !PERSISTENT)' in text
-    assert_in_order(text, ("} else if constexpr (STAGED) {",
-                           "wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, "
-                           "group);", "wd::store_tile_staged<EPI>("))
+    assert_in_order(text, ("wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, "
+                           "group, done);", "if constexpr (STAGED)",
+                           "wd::store_tile_staged<EPI>("))
     staged = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
     staged = staged[staged.index("void store_tile_staged("):]
     staged = staged[:staged.index("\n}\n")]

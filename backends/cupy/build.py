@@ -272,8 +272,8 @@ LAYER_TMA_MIN_K = 512
 # NORM_TILES), epilogue and product count, and ops.gemm_tile picks its tile where no variant
 # is named. The others are compiled for GEMM_VARIANT_EPILOGUES at one product (three products
 # would double their shared memory, past a block's 227 KiB); timed on the H200, each other
-# one was slower than LAYER_GEMM_VARIANT on shape 8's GEMMs (the one-block-an-SM TMA ones faster than
-# the plain schedule alone, slower in whole layers) and stays an option.
+# one was slower than LAYER_GEMM_VARIANT on shape 8's GEMMs (the one-block-an-SM TMA ones
+# faster than the plain schedule alone, slower in whole layers) and stays an option.
 GEMM_VARIANTS = (GEMM_PLAIN, GEMM_WAIT1, GEMM_WIDE, GEMM_WS_WIDE, GEMM_WS, GEMM_TMA_WIDE,
                  GEMM_TMA, GEMM_TMA_TWO_PER_SM, GEMM_TMA_PERSISTENT, GEMM_TMA_STAGED)
 GEMM_VARIANT_EPILOGUES = ("half", "gelu_pair", "residual")
@@ -444,8 +444,7 @@ def name_expressions(arch: str) -> list[str]:
     only; residual_norm on the wgmma NORM_TILES only; two products for TWO_PRODUCT_EPILOGUES
     only; the GEMM variants past the default on GEMM_VARIANT_EPILOGUES at one product; the
     staged-epilogue twins of the STAGED_TILE GEMMs and the short residual-norm GEMMs; the
-    norm-prologue GEMMs on
-    PROLOGUE_EPILOGUES)."""
+    norm-prologue GEMMs on PROLOGUE_EPILOGUES)."""
     tiled = [(p, e) for p in GEMM_PRODUCTS for e in EPILOGUES
              if e != NORM_EPILOGUE and gemm_compiled(e, p)]
     normed = [p for p in GEMM_PRODUCTS if gemm_compiled(NORM_EPILOGUE, p)]

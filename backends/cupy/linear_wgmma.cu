@@ -205,13 +205,12 @@ __device__ __forceinline__ void store_tile_staged(
     const int col = n0 + 4 * lane, first = group * 4 + warp;
     const bool live = col < N;  // RESIDUAL_NORM: dead lanes still join the row's sums
     if (EPI != RESIDUAL_NORM && !live) return;
-    const unsigned long long at = FP32_OUT
-        ? reinterpret_cast<unsigned long long>(out_f) | reinterpret_cast<unsigned long long>(res)
-        : reinterpret_cast<unsigned long long>(out_hi) | reinterpret_cast<unsigned long long>(out_lo);
+    const auto address = [](const void* p) { return reinterpret_cast<unsigned long long>(p); };
+    const unsigned long long at = FP32_OUT ? address(out_f) | address(res)
+                                           : address(out_hi) | address(out_lo);
     const bool wide = col + 4 <= N && (out_stride & 3) == 0 && (at & 15) == 0;
     const bool norm_wide = col + 4 <= N && (norm_stride & 3) == 0 &&
-        ((reinterpret_cast<unsigned long long>(norm_hi) |
-          reinterpret_cast<unsigned long long>(norm_lo)) & 7) == 0;
+                           ((address(norm_hi) | address(norm_lo)) & 7) == 0;
     float b[4], nw[4], nb[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -1019,12 +1018,18 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     constexpr int BATCH = BLOCKS == 1 ? wd::RESIDUAL_BATCH : wd::RESIDUAL_BATCH_LEAN;
     float acc[BN / 2];
-    // One output tile's wgmmas from the ring (done: the block's K tiles before it) and epilogue.
+    // One output tile's wgmmas from the ring (done: the block's K tiles before it) and epilogue
+    // (STAGED: through the stages, which every copy has reached and no wgmma reads any more).
     auto compute_tile = [&](int tile_m0, int tile_n0, int done) {
         wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group, done);
-        wd::store_fragment<BN, EPI, BATCH>(acc, tile_m0 + group * 64 + warp * 16 + lane / 4,
-                                           tile_n0, lane % 4, M, N, bias, out_hi, out_lo,
-                                           out_stride, res, out_f, valid, zero_sum);
+        if constexpr (STAGED)
+            wd::store_tile_staged<EPI>(acc, reinterpret_cast<float*>(smem), group, warp, lane,
+                                       tile_m0, tile_n0, M, N, bias, out_hi, out_lo, out_stride,
+                                       res, out_f, valid, zero_sum);
+        else
+            wd::store_fragment<BN, EPI, BATCH>(acc, tile_m0 + group * 64 + warp * 16 + lane / 4,
+                                               tile_n0, lane % 4, M, N, bias, out_hi, out_lo,
+                                               out_stride, res, out_f, valid, zero_sum);
     };
     if constexpr (PERSISTENT) {
         int done = 0;
@@ -1032,11 +1037,6 @@ linear_wgmma_tma(const __half* a_hi, const __half* a_lo, long long a_stride,
             const int2 at = wd::tile_origin_of(tile, n_tiles, BM, BN);
             compute_tile(at.x, at.y, done);
         }
-    } else if constexpr (STAGED) {  // every copy has landed: the stages hold the tile
-        wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, group);
-        wd::store_tile_staged<EPI>(acc, reinterpret_cast<float*>(smem), group, warp, lane, m0,
-                                   n0, M, N, bias, out_hi, out_lo, out_stride, res, out_f,
-                                   valid, zero_sum);
     } else {
         compute_tile(m0, n0, 0);
     }

@@ -230,9 +230,9 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
     rows x (eps), computed in the GEMM's prologue as layer_norm computes it (see
     linear_norm_prologue). staged: where the plain schedule runs on build.STAGED_TILE, its
     twin with the epilogue through shared memory (the same values; residual_norm's row
-    statistics summed in another order). short_norm: residual_norm
-    with no tile given and K at most build.SHORT_NORM_STAGES x 64 runs the short
-    residual-norm GEMM (build.short_norm_name: 64 x 128 tiles, two stages, staged)."""
+    statistics summed in another order). short_norm: residual_norm with no tile given and K
+    at most build.SHORT_NORM_STAGES x 64 runs the short residual-norm GEMM
+    (build.short_norm_name: 64 x 128 tiles, two stages, staged)."""
     if prologue_norm is not None or a is None:
         linear_norm_prologue(k, prologue_norm, a, weight, bias, epilogue, products,
                              out_pair=out_pair, out_half=out_half, res=res, out=out,

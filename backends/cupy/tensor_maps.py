@@ -93,9 +93,10 @@ SWIZZLES = {64: SWIZZLE_128B, 32: SWIZZLE_64B}  # box columns -> the swizzle of 
 @functools.cache
 def _encoder():
     """The driver's cuTensorMapEncodeTiled, called through ctypes (driver.libcuda). Not
-    through cuda-bindings' driver.cuTensorMapEncodeTiled: it encodes into a CUtensorMap object whose storage CPython
-    aligns to 16 bytes only (getPtr() % 64 == 32 with cuda-bindings 13.5), where the driver
-    needs 64 (cuda-python pull request 1692: a segmentation fault)."""
+    through cuda-bindings' driver.cuTensorMapEncodeTiled: it encodes into a CUtensorMap
+    object whose storage CPython aligns to 16 bytes only (getPtr() % 64 == 32 with
+    cuda-bindings 13.5), where the driver needs 64 (cuda-python pull request 1692: a
+    segmentation fault)."""
     fn = driver.libcuda().cuTensorMapEncodeTiled
     u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
     fn.restype = ctypes.c_int
