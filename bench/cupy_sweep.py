@@ -164,6 +164,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="1,2,7,8,13,6", help="official shape numbers")
     parser.add_argument("--plan", choices=["wgmma", "fuse_norms", "norm_prologue", "pdl",
                                            "staged_epilogue", "short_norm_gemm",
+                                           "context_hi_only",
                                            *build.gemm_variant_names()],
                         default="wgmma",
                         help="plans: the option (or GEMM variant: \"wgmma 128x128\" forces "

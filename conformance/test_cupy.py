@@ -449,7 +449,7 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     cuda.bindings' own, arguments take the bytes the kernels take (_size), and
     CupyBackend(pdl=...) launches programmatically from sm_90 by default, on request, and
     refuses where the device cannot; CupyBackend(staged_epilogue=...) stages by default and
-    on request, not with False; short_norm_gemm only on request."""
+    on request, not with False; short_norm_gemm and context_hi_only likewise."""
     import ctypes
 
     from layerbench.backends.cupy import CupyBackend, driver
@@ -505,9 +505,11 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     for staged, on in ((None, True), (True, True), (False, False)):
         assert CupyBackend(staged_epilogue=staged)._build(cfg, sd, cpu,
                                                           torch.float32).staged_epilogue == on
-    for short, on in ((None, False), (False, False), (True, True)):
-        assert CupyBackend(short_norm_gemm=short)._build(cfg, sd, cpu,
-                                                         torch.float32).short_norm_gemm == on
+    for choice, on in ((None, True), (True, True), (False, False)):
+        assert CupyBackend(short_norm_gemm=choice)._build(cfg, sd, cpu,
+                                                          torch.float32).short_norm_gemm == on
+        assert CupyBackend(context_hi_only=choice)._build(cfg, sd, cpu,
+                                                          torch.float32).context_hi_only == on
     layer.kernels.launch("k", (1, 1, 1), 32, 0, ())
     CupyBackend()._build(cfg, sd, cpu, torch.float32).kernels.launch("k", (1, 1, 1), 32, 0, ())
     assert Hopper.launches == [False, True]
@@ -2827,7 +2829,7 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
     zero-fill get P = 0), those with the polynomial exp2 among themselves only (one fraction,
     poly_every, a group), as their P differs. 200 tokens: the
     last block's second warpgroup has 8 rows; 700: 11 key tiles of 64, and the last block's
-    second warpgroup has none."""
+    second warpgroup has none. With no lo half, the hi half is written alone, bit for bit."""
     if wgmma and not kernels.has_wgmma:
         pytest.skip(f"no wgmma on sm_{kernels.arch}")
     heads = 2
@@ -2852,15 +2854,17 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
         name = variant.name if variant else None
         ctx = tuple(torch.full((batch * seq_len, d), math.nan, device="cuda",
                                dtype=torch.float16) for _ in range(2))
+        call = dict(batch=batch, seq_len=seq_len, num_heads=heads, head_dim=head_dim,
+                    causal=causal, wgmma=wgmma, variant=name)
+        info = None if valid is None else key_info(valid)
         if variant and variant.refusal(head_dim, wide):  # the TMA ring below its head dim
             with pytest.raises(ValueError, match="needs head dim"):
-                ops.attention(kernels, qkv, ctx, valid, None if valid is None else
-                              key_info(valid), batch=batch, seq_len=seq_len, num_heads=heads,
-                              head_dim=head_dim, causal=causal, wgmma=wgmma, variant=name)
+                ops.attention(kernels, qkv, ctx, valid, info, **call)
             continue
-        ops.attention(kernels, qkv, ctx, valid, None if valid is None else key_info(valid),
-                      batch=batch, seq_len=seq_len, num_heads=heads, head_dim=head_dim,
-                      causal=causal, wgmma=wgmma, variant=name)
+        ops.attention(kernels, qkv, ctx, valid, info, **call)
+        hi_alone = torch.full_like(ctx[0], math.nan)
+        ops.attention(kernels, qkv, (hi_alone, None), valid, info, **call)
+        assert torch.equal(hi_alone, ctx[0]), f"{name}: the hi half written alone differs"
         got = (ctx[0].float() + ctx[1].float()).view(batch, seq_len, d)
         assert torch.isfinite(got).all(), name
         err = (got - want).abs().max().item()
@@ -2881,6 +2885,7 @@ class StandIns:
     def __init__(self, mutation: str | None = None):
         self.calls = []
         self.variants = []
+        self.context_lo = []  # per attention launch: whether the context's lo half was written
         self.gemm_variants = []  # (epilogue, products, N, gemm_variant) of each GEMM
         self.mutation = mutation
 
@@ -2942,20 +2947,27 @@ class StandIns:
 
     def attention(self, k, qkv, ctx, valid, info, *, batch, seq_len, num_heads, head_dim,
                   causal, wgmma=False, variant=None):
-        """The fp32 attention oracle, as an fp16 pair (variant recorded)."""
+        """The fp32 attention oracle, as an fp16 pair or its hi half alone where ctx's lo
+        is None (variant and whether lo was written recorded)."""
         self.calls.append("attention")
         self.variants.append(variant)
+        self.context_lo.append(ctx[1] is not None)
         everyone = torch.ones(batch, seq_len, dtype=torch.uint8)
         got, _ = packed_attention(qkv, everyone if valid is None else valid, batch=batch,
                                   seq_len=seq_len, heads=num_heads, causal=causal)
-        _pair(got.reshape(batch * seq_len, -1), *ctx)
+        got = got.reshape(batch * seq_len, -1)
+        if ctx[1] is None:
+            ctx[0].copy_(got.half())
+        else:
+            _pair(got, *ctx)
 
 
 def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=False,
-                   attention_variant=None, gemm_variant=None, norm_prologue=False):
+                   attention_variant=None, gemm_variant=None, norm_prologue=False,
+                   context_hi_only=False):
     """The cupy layer's forward on CPU, its kernels replaced by stand (fuse_norms, a GEMM
-    variant or norm_prologue as on the wgmma GEMMs), with a NaN-poisoned workspace; returns
-    the layer and its output."""
+    variant or norm_prologue as on the wgmma GEMMs; context_hi_only as CupyLayer's), with a
+    NaN-poisoned workspace; returns the layer and its output."""
     from layerbench.backends.cupy.layer import CupyLayer
 
     model = make_reference(cfg, seed=5)
@@ -2965,7 +2977,8 @@ def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=F
                       None, products or linear_products_for(cfg.d_model),
                       wgmma=fuse_norms or gemm_variant is not None or norm_prologue,
                       fuse_norms=fuse_norms, attention_variant=attention_variant,
-                      gemm_variant=gemm_variant, norm_prologue=norm_prologue)
+                      gemm_variant=gemm_variant, norm_prologue=norm_prologue,
+                      context_hi_only=context_hi_only)
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
@@ -3025,6 +3038,26 @@ def test_launch_sequence_computes_the_layer(cupy_selected, cfg, products, paddin
     else:
         assert len(stand.calls) == 7 * blocks + 1, stand.calls
         assert stand.calls.count(f"linear:residual:{products}") == 2 * blocks
+
+
+@pytest.mark.parametrize("cfg, products", [(LayerConfig(2, 12, 512, 4, 64, 2), None),
+                                           (LayerConfig(2, 20, 64, 2, 64, 3), 1),
+                                           (LayerConfig(2, 20, 64, 2, 64, 3), 2),
+                                           (LayerConfig(2, 20, 64, 2, 64, 3), None)],
+                         ids=["d512", "d64-one-product", "d64-two-products", "d64"])
+def test_context_hi_only_where_out_proj_reads_hi_alone(cupy_selected, cfg, products,
+                                                       monkeypatch):
+    """With context_hi_only, attention writes the context's hi half alone at one product
+    (the lo half stays NaN-poisoned, so a read of it breaks the contract) and both halves
+    at two and three products, where out_proj reads them."""
+    model = make_reference(cfg, seed=5)
+    x, mask = make_inputs(cfg, padding_ratio=0.3, seed=6)
+    stand = StandIns()
+    layer, got = _run_stand_ins(cfg, stand, x, mask, monkeypatch, products,
+                                context_hi_only=True)
+    report = compare(got, reference_forward(model, x, mask))
+    assert report.passed, report.summary()
+    assert stand.context_lo == [layer.products > 1] * cfg.num_layers
 
 
 def test_fused_norms_by_default_only_where_no_parallelism_is_lost(cupy_selected, monkeypatch):

@@ -73,6 +73,8 @@ class CupyBackend(Backend):
     columns on 64 x 128 tiles with both K tiles resident (two stages, 97 KiB at three
     products), so that two blocks share an SM, their epilogues staged. None or False
     (default): off; True: where it applies.
+    context_hi_only: at one product (out_proj reads the context's hi half alone), attention
+    writes the hi half alone. None (default) or True: on; False: both halves.
     """
 
     name = "cupy"
@@ -86,7 +88,7 @@ class CupyBackend(Backend):
                  fuse_norms: bool | None = None, attention_variant: str | None = None,
                  gemm_variant: str | None = None, norm_prologue: bool | None = None,
                  pdl: bool | None = None, staged_epilogue: bool | None = None,
-                 short_norm_gemm: bool | None = None):
+                 short_norm_gemm: bool | None = None, context_hi_only: bool | None = None):
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"cupy linear_products must be 1, 2 or 3, not {linear_products}")
         names = build.attention_variant_names()
@@ -106,6 +108,7 @@ class CupyBackend(Backend):
         self.pdl = pdl
         self.staged_epilogue = staged_epilogue
         self.short_norm_gemm = short_norm_gemm
+        self.context_hi_only = context_hi_only
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -159,4 +162,5 @@ class CupyBackend(Backend):
                          wgmma=wgmma, fuse_norms=self.fuse_norms, attention_variant=variant,
                          gemm_variant=self.gemm_variant, norm_prologue=self.norm_prologue,
                          pdl=pdl, staged_epilogue=self.staged_epilogue is not False,
-                         short_norm_gemm=bool(self.short_norm_gemm))
+                         short_norm_gemm=self.short_norm_gemm is not False,
+                         context_hi_only=self.context_hi_only is not False)

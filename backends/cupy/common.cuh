@@ -219,10 +219,10 @@ __device__ __forceinline__ float online_softmax_step(float mx, float& m_run, flo
 
 // Attention's last step for one warp's 16 query rows: normalise by the row sums (each lane
 // holds its part, l_run, of rows g and g + 8, g = lane / 4; 0 where no key was visible) and
-// write the context as hi/lo pairs. o holds the warp's 16 x (8 GROUPS) fp32 outputs as
-// o[4 n + 2 r + e]: row q0 + g + 8 r, column 8 n + 2 t + e (t = lane % 4); columns past
-// head_dim and rows past seq_len are not written. ctx row i of the head starts at
-// (row_base + i) * ctx_stride + head * head_dim.
+// write the context as hi/lo pairs (the hi half alone where ctx_lo is null). o holds the
+// warp's 16 x (8 GROUPS) fp32 outputs as o[4 n + 2 r + e]: row q0 + g + 8 r, column
+// 8 n + 2 t + e (t = lane % 4); columns past head_dim and rows past seq_len are not written.
+// ctx row i of the head starts at (row_base + i) * ctx_stride + head * head_dim.
 template <int GROUPS>
 __device__ __forceinline__ void store_context(const float* o, const float (&l_run)[2], int q0,
                                               int g, int t, int seq_len, long long row_base,
@@ -246,7 +246,8 @@ __device__ __forceinline__ void store_context(const float* o, const float (&l_ru
             split_half(o[4 * n + 2 * r] * inv, h0, l0);
             split_half(o[4 * n + 2 * r + 1] * inv, h1, l1);
             *reinterpret_cast<__half2*>(hi + n * 8) = __halves2half2(h0, h1);
-            *reinterpret_cast<__half2*>(lo + n * 8) = __halves2half2(l0, l1);
+            if (ctx_lo != nullptr)
+                *reinterpret_cast<__half2*>(lo + n * 8) = __halves2half2(l0, l1);
         }
     }
 }

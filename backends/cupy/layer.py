@@ -98,14 +98,18 @@ class CupyLayer(BuiltLayer):
     dependent of the one before it (ops.ProgrammaticKernels). With staged_epilogue, the
     wgmma GEMMs that have it write through shared memory (ops.linear's staged, and
     build.LAYER_GEMM_VARIANT rather than build.UNSTAGED_GEMM_VARIANT). With short_norm_gemm,
-    the fused residual-norm GEMMs of short reductions run ops.linear's short_norm."""
+    the fused residual-norm GEMMs of short reductions run ops.linear's short_norm. With
+    context_hi_only, attention writes the context's hi half alone where out_proj reads
+    nothing else (one product)."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,
                  attention_variant: str | None = None, gemm_variant: str | None = None,
                  norm_prologue: bool | None = False, pdl: bool = False,
-                 staged_epilogue: bool = False, short_norm_gemm: bool = False):
+                 staged_epilogue: bool = False, short_norm_gemm: bool = False,
+                 context_hi_only: bool = False):
         super().__init__(backend, config, device, dtype)
+        self.context_hi_only = context_hi_only  # no context lo half where none is read
         self.staged_epilogue = staged_epilogue  # GEMM epilogues through shared memory
         self.short_norm_gemm = short_norm_gemm  # residual-norm GEMMs two blocks an SM
         self.pdl = pdl  # each launch a programmatic dependent of the one before it
@@ -203,6 +207,8 @@ class CupyLayer(BuiltLayer):
         hidden = (work["hidden_hi"], work["hidden_lo"])
         # norm2's rows: the pair past one product, the hi half alone at one (ffn_in's only)
         normed = rows if products > 1 else (rows[0], None)
+        # the context: out_proj reads its hi half alone at one product
+        context = (rows[0], None) if products == 1 and self.context_hi_only else rows
         src, target = float_rows(x2, out2, work["staging"])
         layers = list(zip(self.params.layers, self.weights, self.ffn_in_biases))
         for i, (p, w, ffn_in_bias) in enumerate(layers):
@@ -211,7 +217,7 @@ class CupyLayer(BuiltLayer):
             if a is not None and (i == 0 or not self.fuse_norms):
                 ops.layer_norm(k, src, p.norm1_weight, p.norm1_bias, half=rows[0])
             ops.linear(k, a, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv, **kwargs)
-            ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
+            ops.attention(k, qkv, context, valid, info, batch=batch, seq_len=s,
                           num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal,
                           variant=self.attention_variant_for(s), wgmma=self.wgmma)
             # With fused norms, out_proj's epilogue writes norm2's rows over the context it

@@ -402,7 +402,8 @@ def wgmma_attention_pad(head_dim: int) -> int | None:
 def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, num_heads: int,
               head_dim: int, causal: bool, wgmma: bool = False,
               variant: str | None = None) -> None:
-    """ctx (an fp16 pair of [tokens, H * hd] rows) = attention of qkv ([tokens, 3 H hd]);
+    """ctx (an fp16 pair of [tokens, H * hd] rows; its lo half may be None: hi alone) =
+    attention of qkv ([tokens, 3 H hd]);
     wgmma: the Hopper kernel where it has the head dim by default (attention_wgmma.cu),
     variant: one of build.ATTENTION_WGMMA's by name (None: the default); ValueError for a
     variant where the wgmma kernel does not run or has no such variant, or that refuses the
