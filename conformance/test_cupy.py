@@ -449,7 +449,8 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     cuda.bindings' own, arguments take the bytes the kernels take (_size), and
     CupyBackend(pdl=...) launches programmatically from sm_90 by default, on request, and
     refuses where the device cannot; CupyBackend(staged_epilogue=...) stages by default and
-    on request, not with False; short_norm_gemm and context_hi_only likewise."""
+    on request, not with False, and context_hi_only likewise; short_norm_gemm only on
+    request."""
     import ctypes
 
     from layerbench.backends.cupy import CupyBackend, driver
@@ -505,9 +506,10 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     for staged, on in ((None, True), (True, True), (False, False)):
         assert CupyBackend(staged_epilogue=staged)._build(cfg, sd, cpu,
                                                           torch.float32).staged_epilogue == on
-    for choice, on in ((None, True), (True, True), (False, False)):
+    for choice, on in ((None, False), (False, False), (True, True)):
         assert CupyBackend(short_norm_gemm=choice)._build(cfg, sd, cpu,
                                                           torch.float32).short_norm_gemm == on
+    for choice, on in ((None, True), (True, True), (False, False)):
         assert CupyBackend(context_hi_only=choice)._build(cfg, sd, cpu,
                                                           torch.float32).context_hi_only == on
     layer.kernels.launch("k", (1, 1, 1), 32, 0, ())

@@ -72,9 +72,10 @@ class CupyBackend(Backend):
     short_norm_gemm: the fused residual-norm GEMMs (fuse_norms) of reductions up to 128
     columns on 64 x 128 tiles with both K tiles resident (two stages, 97 KiB at three
     products), so that two blocks share an SM, their epilogues staged. None or False
-    (default): off; True: where it applies.
+    (default): off (slower on the H200: bench/PERFORMANCE.md K33); True: where it applies.
     context_hi_only: at one product (out_proj reads the context's hi half alone), attention
-    writes the hi half alone. None (default) or True: on; False: both halves.
+    writes the hi half alone (bench/PERFORMANCE.md K34). None (default) or True: on; False:
+    both halves.
     """
 
     name = "cupy"
@@ -162,5 +163,5 @@ class CupyBackend(Backend):
                          wgmma=wgmma, fuse_norms=self.fuse_norms, attention_variant=variant,
                          gemm_variant=self.gemm_variant, norm_prologue=self.norm_prologue,
                          pdl=pdl, staged_epilogue=self.staged_epilogue is not False,
-                         short_norm_gemm=self.short_norm_gemm is not False,
+                         short_norm_gemm=bool(self.short_norm_gemm),
                          context_hi_only=self.context_hi_only is not False)

@@ -333,9 +333,9 @@ __device__ __forceinline__ void flash_attention_body(
                 return false;
             }
         }
-        // s[4 j + 2 r + e]: row q0 + g + 8 r, key kv0 + 8 j + 2 t + e.
-#pragma unroll
-        for (int i = 0; i < NS; ++i) s[i] *= sl;
+        // s[4 j + 2 r + e]: row q0 + g + 8 r, key kv0 + 8 j + 2 t + e. The scores stay
+        // unscaled until exp2 takes s sl - base in one fma; their row max, scaled, is the max
+        // of the scaled scores (rounding is monotonic), so m_run is as before.
         bool edge = kv0 + BKV > kv_end || holes || (causal && kv0 + BKV - 1 > q0);
         if constexpr (MASK_IDLE) edge = edge || idle;
         if (edge) {
@@ -364,14 +364,14 @@ __device__ __forceinline__ void flash_attention_body(
         float base[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-            alpha[r] = online_softmax_step(mx[r], m_run[r], l_run[r], base[r], NEG_INF);
+            alpha[r] = online_softmax_step(mx[r] * sl, m_run[r], l_run[r], base[r], NEG_INF);
         if (rescale_here == 1) rescale(alpha);
 #pragma unroll
         for (int j = 0; j < NS / 4; ++j) {
-            s[4 * j] = ad::softmax_exp2<POLY>(s[4 * j] - base[0], j);
-            s[4 * j + 1] = ad::softmax_exp2<POLY>(s[4 * j + 1] - base[0], j);
-            s[4 * j + 2] = ad::softmax_exp2<POLY>(s[4 * j + 2] - base[1], j);
-            s[4 * j + 3] = ad::softmax_exp2<POLY>(s[4 * j + 3] - base[1], j);
+            s[4 * j] = ad::softmax_exp2<POLY>(fmaf(s[4 * j], sl, -base[0]), j);
+            s[4 * j + 1] = ad::softmax_exp2<POLY>(fmaf(s[4 * j + 1], sl, -base[0]), j);
+            s[4 * j + 2] = ad::softmax_exp2<POLY>(fmaf(s[4 * j + 2], sl, -base[1]), j);
+            s[4 * j + 3] = ad::softmax_exp2<POLY>(fmaf(s[4 * j + 3], sl, -base[1]), j);
             l_run[0] += s[4 * j] + s[4 * j + 1];
             l_run[1] += s[4 * j + 2] + s[4 * j + 3];
         }

@@ -502,6 +502,12 @@ def cuda_include() -> str:
                       "; set CUDA_HOME or pip install nvidia-cuda-runtime")
 
 
+# CuPy's RawModule appends this to every NVRTC compile; compile_with_nvrtc adds it too, so
+# that the cubins it makes without a GPU hold the code the GPU runs (exp2f, for one, is a
+# single MUFU.EX2 with it, and three more instructions without).
+CUPY_ADDED_OPTION = "-ftz=true"
+
+
 def options(arch: str | None = None) -> tuple[str, ...]:
     """NVRTC options, for one architecture ("90a" for sm_90a) or, without one, for CuPy to
     add the device's (CuPy appends its own -arch=sm_XX; NVRTC takes sm_90a over sm_90, and
@@ -517,8 +523,9 @@ def source_files() -> list[Path]:
 
 
 def compile_with_nvrtc(arch: str) -> tuple[bytes, dict[str, str]]:
-    """Compile the module with cuda-python's NVRTC to a cubin for arch, without a GPU: (cubin,
-    name expression -> lowered symbol). Raises RuntimeError with the compiler log on error
+    """Compile the module with cuda-python's NVRTC to a cubin for arch, without a GPU, with
+    the options CuPy would use (options and CUPY_ADDED_OPTION): (cubin, name expression ->
+    lowered symbol). Raises RuntimeError with the compiler log on error
     or warning."""
     from cuda.bindings import nvrtc
 
@@ -532,7 +539,7 @@ def compile_with_nvrtc(arch: str) -> tuple[bytes, dict[str, str]]:
     names = name_expressions(arch)
     for name in names:
         check(nvrtc.nvrtcAddNameExpression(program, name.encode()))
-    flags = [o.encode() for o in options(arch)]
+    flags = [o.encode() for o in (*options(arch), CUPY_ADDED_OPTION)]
     result = nvrtc.nvrtcCompileProgram(program, len(flags), flags)
     size = check(nvrtc.nvrtcGetProgramLogSize(program))
     log = bytearray(size)
