@@ -144,16 +144,18 @@ def sweep_attention(seq_len, heads, head_dim, rounds, mask="all-valid"):
 
 
 def profile(shapes, backend="triton"):
-    """GPU milliseconds per kernel name for one eager forward of each shape."""
+    """GPU milliseconds per kernel name for one eager forward of each shape (a layer without
+    an eager _forward, a PyTorch peer's, runs its forward)."""
     rows = []
     for shape in resolve_shapes(shapes):
         prepared, layer = _layer(shape, backend=backend)
+        eager = getattr(layer, "_forward", layer.forward)
         with torch.no_grad():
             for _ in range(2):
-                layer._forward(prepared.x, prepared.mask)
+                eager(prepared.x, prepared.mask)
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                layer._forward(prepared.x, prepared.mask)
+                eager(prepared.x, prepared.mask)
                 torch.cuda.synchronize()
         totals = defaultdict(lambda: [0.0, 0])
         for event in prof.events():
