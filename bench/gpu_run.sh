@@ -12,7 +12,7 @@
 #   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
 #   bash bench/gpu_run.sh cupy        # cupy kernel tests, an option on/off, attention and GEMM sweeps, GPU time per kernel
-#   NCU_BACKEND=cupy NCU_SHAPE=13 NCU_KERNEL=flash_attention bash bench/gpu_run.sh ncu
+#   NCU_BACKEND=cupy NCU_SHAPE=13 NCU_KERNEL=flash_attention [NCU_SOURCE=1] bash bench/gpu_run.sh ncu
 # The cutile backend needs its cubins: export them where cuda-tile is installed
 # (python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile)
 # and bring build/cutile along.
@@ -182,16 +182,25 @@ if [[ $stage == ncu ]]; then
     # after skipping NCU_SKIP of them (0; one forward's launches to profile the second of the
     # two eager forwards of NCU_BACKEND on NCU_SHAPE): speed of light, warp states,
     # scheduler, occupancy, launch, memory and compute sections to $OUT/ncu.txt; clocks left
-    # as the GPU sets them.
+    # as the GPU sets them. NCU_SOURCE=1 also samples where the warps stall and writes each
+    # SASS instruction's counts and stall samples to $OUT/ncu-source.csv.
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    source_args=()
+    [[ ${NCU_SOURCE:-0} == 1 ]] && source_args=(--section SourceCounters
+                                                --section WarpStateStats --export "$OUT/ncu")
     timeout "${NCU_LIMIT:-300}" "$ncu" --clock-control none -k "regex:${NCU_KERNEL:?NCU_KERNEL}" \
         --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-1}" \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-        --section ComputeWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis "${source_args[@]}" \
         python3 bench/one_forward.py --backend "${NCU_BACKEND:-cupy}" --shape "${NCU_SHAPE:-13}" \
         --forwards 2 >"$OUT/ncu.txt" 2>&1
     status=$((status | $?))
+    if [[ ${NCU_SOURCE:-0} == 1 && -f $OUT/ncu.ncu-rep ]]; then
+        "$ncu" --import "$OUT/ncu.ncu-rep" --page source --csv --print-source sass \
+            >"$OUT/ncu-source.csv" 2>&1
+        rm -f "$OUT/ncu.ncu-rep"
+    fi
     tail -60 "$OUT/ncu.txt"
 fi
 if [[ $stage == all || $stage == collect ]] && [[ -f $OUT/conformance.jsonl && -f $OUT/bench.json ]]; then
