@@ -721,7 +721,7 @@ def test_attention_variants(cupy_selected, monkeypatch):
     assert ops.wgmma_attention_pad(264) is None
     # the FlashAttention-3 steps after the ring, timed separately: after it, at 32 and 64
     for hp in (32, 64):
-        assert build.ATTENTION_WGMMA[hp][3:] == (build.WGMMA_TMA, build.WGMMA_TMA_PINGPONG,
+        assert build.ATTENTION_WGMMA[hp][3:14] == (build.WGMMA_TMA, build.WGMMA_TMA_PINGPONG,
                                                  build.WGMMA_TMA_OVERLAP,
                                                  build.WGMMA_TMA_PINGPONG_128,
                                                  build.WGMMA_TMA_PINGPONG_3WG,
@@ -751,6 +751,12 @@ def test_attention_variants(cupy_selected, monkeypatch):
         assert build.attention_wgmma_name(hp, v) == (
             f"lb::flash_attention_wgmma_tma<{hp}, {arguments}>"), (hp, v.name)
         assert shared is None or ops.attention_variant_shared_bytes(hp, v) == shared, v.name
+    # ... and at 32 one warpgroup a block, four blocks an SM, last
+    assert build.ATTENTION_WGMMA[32][14:] == (build.WGMMA_ONE_GROUP_4_PER_SM,)
+    assert len(build.ATTENTION_WGMMA[64]) == 14
+    assert (build.attention_wgmma_name(32, build.WGMMA_ONE_GROUP_4_PER_SM) ==
+            "lb::flash_attention_wgmma<32, 64, 64, 4, 0>")
+    assert build.WGMMA_ONE_GROUP_4_PER_SM.threads == 128
     assert [v.poly_every for v in build.ATTENTION_WGMMA[64] if v.poly_exp2] == [8, 8, 8, 4]
     with pytest.raises(ValueError, match="polynomial"):
         build.attention_wgmma_name(64, replace(build.WGMMA_TMA_OVERLAP_3WG, poly_every=2))

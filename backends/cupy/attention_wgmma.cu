@@ -823,7 +823,7 @@ flash_attention_wgmma(const __half* __restrict__ qkv, long long qkv_stride,
                       int head_dim, float scale, int causal) {
     start_after_previous();
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    static_assert(MINB == 1 || MINB == 2, "one or two blocks an SM");
+    static_assert(MINB == 1 || MINB == 2 || MINB == 4, "one, two or four blocks an SM");
     static_assert(PIPELINE == 0 || PIPELINE == 1, "plain or pipelined schedule");
     static_assert(attention_wgmma_shared_bytes(HP, BQ, BKV, PIPELINE) <= 227 * 1024,
                   "Q and the K and V buffers must fit one block's shared memory");

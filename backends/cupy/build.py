@@ -161,6 +161,11 @@ WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-ex
 # 164864); the pipelined one spills there (its second score set). H200, shape 8's attention
 # replayed from a graph: 0.052 and 0.066 ms against mma.sync's 0.060 (causal), 0.050 and
 # 0.070 against 0.070 (full).
+# One warpgroup of 64 queries a block at head dims up to 32, four blocks an SM
+# (__launch_bounds__(128, 4): 128 registers a thread): each block barrier waits for four warps
+# where "wgmma 128x64 2/SM" waits for eight (on shape 13 the barrier before its P V drew 15%
+# of that kernel's stall samples), the same warps an SM.
+WGMMA_ONE_GROUP_4_PER_SM = AttentionVariant("wgmma 64x64 4/SM", 64, 64, min_blocks=4)
 WGMMA_HD256 = AttentionVariant("wgmma 128x64", 128, 64)
 WGMMA_HD256_ONE_GROUP = AttentionVariant("wgmma 64x64", 64, 64)
 # flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (two
@@ -177,7 +182,7 @@ ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TM
                         WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
                         WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY,
                         WGMMA_TMA_OVERLAP_3WG, WGMMA_TMA_OVERLAP_3WG_POLY,
-                        WGMMA_TMA_OVERLAP_3WG_POLY4),
+                        WGMMA_TMA_OVERLAP_3WG_POLY4, WGMMA_ONE_GROUP_4_PER_SM),
                    64: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
                         WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
                         WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
