@@ -11,6 +11,7 @@ and GEMM kernel sweeps.
     python bench/cupy_sweep.py plans --plan staged_epilogue --shapes 13,5,1,2,6,8
         # the GEMM epilogues through shared memory on / off (short_norm_gemm likewise)
     python bench/cupy_sweep.py plans --plan "wgmma 128x256 TMA" --shapes 8  # a GEMM variant / default
+    python bench/cupy_sweep.py plans --plan "wgmma 64x64 4/SM" --shapes 13  # attention likewise
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,2,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
         # the mma.sync attention kernel and every wgmma variant of the head dim on one input:
@@ -39,10 +40,12 @@ GEMM_SIZES = "8192x3072x1024,8192x1024x1024,100000x3072x1024"
 
 
 def plan_backend(plan: str, on: bool) -> CupyBackend:
-    """The backend with option plan on or off; a GEMM variant's name as plan: that variant
-    against the default GEMMs."""
+    """The backend with option plan on or off; a GEMM (or attention) variant's name as plan:
+    that variant against the default GEMMs (or attention)."""
     if plan in build.gemm_variant_names():
         return CupyBackend(gemm_variant=plan if on else None)
+    if plan in build.attention_variant_names():
+        return CupyBackend(attention_variant=plan if on else None)
     return CupyBackend(**{plan: on})
 
 
@@ -165,7 +168,8 @@ def main() -> int:
     parser.add_argument("--plan", choices=["wgmma", "fuse_norms", "norm_prologue", "pdl",
                                            "staged_epilogue", "short_norm_gemm",
                                            "context_hi_only",
-                                           *build.gemm_variant_names()],
+                                           *build.gemm_variant_names(),
+                                           *build.attention_variant_names()],
                         default="wgmma",
                         help="plans: the option (or GEMM variant: \"wgmma 128x128\" forces "
                              "the plain schedule) compared on against off (the default)")
