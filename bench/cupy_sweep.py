@@ -11,7 +11,8 @@ and GEMM kernel sweeps.
     python bench/cupy_sweep.py plans --plan staged_epilogue --shapes 13,5,1,2,6,8
         # the GEMM epilogues through shared memory on / off (short_norm_gemm likewise)
     python bench/cupy_sweep.py plans --plan "wgmma 128x256 TMA" --shapes 8  # a GEMM variant / default
-    python bench/cupy_sweep.py plans --plan "wgmma 64x64 4/SM" --shapes 13  # attention likewise
+    python bench/cupy_sweep.py plans --plan "attention:wgmma 64x64 4/SM" --shapes 13
+        # an attention variant against the default attention
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,2,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
         # the mma.sync attention kernel and every wgmma variant of the head dim on one input:
@@ -39,13 +40,18 @@ from layerbench.common.timing import alternating_medians_ms, replayed
 GEMM_SIZES = "8192x3072x1024,8192x1024x1024,100000x3072x1024"
 
 
+ATTENTION_PLAN = "attention:"  # --plan's prefix naming an attention variant
+
+
 def plan_backend(plan: str, on: bool) -> CupyBackend:
-    """The backend with option plan on or off; a GEMM (or attention) variant's name as plan:
-    that variant against the default GEMMs (or attention)."""
+    """The backend with option plan on or off; a GEMM variant's name as plan: that variant
+    against the default GEMMs; ATTENTION_PLAN and an attention variant's name (some names
+    are both): that variant against the default attention."""
+    if plan.startswith(ATTENTION_PLAN):
+        variant = plan[len(ATTENTION_PLAN):]
+        return CupyBackend(attention_variant=variant if on else None)
     if plan in build.gemm_variant_names():
         return CupyBackend(gemm_variant=plan if on else None)
-    if plan in build.attention_variant_names():
-        return CupyBackend(attention_variant=plan if on else None)
     return CupyBackend(**{plan: on})
 
 
@@ -169,10 +175,12 @@ def main() -> int:
                                            "staged_epilogue", "short_norm_gemm",
                                            "context_hi_only",
                                            *build.gemm_variant_names(),
-                                           *build.attention_variant_names()],
+                                           *(ATTENTION_PLAN + n
+                                             for n in build.attention_variant_names())],
                         default="wgmma",
                         help="plans: the option (or GEMM variant: \"wgmma 128x128\" forces "
-                             "the plain schedule) compared on against off (the default)")
+                             "the plain schedule; or \"attention:\" and an attention "
+                             "variant) compared on against off (the default)")
     parser.add_argument("--products", default="1,3",
                         help="products: the counts compared (two or more of 1, 2, 3)")
     parser.add_argument("--padding", type=float, default=0.0, help="padding ratio")

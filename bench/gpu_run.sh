@@ -182,12 +182,12 @@ if [[ $stage == ncu ]]; then
     # after skipping NCU_SKIP of them (0; one forward's launches to profile the second of the
     # two eager forwards of NCU_BACKEND on NCU_SHAPE): speed of light, warp states,
     # scheduler, occupancy, launch, memory and compute sections to $OUT/ncu.txt; clocks left
-    # as the GPU sets them. NCU_SOURCE=1 also samples where the warps stall and writes each
-    # SASS instruction's counts and stall samples to $OUT/ncu-source.csv.
+    # as the GPU sets them. NCU_SOURCE=1 also samples where the warps stall: each SASS
+    # instruction's counts and stall samples to $OUT/ncu-source.csv, summarised by
+    # bench/ncu_source.py in $OUT/ncu-source.txt.
     ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     source_args=()
-    [[ ${NCU_SOURCE:-0} == 1 ]] && source_args=(--section SourceCounters
-                                                --section WarpStateStats --export "$OUT/ncu")
+    [[ ${NCU_SOURCE:-0} == 1 ]] && source_args=(--section SourceCounters --export "$OUT/ncu")
     timeout "${NCU_LIMIT:-300}" "$ncu" --clock-control none -k "regex:${NCU_KERNEL:?NCU_KERNEL}" \
         --launch-skip "${NCU_SKIP:-0}" --launch-count "${NCU_COUNT:-1}" \
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
@@ -197,8 +197,11 @@ if [[ $stage == ncu ]]; then
         --forwards 2 >"$OUT/ncu.txt" 2>&1
     status=$((status | $?))
     if [[ ${NCU_SOURCE:-0} == 1 && -f $OUT/ncu.ncu-rep ]]; then
+        # with --export the sections are not printed: print them from the report
+        "$ncu" --import "$OUT/ncu.ncu-rep" --page details >>"$OUT/ncu.txt" 2>&1
         "$ncu" --import "$OUT/ncu.ncu-rep" --page source --csv --print-source sass \
             >"$OUT/ncu-source.csv" 2>&1
+        python3 bench/ncu_source.py "$OUT/ncu-source.csv" >"$OUT/ncu-source.txt"
         rm -f "$OUT/ncu.ncu-rep"
     fi
     tail -60 "$OUT/ncu.txt"

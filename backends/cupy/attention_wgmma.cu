@@ -149,7 +149,7 @@ __host__ __device__ constexpr int attention_wgmma_shared_bytes(int hp, int bq, i
 // Grid (ceil(seq_len / BQ), batch * num_heads), BQ / 64 warpgroups of 64 query rows each; the
 // same semantics as lb::flash_attention in every detail (see attention.cu). MINB: the blocks an
 // SM should hold (__launch_bounds__; 2 caps a thread at 65536 / (2 * 2 BQ) registers, so that
-// one block's softmax overlaps the other's wgmma). Shared bytes:
+// one block's softmax overlaps the other's wgmma; 4 at BQ 64 caps it at 128). Shared bytes:
 // lb::attention_wgmma_shared_bytes(HP, BQ, BKV, PIPELINE).
 //
 // PIPELINE 0, per key tile: wait for its K (and, on the first, Q), start the copies of the next

@@ -163,8 +163,8 @@ WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-ex
 # 0.070 against 0.070 (full).
 # One warpgroup of 64 queries a block at head dims up to 32, four blocks an SM
 # (__launch_bounds__(128, 4): 128 registers a thread): each block barrier waits for four warps
-# where "wgmma 128x64 2/SM" waits for eight (on shape 13 the barrier before its P V drew 15%
-# of that kernel's stall samples), the same warps an SM. H200, shape 13's attention: 0.154 ms
+# where "wgmma 128x64 2/SM" waits for eight (on shape 13 the branch behind the barrier before
+# its P V drew 9% of that kernel's stall samples), the same warps an SM. H200, shape 13's attention: 0.154 ms
 # against 0.148 (bench/PERFORMANCE.md K37): an option.
 WGMMA_ONE_GROUP_4_PER_SM = AttentionVariant("wgmma 64x64 4/SM", 64, 64, min_blocks=4)
 WGMMA_HD256 = AttentionVariant("wgmma 128x64", 128, 64)

@@ -238,7 +238,6 @@ __device__ __forceinline__ void store_context(const float* o, const float (&l_ru
         if (row >= seq_len) continue;
         const long long off = (row_base + row) * ctx_stride + (long long)head * head_dim + 2 * t;
         __half* hi = ctx_hi + off;
-        __half* lo = ctx_lo + off;
 #pragma unroll
         for (int n = 0; n < GROUPS; ++n) {
             if (n * 8 >= head_dim) break;
@@ -247,7 +246,7 @@ __device__ __forceinline__ void store_context(const float* o, const float (&l_ru
             split_half(o[4 * n + 2 * r + 1] * inv, h1, l1);
             *reinterpret_cast<__half2*>(hi + n * 8) = __halves2half2(h0, h1);
             if (ctx_lo != nullptr)
-                *reinterpret_cast<__half2*>(lo + n * 8) = __halves2half2(l0, l1);
+                *reinterpret_cast<__half2*>(ctx_lo + off + n * 8) = __halves2half2(l0, l1);
         }
     }
 }
