@@ -41,8 +41,8 @@ def read_source(path: str | Path) -> tuple[str, list[dict[str, str]]]:
 def summarise(path: str | Path, top: int = 40) -> str:
     """The summary text of the source page at path."""
     kernel, rows = read_source(path)
-    stalls = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c] if rows \
-        else []
+    columns = rows[0].keys() if rows else ()
+    stalls = [c for c in columns if c.startswith("stall_") and "Not Issued" not in c]
     samples = sum(_number(r[SAMPLES]) for r in rows)
     executed = sum(_number(r[EXECUTED]) for r in rows)
     lines = [f"kernel: {kernel}",

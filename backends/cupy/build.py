@@ -164,8 +164,8 @@ WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-ex
 # One warpgroup of 64 queries a block at head dims up to 32, four blocks an SM
 # (__launch_bounds__(128, 4): 128 registers a thread): each block barrier waits for four warps
 # where "wgmma 128x64 2/SM" waits for eight (on shape 13 the branch behind the barrier before
-# its P V drew 9% of that kernel's stall samples), the same warps an SM. H200, shape 13's attention: 0.154 ms
-# against 0.148 (bench/PERFORMANCE.md K37): an option.
+# its P V drew 9% of that kernel's stall samples), the same warps an SM. H200, shape 13's
+# attention: 0.154 ms against 0.148 (bench/PERFORMANCE.md K37): an option.
 WGMMA_ONE_GROUP_4_PER_SM = AttentionVariant("wgmma 64x64 4/SM", 64, 64, min_blocks=4)
 WGMMA_HD256 = AttentionVariant("wgmma 128x64", 128, 64)
 WGMMA_HD256_ONE_GROUP = AttentionVariant("wgmma 64x64", 64, 64)
