@@ -751,8 +751,15 @@ def test_attention_variants(cupy_selected, monkeypatch):
         assert build.attention_wgmma_name(hp, v) == (
             f"lb::flash_attention_wgmma_tma<{hp}, {arguments}>"), (hp, v.name)
         assert shared is None or ops.attention_variant_shared_bytes(hp, v) == shared, v.name
-    # ... and at 32 one warpgroup a block, four blocks an SM, last
-    assert build.ATTENTION_WGMMA[32][14:] == (build.WGMMA_ONE_GROUP_4_PER_SM,)
+    # ... and at 32 one warpgroup a block, four blocks an SM, then the ring at two blocks an SM
+    assert build.ATTENTION_WGMMA[32][14:] == (build.WGMMA_ONE_GROUP_4_PER_SM,
+                                              build.WGMMA_TMA_2_PER_SM,
+                                              build.WGMMA_TMA_PINGPONG_2_PER_SM)
+    assert (build.attention_wgmma_name(32, build.WGMMA_TMA_2_PER_SM) ==
+            "lb::flash_attention_wgmma_tma<32, 128, 64, 3, 0, 2>")
+    assert (build.attention_wgmma_name(32, build.WGMMA_TMA_PINGPONG_2_PER_SM) ==
+            "lb::flash_attention_wgmma_tma<32, 128, 64, 3, 1, 2>")
+    assert build.WGMMA_TMA_2_PER_SM.threads == 384
     assert len(build.ATTENTION_WGMMA[64]) == 14
     assert (build.attention_wgmma_name(32, build.WGMMA_ONE_GROUP_4_PER_SM) ==
             "lb::flash_attention_wgmma<32, 64, 64, 4, 0>")

@@ -185,7 +185,8 @@ namespace attn_wgmma_detail {
 // lb::flash_attention_wgmma_tma (PIPELINE TMA_RING, KV_STAGES stages): one definition of the
 // per-tile math (the lambdas below) for every schedule. POLY > 0: one column pair of P in POLY
 // by exp2_poly (softmax_exp2). sm_90a only.
-template <int HP, int BQ, int BKV, int PIPELINE, int KV_STAGES, int SCHEDULE = 0, int POLY = 0>
+template <int HP, int BQ, int BKV, int PIPELINE, int KV_STAGES, int SCHEDULE = 0, int POLY = 0,
+          int MINB = 1>
 __device__ __forceinline__ void flash_attention_body(
     const __half* __restrict__ qkv, long long qkv_stride, __half* __restrict__ ctx_hi,
     __half* __restrict__ ctx_lo, long long ctx_stride, const unsigned char* __restrict__ valid,
@@ -439,13 +440,20 @@ __device__ __forceinline__ void flash_attention_body(
         // setmaxnreg moves registers within the block's pool, the 384 x 168 it was launched
         // with (__launch_bounds__(384, 1)): 40 for the producer and 232 for the consumers use
         // all of it (three consumers: 512 x 128, 24 and 160). A pool too small would leave
-        // setmaxnreg.inc waiting forever. (Two blocks an SM would launch with 80, leaving the
-        // consumers 104: the math at HP 64 spills.)
+        // setmaxnreg.inc waiting forever. Two blocks an SM (MINB 2, two consumers) launch with
+        // 80: 24 for the producer and 104 for the consumers; ptxas fits the whole kernel in
+        // the 80 (the plain and ping-pong consumers at HP 32 do, without spilling; at HP 64
+        // they spill, and BKV 128 does not compile).
         constexpr int CONSUMERS = BQ / 64, BLOCK_THREADS = 128 * (CONSUMERS + 1);
-        constexpr int LAUNCH_REGISTERS = 65536 / BLOCK_THREADS / 8 * 8;
-        constexpr int PRODUCER_REGISTERS = CONSUMERS == 2 ? 40 : 24;
-        constexpr int CONSUMER_REGISTERS = CONSUMERS == 2 ? 232 : 160;
+        constexpr int LAUNCH_REGISTERS = 65536 / (BLOCK_THREADS * MINB) / 8 * 8;
+        constexpr int PRODUCER_REGISTERS = CONSUMERS == 2 && MINB == 1 ? 40 : 24;
+        constexpr int CONSUMER_REGISTERS =
+            (BLOCK_THREADS * LAUNCH_REGISTERS - 128 * PRODUCER_REGISTERS) / (128 * CONSUMERS) /
+            8 * 8;
         static_assert(CONSUMERS >= 2 && KV_STAGES >= 1, "two or three consumers, a ring");
+        static_assert(MINB == 1 || (MINB == 2 && CONSUMERS == 2), "two blocks: two consumers");
+        static_assert(MINB == 2 || CONSUMER_REGISTERS == (CONSUMERS == 2 ? 232 : 160),
+                      "one block an SM: 232 registers for two consumers, 160 for three");
         static_assert(SCHEDULE == ad::TMA_PLAIN || SCHEDULE == ad::TMA_PINGPONG ||
                           SCHEDULE == ad::TMA_OVERLAP || SCHEDULE == ad::TMA_OVERLAP_PACKED,
                       "plain, ping-pong or overlapped consumers");
@@ -942,8 +950,10 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int b
 // SCHEDULE + k TMA_POLY_EXP2 (k 1 or 2): the same schedule, the softmax computing one column
 // pair in POLY_EVERY / k with exp2_poly (FMA units) instead of exp2f (MUFU.EX2): not
 // bit-identical.
-template <int HP, int BQ, int BKV, int KV_STAGES, int SCHEDULE>
-__global__ void __launch_bounds__(128 * (BQ / 64 + 1), 1)
+// MINB 2 (two consumers only): __launch_bounds__(384, 2), two blocks an SM, four consumer
+// warpgroups where one block has two, in 80 registers a thread (see setmaxnreg above).
+template <int HP, int BQ, int BKV, int KV_STAGES, int SCHEDULE, int MINB = 1>
+__global__ void __launch_bounds__(128 * (BQ / 64 + 1), MINB)
 flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
                           __half* __restrict__ ctx_hi, __half* __restrict__ ctx_lo,
                           long long ctx_stride, const unsigned char* __restrict__ valid,
@@ -963,7 +973,7 @@ flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,
     constexpr int POLY_EIGHTHS = SCHEDULE / ad::TMA_POLY_EXP2;
     static_assert(POLY_EIGHTHS <= 2, "the polynomial takes one column pair in 8 or 4, or none");
     ad::flash_attention_body<HP, BQ, BKV, ad::TMA_RING, KV_STAGES, SCHEDULE % ad::TMA_POLY_EXP2,
-                             POLY_EIGHTHS ? ad::POLY_EVERY / POLY_EIGHTHS : 0>(
+                             POLY_EIGHTHS ? ad::POLY_EVERY / POLY_EIGHTHS : 0, MINB>(
         qkv, qkv_stride, ctx_hi, ctx_lo, ctx_stride, valid, key_info, seq_len, num_heads,
         head_dim, scale, causal, &q_map, &kv_map);
 #elif defined(__CUDA_ARCH__)

@@ -167,6 +167,14 @@ WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-ex
 # its P V drew 9% of that kernel's stall samples), the same warps an SM. H200, shape 13's
 # attention: 0.154 ms against 0.148 (bench/PERFORMANCE.md K37): an option.
 WGMMA_ONE_GROUP_4_PER_SM = AttentionVariant("wgmma 64x64 4/SM", 64, 64, min_blocks=4)
+# The TMA ring at two blocks an SM (384 threads in 80 registers): four consumer warpgroups an
+# SM, as many as "wgmma 128x64 2/SM" has, with no block barrier and no copy addresses in the
+# consumers; head dim 32 (at 64 the consumers spill).
+WGMMA_TMA_2_PER_SM = AttentionVariant("wgmma 128x64 TMA 2/SM", 128, 64, min_blocks=2,
+                                      tma=True, kv_stages=3)
+WGMMA_TMA_PINGPONG_2_PER_SM = AttentionVariant("wgmma 128x64 TMA ping-pong 2/SM", 128, 64,
+                                               min_blocks=2, tma=True, kv_stages=3,
+                                               schedule=TMA_PINGPONG)
 WGMMA_HD256 = AttentionVariant("wgmma 128x64", 128, 64)
 WGMMA_HD256_ONE_GROUP = AttentionVariant("wgmma 64x64", 64, 64)
 # flash_attention_wgmma (sm_90a): padded head dim -> its variants, the default first (two
@@ -183,7 +191,8 @@ ATTENTION_WGMMA = {32: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TM
                         WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
                         WGMMA_TMA_PINGPONG_128_POLY, WGMMA_TMA_OVERLAP_128_POLY,
                         WGMMA_TMA_OVERLAP_3WG, WGMMA_TMA_OVERLAP_3WG_POLY,
-                        WGMMA_TMA_OVERLAP_3WG_POLY4, WGMMA_ONE_GROUP_4_PER_SM),
+                        WGMMA_TMA_OVERLAP_3WG_POLY4, WGMMA_ONE_GROUP_4_PER_SM,
+                        WGMMA_TMA_2_PER_SM, WGMMA_TMA_PINGPONG_2_PER_SM),
                    64: (WGMMA_TWO_PER_SM, WGMMA_PLAIN, WGMMA_PIPELINED, WGMMA_TMA,
                         WGMMA_TMA_PINGPONG, WGMMA_TMA_OVERLAP, WGMMA_TMA_PINGPONG_128,
                         WGMMA_TMA_PINGPONG_3WG, WGMMA_TMA_OVERLAP_128,
@@ -404,14 +413,17 @@ def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
     if v.poly_every and not v.tma:
         raise ValueError(f"{v.name}: the polynomial exponential runs on the TMA ring only")
     if v.tma:
-        if ((v.min_blocks, v.pipelined) != (1, False) or v.bq not in (128, 192)
+        if (v.pipelined or v.min_blocks not in (1, 2) or (v.min_blocks == 2 and v.bq != 128)
+                or v.bq not in (128, 192)
                 or v.bkv not in (64, 128) or v.kv_stages < 1
                 or v.poly_every not in (0, *POLY_EVERY_CHOICES)):
-            raise ValueError(f"{v.name} runs BQ 128 or 192, BKV 64 or 128, one block an SM, "
-                             f"a ring, the polynomial on one pair in 8 or 4, or none")
+            raise ValueError(f"{v.name} runs BQ 128 or 192, BKV 64 or 128, one block an SM "
+                             f"(BQ 128: one or two), a ring, the polynomial on one pair in 8 "
+                             f"or 4, or none")
         poly = TMA_POLY_EXP2 * (POLY_EVERY_CHOICES[0] // v.poly_every) if v.poly_every else 0
+        blocks = f", {v.min_blocks}" if v.min_blocks > 1 else ""
         return (f"lb::flash_attention_wgmma_tma<{head_pad}, {v.bq}, {v.bkv}, {v.kv_stages}, "
-                f"{v.schedule + poly}>")
+                f"{v.schedule + poly}{blocks}>")
     return (f"lb::flash_attention_wgmma<{head_pad}, {v.bq}, {v.bkv}, {v.min_blocks}, "
             f"{int(v.pipelined)}>")
 
