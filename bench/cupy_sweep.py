@@ -13,6 +13,9 @@ and GEMM kernel sweeps.
     python bench/cupy_sweep.py plans --plan "wgmma 128x256 TMA" --shapes 8  # a GEMM variant / default
     python bench/cupy_sweep.py plans --plan "attention:wgmma 64x64 4/SM" --shapes 13
         # an attention variant against the default attention
+    python bench/cupy_sweep.py sources --baseline DIR --shapes 13,6,1
+        # this tree's kernel sources against those in DIR (e.g. `git archive REV
+        # backends/cupy | tar -x -C DIR`, then DIR/backends/cupy), the same options
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,2,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
         # the mma.sync attention kernel and every wgmma variant of the head dim on one input:
@@ -24,6 +27,7 @@ and GEMM kernel sweeps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -55,6 +59,25 @@ def plan_backend(plan: str, on: bool) -> CupyBackend:
     return CupyBackend(**{plan: on})
 
 
+@contextlib.contextmanager
+def kernel_sources(folder: str | None):
+    """While the body runs, kernels are compiled from the sources in folder (a module of
+    their own; None: this tree's); this tree's again after it."""
+    saved = build.SOURCE_DIR
+    if folder is not None:
+        if not (Path(folder) / build.SOURCES[0]).exists():
+            raise SystemExit(f"{folder} holds no {build.SOURCES[0]}")
+        build.SOURCE_DIR = Path(folder).resolve()
+    build.module_for.cache_clear()
+    ops.kernels_for.cache_clear()
+    try:
+        yield
+    finally:
+        build.SOURCE_DIR = saved
+        build.module_for.cache_clear()
+        ops.kernels_for.cache_clear()
+
+
 def sweep(args) -> list[dict] | None:
     """The rows of the comparison asked for, or None where it cannot run here."""
     if not torch.cuda.is_available():
@@ -74,6 +97,17 @@ def sweep(args) -> list[dict] | None:
             args.shapes,
             lambda on, cfg, sd: plan_backend(args.plan, on).build(cfg, sd, device=device),
             padding=args.padding, rounds=args.rounds, device=device, label=args.plan)
+    if args.what == "sources":
+        if not args.baseline:
+            raise SystemExit("sources needs --baseline DIR")
+
+        def build_from(folder, cfg, sd):
+            with kernel_sources(None if folder == "this tree" else folder):
+                return CupyBackend().build(cfg, sd, device=device)
+
+        return runner.compare_plans(args.shapes, build_from, plans=("this tree", args.baseline),
+                                    padding=args.padding, rounds=args.rounds, device=device,
+                                    label="sources")
     return runner.compare_plans(
         args.shapes,
         lambda n, cfg, sd: CupyBackend(linear_products=n).build(cfg, sd, device=device),
@@ -169,7 +203,7 @@ def main() -> int:
     """Command line."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["plans", "products", "attention", "gemm"])
+    parser.add_argument("what", choices=["plans", "sources", "products", "attention", "gemm"])
     parser.add_argument("--shapes", default="1,2,7,8,13,6", help="official shape numbers")
     parser.add_argument("--plan", choices=["wgmma", "fuse_norms", "norm_prologue", "pdl",
                                            "staged_epilogue", "short_norm_gemm",
@@ -181,6 +215,8 @@ def main() -> int:
                         help="plans: the option (or GEMM variant: \"wgmma 128x128\" forces "
                              "the plain schedule; or \"attention:\" and an attention "
                              "variant) compared on against off (the default)")
+    parser.add_argument("--baseline", help="sources: the folder of the baseline's kernel "
+                                           "sources (*.cu, *.cuh)")
     parser.add_argument("--products", default="1,3",
                         help="products: the counts compared (two or more of 1, 2, 3)")
     parser.add_argument("--padding", type=float, default=0.0, help="padding ratio")

@@ -2639,20 +2639,25 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
 @needs_gpu
 @pytest.mark.parametrize("width", [3, 4])
 @pytest.mark.parametrize("kernel", ["plain", "tma", "short"])
+@pytest.mark.parametrize("products", [1, 3])
 @pytest.mark.parametrize("epilogue", ["half", "gelu_pair", "residual", "residual_norm"])
-def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
+def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, products, kernel, width):
     """The staged epilogue's one-by-one path, in the plain 128 x 128 kernel, the TMA one and
     the short residual-norm one (64 rows a block):
     outputs (the residual and the norm's rows too) as views one column into buffers `width`
     columns wider (rows of n + 3, or n + 4 from a base off 16 bytes), bit-identical to the same
-    kernel on contiguous outputs, the columns around them untouched (NaN)."""
+    kernel on contiguous outputs, the columns around them untouched (NaN). The plain kernel at
+    three products and K <= 128 reads aligned residuals from shared memory (copied in its
+    prologue), the views' from global memory: the same bits."""
     if not kernels.has_wgmma:
         pytest.skip("needs the wgmma kernels (sm_90a)")
     if kernel == "tma" and epilogue == "residual_norm":
         pytest.skip("the TMA GEMMs have no residual_norm epilogue")
     if kernel == "short" and epilogue != "residual_norm":
         pytest.skip("the short GEMM is residual_norm's only")
-    m, k = 300, 120 if kernel == "short" else 136
+    if products == 3 and kernel != "plain":
+        pytest.skip("three products: the plain kernel's residual tile in shared memory")
+    m, k = 300, 120 if kernel == "short" or products == 3 else 136
     n = 120 if epilogue == "residual_norm" else 200
     g = torch.Generator(device="cuda").manual_seed(7)
     a_pair = split_fp16(torch.randn(m, k, device="cuda", generator=g))
@@ -2680,7 +2685,8 @@ def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
                 "residual_norm": {"res": f32_outs[0], "out": f32_outs[0], "valid_rows": valid,
                                   "norm": norm, "norm_out": tuple(f16_outs)}}[epilogue]
         f32_outs[0].copy_(res)
-        ops.linear(kernels, a_pair, w_pair, bias, epilogue, 1, wgmma=True, **gemm, **outs)
+        ops.linear(kernels, a_pair, w_pair, bias, epilogue, products, wgmma=True, **gemm,
+                   **outs)
         return fp32[:1] + fp16 if epilogue == "residual_norm" else (
             fp32[:1] if epilogue == "residual" else fp16[:1 if epilogue == "half" else 2])
 
