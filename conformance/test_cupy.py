@@ -312,7 +312,8 @@ def test_attention_tma_sass(cupy_selected, compiled, hopper_sass):
     fences: no serialisation); three 3-D TMA loads (Q, K, V: UTMALDG.3D), both maps
     prefetched, the expect_tx arrives with a byte-count register and the consumers' plain
     arrive (A1T0), mbarrier waits; setmaxnreg to 40 (producer) and 232 (consumers), launched
-    with 168 registers (their pool; three consumers: 24, 160 and 128); one block barrier; no
+    with 168 registers (their pool; three consumers: 24, 160 and 128; two blocks an SM: 24,
+    104 and 80); one block barrier; no
     cp.async (LDGSTS) and no local memory (no LDL/STL, stack 0), no register past the
     consumers' (232, or 160). Ping-pong: the same wgmmas
     and waits, and the turns: named barriers of 256 threads (0x100) whose id is a register
@@ -373,8 +374,10 @@ def test_attention_tma_sass(cupy_selected, compiled, hopper_sass):
         assert len(re.findall(r"\bSYNCS\.ARRIVE\.TRANS64 RZ, \[[^\]]+\], R\d+", body)) == 2, name
         assert re.search(r"\bSYNCS\.ARRIVE\.TRANS64\.A1T0\b", body), name
         assert re.search(r"\bSYNCS\.PHASECHK\.TRANS64\.TRYWAIT\b", body), name
-        # two consumers: 40 and 232 registers; three (BQ 192): 24 and 160
-        producer, consumer = (40, 232) if v.bq == 128 else (24, 160)
+        # two consumers: 40 and 232 registers; three (BQ 192): 24 and 160; two blocks an SM
+        # (two consumers): 24 and 104
+        producer, consumer = ((24, 104) if v.min_blocks == 2 else
+                              (40, 232) if v.bq == 128 else (24, 160))
         assert re.search(rf"\bUSETMAXREG\.DEALLOC\.CTAPOOL {producer:#x}\b", body), name
         assert re.search(rf"\bUSETMAXREG\.TRY_ALLOC\.CTAPOOL \w+, {consumer:#x}\b", body), name
         assert len(re.findall(r"\bBAR\.SYNC\.DEFER_BLOCKING 0x0\b", body)) == 1, name
@@ -396,10 +399,12 @@ def test_attention_tma_sass(cupy_selected, compiled, hopper_sass):
             assert ex2 + rounded == len(re.findall(r"\bMUFU\.EX2\b", exact)), (name, ex2)
         else:
             assert rounded == 0 and ex2 > 0, name
-        # launched with all 168 (384 threads, one block an SM; 512: 128): the pool setmaxnreg
-        # moves 40 x 128 + 232 x 256 registers within; fewer would leave the consumers waiting
-        launch = 65536 // v.threads // 8 * 8
+        # launched with all 168 (384 threads, one block an SM; 512: 128; two blocks of 384:
+        # 80): the pool setmaxnreg moves 40 x 128 + 232 x 256 registers within; fewer would
+        # leave the consumers waiting. ptxas fits the whole kernel in the launch's registers.
+        launch = 65536 // (v.min_blocks * v.threads) // 8 * 8
         assert row["registers"] == launch, (name, row)
+        assert max(int(r) for r in re.findall(r"\bR(\d+)\b", body)) < launch, name
         assert 128 * producer + (v.threads - 128) * consumer <= v.threads * launch, name
 
 
@@ -2639,25 +2644,20 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
 @needs_gpu
 @pytest.mark.parametrize("width", [3, 4])
 @pytest.mark.parametrize("kernel", ["plain", "tma", "short"])
-@pytest.mark.parametrize("products", [1, 3])
 @pytest.mark.parametrize("epilogue", ["half", "gelu_pair", "residual", "residual_norm"])
-def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, products, kernel, width):
+def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
     """The staged epilogue's one-by-one path, in the plain 128 x 128 kernel, the TMA one and
     the short residual-norm one (64 rows a block):
     outputs (the residual and the norm's rows too) as views one column into buffers `width`
     columns wider (rows of n + 3, or n + 4 from a base off 16 bytes), bit-identical to the same
-    kernel on contiguous outputs, the columns around them untouched (NaN). The plain kernel at
-    three products and K <= 128 reads aligned residuals from shared memory (copied in its
-    prologue), the views' from global memory: the same bits."""
+    kernel on contiguous outputs, the columns around them untouched (NaN)."""
     if not kernels.has_wgmma:
         pytest.skip("needs the wgmma kernels (sm_90a)")
     if kernel == "tma" and epilogue == "residual_norm":
         pytest.skip("the TMA GEMMs have no residual_norm epilogue")
     if kernel == "short" and epilogue != "residual_norm":
         pytest.skip("the short GEMM is residual_norm's only")
-    if products == 3 and kernel != "plain":
-        pytest.skip("three products: the plain kernel's residual tile in shared memory")
-    m, k = 300, 120 if kernel == "short" or products == 3 else 136
+    m, k = 300, 120 if kernel == "short" else 136
     n = 120 if epilogue == "residual_norm" else 200
     g = torch.Generator(device="cuda").manual_seed(7)
     a_pair = split_fp16(torch.randn(m, k, device="cuda", generator=g))
@@ -2685,8 +2685,7 @@ def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, products, kernel, 
                 "residual_norm": {"res": f32_outs[0], "out": f32_outs[0], "valid_rows": valid,
                                   "norm": norm, "norm_out": tuple(f16_outs)}}[epilogue]
         f32_outs[0].copy_(res)
-        ops.linear(kernels, a_pair, w_pair, bias, epilogue, products, wgmma=True, **gemm,
-                   **outs)
+        ops.linear(kernels, a_pair, w_pair, bias, epilogue, 1, wgmma=True, **gemm, **outs)
         return fp32[:1] + fp16 if epilogue == "residual_norm" else (
             fp32[:1] if epilogue == "residual" else fp16[:1 if epilogue == "half" else 2])
 
@@ -3106,8 +3105,9 @@ def test_fused_norms_by_default_only_where_no_parallelism_is_lost(cupy_selected,
 def test_long_sequences_run_the_tma_attention_by_default(cupy_selected):
     """Where no attention variant is named, the layer runs layer.LONG_ATTENTION (a TMA ring
     variant) on the wgmma attention at head dim 64 from LONG_ATTENTION_MIN_KEYS tokens (shape
-    14), the head dim's default below that and at other head dims (shapes 10 and 13), and a
-    named variant or the mma.sync attention whatever the length."""
+    14), the head dim's default below that (shape 10), layer.NARROW_ATTENTION (the ring at
+    two blocks an SM) at head dim 32 exactly (shape 13), the default at head dims padded to
+    32 (shape 11: 8), and a named variant or the mma.sync attention whatever the length."""
     from types import SimpleNamespace
 
     from layerbench.backends.cupy.layer import CupyLayer
@@ -3123,8 +3123,13 @@ def test_long_sequences_run_the_tma_attention_by_default(cupy_selected):
     assert pick(layer(14), 100000) == layer_module.LONG_ATTENTION.name
     assert pick(layer(14), long_keys) == layer_module.LONG_ATTENTION.name
     assert pick(layer(14), long_keys - 1) is None
-    assert pick(layer(10), 128) is None and pick(layer(13), 1024) is None
-    assert pick(layer(13), 100000) is None  # head dim 32
+    assert pick(layer(10), 128) is None and pick(layer(11), 128) is None
+    narrow = layer_module.NARROW_ATTENTION
+    assert narrow.tma and narrow.min_blocks == 2 and layer_module.NARROW_ATTENTION_HEAD_DIM == 32
+    assert narrow in build.ATTENTION_WGMMA[32] and narrow.refusal(32, 32) is None
+    assert pick(layer(13), 1024) == pick(layer(13), 100000) == narrow.name  # head dim 32
+    assert pick(layer(13, build.WGMMA_PLAIN.name), 1024) == build.WGMMA_PLAIN.name
+    assert pick(layer(13, wgmma=False), 1024) is None
     assert pick(layer(14, build.WGMMA_PLAIN.name), 100000) == build.WGMMA_PLAIN.name
     assert pick(layer(14, wgmma=False), 100000) is None
 

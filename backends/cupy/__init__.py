@@ -49,7 +49,8 @@ class CupyBackend(Backend):
     plain schedule, its tile picked per GEMM (layer.gemm_variant_for).
     attention_variant: a variant of the wgmma attention kernel by name
     (build.ATTENTION_WGMMA; None: "wgmma 192x128 TMA overlap" at head dim 64 from 4096
-    tokens (layer.LONG_ATTENTION),
+    tokens (layer.LONG_ATTENTION), "wgmma 128x64 TMA 2/SM" at head dim 32 exactly
+    (layer.NARROW_ATTENTION),
     "wgmma 128x64 2/SM" at other head dims up to 64 and shorter sequences, "wgmma 128x128"
     above up to 128, "wgmma 128x64" above up to 256); needs the wgmma attention (sm_90, head
     dims up to 256).

@@ -116,22 +116,6 @@ __device__ __forceinline__ void prefetch_residual_tile(const float* res, long lo
     }
 }
 
-// Copies the fp32 residual rows [m0, m0 + BM) x columns [n0, n0 + BN) of res (row stride
-// `stride`, 16-byte aligned rows and base) into tile (BM x BN floats, row-major) by cp.async,
-// 16 bytes at a time, requests index, index + count, ...; rows at or past M and columns at or
-// past N (a multiple of 4) zero-filled and not read. No commit.
-template <int BM, int BN>
-__device__ __forceinline__ void load_residual_tile(float* tile, const float* res,
-                                                   long long stride, int m0, int n0, int M,
-                                                   int N, int index, int count) {
-    constexpr int CHUNKS = BN / 4;  // 16-byte chunks of a tile row
-    for (int i = index; i < BM * CHUNKS; i += count) {
-        const int r = i / CHUNKS, col = n0 + (i % CHUNKS) * 4, row = m0 + r;
-        const bool ok = row < M && col < N;
-        cp_async16(tile + r * BN + (i % CHUNKS) * 4, ok ? res + row * stride + col : res, ok);
-    }
-}
-
 // Column groups of a row whose residuals load together (RESIDUAL): 8, or 4 where a thread
 // has at most 112 registers (linear_wgmma_tma at two blocks an SM: 8 spill there).
 constexpr int RESIDUAL_BATCH = 8, RESIDUAL_BATCH_LEAN = 4;
@@ -197,16 +181,13 @@ __host__ __device__ constexpr int staged_row(void) { return BN + 8; }
 // operations summed in another order) into norm_hi (and norm_lo).
 // Columns go four at a time where all four are below N and the rows and bases are 16-byte
 // aligned (the fp16 outputs' 8-byte stores too; the norm's rows 8-byte), else one by one.
-// res_tile (not null): the tile's residuals already in shared memory (load_residual_tile, BM
-// x 128 floats, landed and visible), read there instead of from res.
 template <int EPI, int BM = 128>
 __device__ __forceinline__ void store_tile_staged(
     const float (&acc)[64], float* tile, int group, int warp, int lane, int m0, int n0, int M,
     int N, const float* bias, __half* out_hi, __half* out_lo, long long out_stride,
     const float* res, float* out_f, const unsigned char* valid, int zero_sum,
     const float* norm_w = nullptr, const float* norm_b = nullptr, float eps = 0.0f,
-    __half* norm_hi = nullptr, __half* norm_lo = nullptr, long long norm_stride = 0,
-    const float* res_tile = nullptr) {
+    __half* norm_hi = nullptr, __half* norm_lo = nullptr, long long norm_stride = 0) {
     constexpr int BN = 128, STRIDE = staged_row<BN>(), ROWS = 4, WARPS = BM / 16;
     constexpr bool FP32_OUT = EPI == RESIDUAL || EPI == RESIDUAL_NORM;
     static_assert(BM == 64 || BM == 128, "one or two warpgroups");
@@ -249,9 +230,7 @@ __device__ __forceinline__ void store_tile_staged(
             rv[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             if (FP32_OUT && live && row < M) {
                 const float* from = res + row * out_stride + col;
-                if (res_tile != nullptr) {
-                    rv[i] = *reinterpret_cast<const float4*>(res_tile + r * BN + 4 * lane);
-                } else if (wide) {
+                if (wide) {
                     rv[i] = *reinterpret_cast<const float4*>(from);
                 } else {
                     rv[i].x = from[0];
@@ -465,10 +444,7 @@ constexpr int MAX_WGMMA_SHARED_BYTES = 227 * 1024;
 //      other instruction touches before the wait 0 after the loop.
 //   After the loop: wgmma wait 0 (PENDING 1), cp.async wait 0, the epilogue.
 // STAGED 1 (tiles BN 128): the epilogue through shared memory (store_tile_staged) after the
-// mainloop, the output tile staged over the stages, a warp a row; RESIDUAL and RESIDUAL_NORM
-// where every K tile fits the prologue and the stages have a free residual tile's worth
-// beyond them and the staged tile (three products at K <= 128) read their residuals from
-// there, copied in the prologue.
+// mainloop, the output tile staged over the stages, a warp a row.
 template <int BM, int BN, int PRODUCTS, int EPI, int STAGES, int PENDING, int STAGED = 0>
 __global__ void __launch_bounds__(BM * 2, 1)
 linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
@@ -531,23 +507,7 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
         if (s < k_tiles) load_stage(s, s);
         cp_async_commit();
     }
-    // The staged fp32 epilogues where every K tile is copied in the prologue (none refilled)
-    // and the stages' last RES_BYTES hold none of them nor the staged output tile: the
-    // residual tile is copied there now, in a cp.async group of its own, under the mainloop
-    // (rows 16-byte aligned); else L2 is asked for it.
-    constexpr bool FP32_EPI = EPI == RESIDUAL || EPI == RESIDUAL_NORM;
-    constexpr int RES_BYTES = BM * BN * 4, RES_AT = STAGES * STAGE - RES_BYTES;
-    float* res_tile = nullptr;
-    if constexpr (STAGED && FP32_EPI && RES_AT >= BM * wd::staged_row<BN>() * 4) {
-        if (k_tiles <= DISTANCE && k_tiles * STAGE <= RES_AT && (N & 3) == 0 &&
-            (out_stride & 3) == 0 && (reinterpret_cast<unsigned long long>(res) & 15) == 0) {
-            res_tile = reinterpret_cast<float*>(smem + RES_AT);
-            wd::load_residual_tile<BM, BN>(res_tile, res, out_stride, m0, n0, M, N, threadIdx.x,
-                                           THREADS);
-            cp_async_commit();
-        }
-    }
-    if (FP32_EPI && res_tile == nullptr)
+    if constexpr (EPI == RESIDUAL || EPI == RESIDUAL_NORM)
         wd::prefetch_residual_tile<BM, BN>(res, out_stride, m0, n0, M, N, threadIdx.x, THREADS);
 
     for (int kt = 0; kt < k_tiles; ++kt) {
@@ -593,7 +553,7 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
         wd::store_tile_staged<EPI, BM>(acc, reinterpret_cast<float*>(smem), group, warp, lane,
                                        m0, n0, M, N, bias, out_hi, out_lo, out_stride, res,
                                        out_f, valid, zero_sum, norm_w, norm_b, eps, norm_hi,
-                                       norm_lo, norm_stride, res_tile);
+                                       norm_lo, norm_stride);
     } else if constexpr (EPI == RESIDUAL_NORM) {
         // A row's N columns lie in the 4 lanes of one quad (n0 = 0): each lane sums its own
         // over j, two shuffles within the quad give the row's sum. Rows past M take part in
