@@ -401,10 +401,9 @@ def test_attention_tma_sass(cupy_selected, compiled, hopper_sass):
             assert rounded == 0 and ex2 > 0, name
         # launched with all 168 (384 threads, one block an SM; 512: 128; two blocks of 384:
         # 80): the pool setmaxnreg moves 40 x 128 + 232 x 256 registers within; fewer would
-        # leave the consumers waiting. ptxas fits the whole kernel in the launch's registers.
+        # leave the consumers waiting
         launch = 65536 // (v.min_blocks * v.threads) // 8 * 8
         assert row["registers"] == launch, (name, row)
-        assert max(int(r) for r in re.findall(r"\bR(\d+)\b", body)) < launch, name
         assert 128 * producer + (v.threads - 128) * consumer <= v.threads * launch, name
 
 

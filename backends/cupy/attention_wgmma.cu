@@ -441,9 +441,8 @@ __device__ __forceinline__ void flash_attention_body(
         // with (__launch_bounds__(384, 1)): 40 for the producer and 232 for the consumers use
         // all of it (three consumers: 512 x 128, 24 and 160). A pool too small would leave
         // setmaxnreg.inc waiting forever. Two blocks an SM (MINB 2, two consumers) launch with
-        // 80: 24 for the producer and 104 for the consumers; ptxas fits the whole kernel in
-        // the 80 (the plain and ping-pong consumers at HP 32 do, without spilling; at HP 64
-        // they spill, and BKV 128 does not compile).
+        // 80: 24 for the producer and 104 for the consumers (enough for the plain and
+        // ping-pong consumers at HP 32; at HP 64 they spill, and BKV 128 does not compile).
         constexpr int CONSUMERS = BQ / 64, BLOCK_THREADS = 128 * (CONSUMERS + 1);
         constexpr int LAUNCH_REGISTERS = 65536 / (BLOCK_THREADS * MINB) / 8 * 8;
         constexpr int PRODUCER_REGISTERS = CONSUMERS == 2 && MINB == 1 ? 40 : 24;
@@ -951,7 +950,7 @@ __host__ __device__ constexpr int attention_wgmma_tma_shared_bytes(int hp, int b
 // pair in POLY_EVERY / k with exp2_poly (FMA units) instead of exp2f (MUFU.EX2): not
 // bit-identical.
 // MINB 2 (two consumers only): __launch_bounds__(384, 2), two blocks an SM, four consumer
-// warpgroups where one block has two, in 80 registers a thread (see setmaxnreg above).
+// warpgroups where one block has two, launched with 80 registers a thread (see setmaxnreg).
 template <int HP, int BQ, int BKV, int KV_STAGES, int SCHEDULE, int MINB = 1>
 __global__ void __launch_bounds__(128 * (BQ / 64 + 1), MINB)
 flash_attention_wgmma_tma(const __half* __restrict__ qkv, long long qkv_stride,

@@ -167,9 +167,10 @@ WGMMA_TMA_OVERLAP_128_POLY = AttentionVariant("wgmma 128x128 TMA overlap poly-ex
 # its P V drew 9% of that kernel's stall samples), the same warps an SM. H200, shape 13's
 # attention: 0.154 ms against 0.148 (bench/PERFORMANCE.md K37): an option.
 WGMMA_ONE_GROUP_4_PER_SM = AttentionVariant("wgmma 64x64 4/SM", 64, 64, min_blocks=4)
-# The TMA ring at two blocks an SM (384 threads in 80 registers): four consumer warpgroups an
-# SM, as many as "wgmma 128x64 2/SM" has, with no block barrier and no copy addresses in the
-# consumers; head dim 32 (at 64 the consumers spill).
+# The TMA ring at two blocks an SM (384 threads launched with 80 registers, setmaxnreg 24 for
+# the producer and 104 for the consumers): four consumer warpgroups an SM, as many as "wgmma
+# 128x64 2/SM" has, with no block barrier and no copy addresses in the consumers; head dim 32
+# (at 64 the consumers spill).
 WGMMA_TMA_2_PER_SM = AttentionVariant("wgmma 128x64 TMA 2/SM", 128, 64, min_blocks=2,
                                       tma=True, kv_stages=3)
 WGMMA_TMA_PINGPONG_2_PER_SM = AttentionVariant("wgmma 128x64 TMA ping-pong 2/SM", 128, 64,
