@@ -207,7 +207,7 @@ def main() -> int:
     parser.add_argument("--shapes", default="1,2,7,8,13,6", help="official shape numbers")
     parser.add_argument("--plan", choices=["wgmma", "fuse_norms", "norm_prologue", "pdl",
                                            "staged_epilogue", "short_norm_gemm",
-                                           "context_hi_only",
+                                           "context_hi_only", "eight_lane_rows",
                                            *build.gemm_variant_names(),
                                            *(ATTENTION_PLAN + n
                                              for n in build.attention_variant_names())],

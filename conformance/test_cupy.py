@@ -453,8 +453,9 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     cuda.bindings' own, arguments take the bytes the kernels take (_size), and
     CupyBackend(pdl=...) launches programmatically from sm_90 by default, on request, and
     refuses where the device cannot; CupyBackend(staged_epilogue=...) stages by default and
-    on request, not with False, and context_hi_only likewise; short_norm_gemm only on
-    request."""
+    on request, not with False, and context_hi_only likewise; short_norm_gemm and
+    eight_lane_rows only on request, eight_lane_rows asking the GEMMs for staged 2 where
+    they stage."""
     import ctypes
 
     from layerbench.backends.cupy import CupyBackend, driver
@@ -516,6 +517,9 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     for choice, on in ((None, True), (True, True), (False, False)):
         assert CupyBackend(context_hi_only=choice)._build(cfg, sd, cpu,
                                                           torch.float32).context_hi_only == on
+    for choice, on in ((None, False), (False, False), (True, True)):
+        assert CupyBackend(eight_lane_rows=choice)._build(cfg, sd, cpu,
+                                                          torch.float32).eight_lane_rows == on
     layer.kernels.launch("k", (1, 1, 1), 32, 0, ())
     CupyBackend()._build(cfg, sd, cpu, torch.float32).kernels.launch("k", (1, 1, 1), 32, 0, ())
     assert Hopper.launches == [False, True]
@@ -566,7 +570,7 @@ def _launches():
                        out_pair=(torch.zeros(m, f, dtype=torch.float16),) * 2, tile=tile)
             ops.linear(k, pair, weight_pair(torch.zeros(d, d)), b, "residual", products,
                        res=x, out=x, valid_rows=valid, zero_sum=True, tile=tile)
-        for staged in (False, True):  # staged: the STAGED_TILE kernels' twins
+        for staged in (0, 1, 2):  # staged: the STAGED_TILE kernels' twins (2: eight lanes)
             tiles = [build.STAGED_TILE] if staged else build.WGMMA_TILES
             for tile in tiles:
                 ops.linear(k, pair, weight_pair(torch.zeros(f, d)), torch.zeros(f), "gelu_pair",
@@ -878,8 +882,9 @@ def test_attention_variants(cupy_selected, monkeypatch):
 
 def test_staged_launch_names(cupy_selected):
     """ops.linear's staged: on the plain schedule's STAGED_TILE the staged twin of each
-    epilogue and product count, never on another tile or without staged; the layer passes
-    its staged_epilogue to every GEMM."""
+    epilogue and product count (staged 2: eight lanes a row for the fp32 epilogues, a warp a
+    row for the others), never on another tile or without staged; the layer passes its
+    staged_epilogue (and eight_lane_rows) to every GEMM."""
     m, d = 300, 128
     x = torch.zeros(m, d)
     pair = (torch.zeros(m, d, dtype=torch.float16),) * 2
@@ -890,15 +895,21 @@ def test_staged_launch_names(cupy_selected):
         if not build.gemm_compiled(epilogue, products):
             continue
         tiles = build.NORM_TILES if epilogue == "residual_norm" else build.WGMMA_TILES
-        for tile, staged in itertools.product(tiles, (False, True)):
+        for tile, staged in itertools.product(tiles, (False, True, 2)):
             k = Recorder()
             ops.linear(k, pair, weight_pair(torch.zeros(d, d)), torch.zeros(d), epilogue,
                        products, tile=tile, wgmma=True, staged=staged, **outputs[epilogue])
-            twin = staged and tuple(tile) == build.STAGED_TILE
+            twin = int(bool(staged) and tuple(tile) == build.STAGED_TILE)
+            if twin and staged == 2 and epilogue in build.EIGHT_LANE_EPILOGUES:
+                twin = 2
             assert k.calls[0][0] == build.wgmma_name(tile, products, epilogue, staged=twin)
-            assert k.calls[0][0].endswith(", 1>") == twin, (epilogue, products, tile, staged)
+            staged_name = re.search(r", 0, ([12])>$", k.calls[0][0])
+            assert (int(staged_name.group(1)) if staged_name else 0) == twin, (epilogue, tile)
+    with pytest.raises(ValueError, match="eight lanes"):
+        build.wgmma_name(build.STAGED_TILE, 1, "half", staged=2)
     source = (build.SOURCE_DIR / "layer.py").read_text()
-    assert '"staged": self.staged_epilogue' in source
+    assert "staged = (2 if self.eight_lane_rows else 1) if self.staged_epilogue else 0" in source
+    assert '"staged": staged' in source
 
 
 def test_short_norm_gemm_launch(cupy_selected):
@@ -2586,8 +2597,8 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
     if kernels.has_wgmma:
         runs += [(build.GEMM_VARIANT_PRODUCTS, {"wgmma": True, "gemm_variant": v.name})
                  for v in build.GEMM_VARIANTS]
-        runs += [(p, {"tile": build.STAGED_TILE, "wgmma": True, "staged": True})
-                 for p in build.GEMM_PRODUCTS]
+        runs += [(p, {"tile": build.STAGED_TILE, "wgmma": True, "staged": staged})
+                 for p in build.GEMM_PRODUCTS for staged in (1, 2)]
     results = {}
     for products, gemm in runs:
         acc = exact_two if products == 2 else exact
@@ -2618,13 +2629,14 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
         err = ((got - want).abs() / want.abs().clamp_min(1.0)).nan_to_num(nan=math.inf)
         assert err.max().item() < tol, f"{epilogue} {products} products {gemm}: {err.max()}"
         key = (products, gemm.get("gemm_variant") or gemm["tile"])
-        results[key + (("staged",) if gemm.get("staged") else ())] = got
+        results[key + (("staged", gemm["staged"]) if gemm.get("staged") else ())] = got
     if kernels.has_wgmma:
         for products in build.GEMM_PRODUCTS:  # the staged twins: the same values
             if epilogue == "half" and products != 1:
                 continue  # half runs at one product only
-            assert torch.equal(results[products, build.STAGED_TILE, "staged"],
-                               results[products, build.STAGED_TILE]), (epilogue, products)
+            for staged in (1, 2):  # 2: eight lanes a row (the fp32 epilogues; else as 1)
+                assert torch.equal(results[products, build.STAGED_TILE, "staged", staged],
+                                   results[products, build.STAGED_TILE]), (epilogue, products)
         plain = results[1, build.GEMM_PLAIN.name]
         assert torch.equal(results[1, build.GEMM_WAIT1.name], plain), epilogue
         assert torch.equal(results[1, build.WGMMA_TILES[0]], plain), epilogue
@@ -2642,11 +2654,12 @@ def test_linear_kernel(kernels, epilogue, m, k, n):
 
 @needs_gpu
 @pytest.mark.parametrize("width", [3, 4])
-@pytest.mark.parametrize("kernel", ["plain", "tma", "short"])
+@pytest.mark.parametrize("kernel", ["plain", "eight", "tma", "short"])
 @pytest.mark.parametrize("epilogue", ["half", "gelu_pair", "residual", "residual_norm"])
 def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
-    """The staged epilogue's one-by-one path, in the plain 128 x 128 kernel, the TMA one and
-    the short residual-norm one (64 rows a block):
+    """The staged epilogue's one-by-one path, in the plain 128 x 128 kernel (a warp a row, or
+    eight lanes a row for the fp32 epilogues), the TMA one and the short residual-norm one (64
+    rows a block):
     outputs (the residual and the norm's rows too) as views one column into buffers `width`
     columns wider (rows of n + 3, or n + 4 from a base off 16 bytes), bit-identical to the same
     kernel on contiguous outputs, the columns around them untouched (NaN)."""
@@ -2656,6 +2669,8 @@ def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
         pytest.skip("the TMA GEMMs have no residual_norm epilogue")
     if kernel == "short" and epilogue != "residual_norm":
         pytest.skip("the short GEMM is residual_norm's only")
+    if kernel == "eight" and epilogue not in build.EIGHT_LANE_EPILOGUES:
+        pytest.skip("eight lanes a row: the fp32 epilogues only")
     m, k = 300, 120 if kernel == "short" else 136
     n = 120 if epilogue == "residual_norm" else 200
     g = torch.Generator(device="cuda").manual_seed(7)
@@ -2667,6 +2682,7 @@ def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
     valid = (torch.rand(m, device="cuda", generator=g) > 0.25).to(torch.uint8)
     gemm = {"tma": {"gemm_variant": build.GEMM_TMA_STAGED.name},
             "plain": {"tile": build.STAGED_TILE, "staged": True},
+            "eight": {"tile": build.STAGED_TILE, "staged": 2},
             "short": {"short_norm": True}}[kernel]
 
     def buffers(dtype, views: bool):
@@ -2701,7 +2717,8 @@ def test_staged_epilogue_on_unaligned_rows(kernels, epilogue, kernel, width):
 @pytest.mark.parametrize("k", [8, 128, 136])
 def test_linear_residual_norm_kernel(kernels, m, n, k):
     """The wgmma residual_norm epilogue against fp64 (the residual, then LayerNorm of the new
-    rows): both tiles (the 128 x 128 one also staged, the norm a warp a row) and, where K is
+    rows): both tiles (the 128 x 128 one also staged, the norm a warp a row or eight lanes a
+    row) and, where K is
     at most 128, the short residual-norm GEMM; one, two and three products, with and without
     a mask, invalid rows
     kept or zeroed, the norm as a pair or its hi half alone; in place, and nothing written
@@ -2728,10 +2745,10 @@ def test_linear_residual_norm_kernel(kernels, m, n, k):
         return err.nan_to_num(nan=math.inf).max().item()
     short = ("short",) if k <= build.SHORT_NORM_STAGES * 64 else ()
     cases = itertools.product(build.GEMM_PRODUCTS, build.NORM_TILES + short, (None, mask),
-                              (0, 1), ("pair", "hi"), (False, True))
+                              (0, 1), ("pair", "hi"), (0, 1, 2))
     for products, tile, valid, zero_sum, form, staged in cases:
-        if (not staged) if tile == "short" else (staged and tile != build.STAGED_TILE):
-            continue  # staged: the 128 x 128 tile's twin; the short GEMM is staged only
+        if staged != 1 if tile == "short" else (staged and tile != build.STAGED_TILE):
+            continue  # staged: the 128 x 128 tile's twins; the short GEMM is staged only
         case = (f"{products} products {tile} mask={valid is not None} zero_sum={zero_sum} "
                 f"{form} staged={staged}")
         # Padded buffers: one row and 8 columns more than written, NaN outside the M x N view

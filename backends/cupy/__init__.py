@@ -77,6 +77,11 @@ class CupyBackend(Backend):
     context_hi_only: at one product (out_proj reads the context's hi half alone), attention
     writes the hi half alone (bench/PERFORMANCE.md K34). None (default) or True: on; False:
     both halves.
+    eight_lane_rows: the staged residual and residual-norm epilogues (staged_epilogue) take
+    a row by eight lanes, four rows a warp instruction, with 3-level butterflies for the
+    norm's sums, instead of a warp a row (the same values; residual_norm's row statistics
+    summed in another order). None or False (default): off (not yet timed); True: on where
+    the staged epilogue runs.
     """
 
     name = "cupy"
@@ -90,7 +95,8 @@ class CupyBackend(Backend):
                  fuse_norms: bool | None = None, attention_variant: str | None = None,
                  gemm_variant: str | None = None, norm_prologue: bool | None = None,
                  pdl: bool | None = None, staged_epilogue: bool | None = None,
-                 short_norm_gemm: bool | None = None, context_hi_only: bool | None = None):
+                 short_norm_gemm: bool | None = None, context_hi_only: bool | None = None,
+                 eight_lane_rows: bool | None = None):
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"cupy linear_products must be 1, 2 or 3, not {linear_products}")
         names = build.attention_variant_names()
@@ -111,6 +117,7 @@ class CupyBackend(Backend):
         self.staged_epilogue = staged_epilogue
         self.short_norm_gemm = short_norm_gemm
         self.context_hi_only = context_hi_only
+        self.eight_lane_rows = eight_lane_rows
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -165,4 +172,5 @@ class CupyBackend(Backend):
                          gemm_variant=self.gemm_variant, norm_prologue=self.norm_prologue,
                          pdl=pdl, staged_epilogue=self.staged_epilogue is not False,
                          short_norm_gemm=bool(self.short_norm_gemm),
-                         context_hi_only=self.context_hi_only is not False)
+                         context_hi_only=self.context_hi_only is not False,
+                         eight_lane_rows=bool(self.eight_lane_rows))

@@ -32,6 +32,9 @@ WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads, 
 # The plain-schedule tile whose kernels also come with the epilogue through shared memory
 # (linear_wgmma's STAGED; CupyBackend(staged_epilogue=...)), every epilogue and product count.
 STAGED_TILE = (128, 128)
+# The fp32 epilogues whose staged kernels also come eight lanes a row (linear_wgmma's STAGED
+# 2; CupyBackend(eight_lane_rows=True)), every product count they are compiled at.
+EIGHT_LANE_EPILOGUES = ("residual", "residual_norm")
 # The residual-norm GEMM for short reductions (CupyBackend(short_norm_gemm=True)): 64 x 128
 # tiles in SHORT_NORM_STAGES stages, staged, so that a block's shared memory (97 KiB at three
 # products) leaves room for a second block on the SM; run where K <= SHORT_NORM_STAGES x 64
@@ -326,10 +329,11 @@ def gemm_name(tile, products: int, epilogue: str) -> str:
 
 
 def wgmma_name(tile, products: int, epilogue: str, stages: int = GEMM_PLAIN.stages,
-               pending: int = GEMM_PLAIN.pending, staged: bool = False) -> str:
+               pending: int = GEMM_PLAIN.pending, staged: int = 0) -> str:
     """Name expression of the Hopper GEMM kernel for tile (BM, BN), products, epilogue and
     schedule (cp.async stages, wgmma groups left running; default the plain schedule);
-    staged: its epilogue through shared memory (STAGED_TILE, the plain schedule only)."""
+    staged (1 or True): its epilogue through shared memory (STAGED_TILE, the plain schedule
+    only), a warp a row; 2: eight lanes a row (EIGHT_LANE_EPILOGUES only)."""
     bm, bn = tile
     short_norm = ((tuple(tile), epilogue, stages, pending)
                   == (SHORT_NORM_TILE, NORM_EPILOGUE, SHORT_NORM_STAGES, 0))
@@ -337,8 +341,11 @@ def wgmma_name(tile, products: int, epilogue: str, stages: int = GEMM_PLAIN.stag
                                       or (stages, pending) != GEMM_PLAIN.tile_schedule):
         raise ValueError(f"the staged epilogue runs on the plain {STAGED_TILE} GEMM and the "
                          "short residual-norm one only")
+    if staged == 2 and (short_norm or epilogue not in EIGHT_LANE_EPILOGUES):
+        raise ValueError(f"eight lanes a row: the {STAGED_TILE} GEMM's "
+                         f"{' and '.join(EIGHT_LANE_EPILOGUES)} epilogues only")
     return (f"lb::linear_wgmma<{bm}, {bn}, {products}, {EPILOGUES[epilogue]}, {stages}, "
-            f"{pending}{', 1' if staged else ''}>")
+            f"{pending}{f', {int(staged)}' if staged else ''}>")
 
 
 def short_norm_name(products: int) -> str:
@@ -462,8 +469,9 @@ def name_expressions(arch: str) -> list[str]:
     """Every kernel instantiation of the module compiled for arch (the wgmma GEMMs on sm_90a
     only; residual_norm on the wgmma NORM_TILES only; two products for TWO_PRODUCT_EPILOGUES
     only; the GEMM variants past the default on GEMM_VARIANT_EPILOGUES at one product; the
-    staged-epilogue twins of the STAGED_TILE GEMMs and the short residual-norm GEMMs; the
-    norm-prologue GEMMs on PROLOGUE_EPILOGUES)."""
+    staged-epilogue twins of the STAGED_TILE GEMMs (EIGHT_LANE_EPILOGUES' also eight lanes
+    a row) and the short residual-norm GEMMs; the norm-prologue GEMMs on
+    PROLOGUE_EPILOGUES)."""
     tiled = [(p, e) for p in GEMM_PRODUCTS for e in EPILOGUES
              if e != NORM_EPILOGUE and gemm_compiled(e, p)]
     normed = [p for p in GEMM_PRODUCTS if gemm_compiled(NORM_EPILOGUE, p)]
@@ -474,6 +482,8 @@ def name_expressions(arch: str) -> list[str]:
         names += [wgmma_name(t, p, NORM_EPILOGUE) for t in NORM_TILES for p in normed]
         names += [wgmma_name(STAGED_TILE, p, e, staged=True) for p, e in tiled]
         names += [wgmma_name(STAGED_TILE, p, NORM_EPILOGUE, staged=True) for p in normed]
+        names += [wgmma_name(STAGED_TILE, p, e, staged=2) for p, e in tiled + [
+            (p, NORM_EPILOGUE) for p in normed] if e in EIGHT_LANE_EPILOGUES]
         names += [short_norm_name(p) for p in normed]
         names += [gemm_variant_name(v, GEMM_VARIANT_PRODUCTS, e) for v in GEMM_VARIANTS[1:]
                   for e in GEMM_VARIANT_EPILOGUES]

@@ -106,15 +106,17 @@ class CupyLayer(BuiltLayer):
     build.LAYER_GEMM_VARIANT rather than build.UNSTAGED_GEMM_VARIANT). With short_norm_gemm,
     the fused residual-norm GEMMs of short reductions run ops.linear's short_norm. With
     context_hi_only, attention writes the context's hi half alone where out_proj reads
-    nothing else (one product)."""
+    nothing else (one product). With eight_lane_rows (and staged_epilogue), the staged
+    residual and residual-norm epilogues take a row by eight lanes (ops.linear's staged 2)."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,
                  attention_variant: str | None = None, gemm_variant: str | None = None,
                  norm_prologue: bool | None = False, pdl: bool = False,
                  staged_epilogue: bool = False, short_norm_gemm: bool = False,
-                 context_hi_only: bool = False):
+                 context_hi_only: bool = False, eight_lane_rows: bool = False):
         super().__init__(backend, config, device, dtype)
+        self.eight_lane_rows = eight_lane_rows  # staged fp32 epilogues eight lanes a row
         self.context_hi_only = context_hi_only  # no context lo half where none is read
         self.staged_epilogue = staged_epilogue  # GEMM epilogues through shared memory
         self.short_norm_gemm = short_norm_gemm  # residual-norm GEMMs two blocks an SM
@@ -188,7 +190,8 @@ class CupyLayer(BuiltLayer):
         def gemm(epilogue: str, count: int, weight, a) -> dict:
             """The GEMM family and variant of one launch (count: its products, a: its A
             operand pair)."""
-            return {"wgmma": self.wgmma, "staged": self.staged_epilogue,
+            staged = (2 if self.eight_lane_rows else 1) if self.staged_epilogue else 0
+            return {"wgmma": self.wgmma, "staged": staged,
                     "short_norm": self.short_norm_gemm,
                     "gemm_variant": self.gemm_variant_for(epilogue, count, weight,
                                                           x2.shape[0], a)}

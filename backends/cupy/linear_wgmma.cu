@@ -166,6 +166,26 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[BN / 2], int r
 template <int BN>
 __host__ __device__ constexpr int staged_row(void) { return BN + 8; }
 
+// The first step of the staged epilogues (store_tile_staged, store_tile_staged_eight), for
+// the 2 BM threads of a BM x 128 tile's warpgroups: their accumulators (store_fragment's
+// layout) go to tile (fp32, staged_row floats a row) once every wgmma of all of them has read
+// its stages (named barrier 1 of 2 BM threads), then a second barrier.
+template <int BM>
+__device__ __forceinline__ void stage_accumulators(const float (&acc)[64], float* tile,
+                                                   int group, int warp, int lane) {
+    constexpr int BN = 128, STRIDE = staged_row<BN>();
+    static_assert(BM == 64 || BM == 128, "one or two warpgroups");
+    named_sync<2 * BM>(1);  // every warpgroup's wgmmas are complete: the stages are free
+    float* mine = tile + (group * 64 + warp * 16 + lane / 4) * STRIDE + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            *reinterpret_cast<float2*>(mine + h * 8 * STRIDE + 8 * j) =
+                make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+    named_sync<2 * BM>(1);
+}
+
 // The epilogues of a BM x 128 output tile through shared memory (STAGED), for the 2 BM threads
 // of its warpgroups (BM 128: linear_wgmma's block or linear_wgmma_tma's consumers; BM 64:
 // linear_wgmma's one warpgroup): their accumulators (store_fragment's layout) go to tile
@@ -190,18 +210,7 @@ __device__ __forceinline__ void store_tile_staged(
     __half* norm_hi = nullptr, __half* norm_lo = nullptr, long long norm_stride = 0) {
     constexpr int BN = 128, STRIDE = staged_row<BN>(), ROWS = 4, WARPS = BM / 16;
     constexpr bool FP32_OUT = EPI == RESIDUAL || EPI == RESIDUAL_NORM;
-    static_assert(BM == 64 || BM == 128, "one or two warpgroups");
-    named_sync<2 * BM>(1);  // every warpgroup's wgmmas are complete: the stages are free
-    {
-        float* mine = tile + (group * 64 + warp * 16 + lane / 4) * STRIDE + 2 * (lane % 4);
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                *reinterpret_cast<float2*>(mine + h * 8 * STRIDE + 8 * j) =
-                    make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-    }
-    named_sync<2 * BM>(1);
+    stage_accumulators<BM>(acc, tile, group, warp, lane);
     const int col = n0 + 4 * lane, first = group * 4 + warp;
     const bool live = col < N;  // RESIDUAL_NORM: dead lanes still join the row's sums
     if (EPI != RESIDUAL_NORM && !live) return;
@@ -305,6 +314,139 @@ __device__ __forceinline__ void store_tile_staged(
                         to_hi[n + e] = hi[e];
                         if (to_lo != nullptr) to_lo[n + e] = lo[e];
                     }
+                }
+            }
+        }
+    }
+}
+
+// Four fp16 values (two __half2) to to: one 8-byte store where wide (to 8-byte aligned), else
+// one by one.
+__device__ __forceinline__ void store_half_quad(__half* to, const __half2 (&h)[2], bool wide) {
+    if (wide) {
+        *reinterpret_cast<uint2*>(to) = make_uint2(*reinterpret_cast<const unsigned*>(&h[0]),
+                                                   *reinterpret_cast<const unsigned*>(&h[1]));
+    } else {
+        to[0] = __low2half(h[0]), to[1] = __high2half(h[0]);
+        to[2] = __low2half(h[1]), to[3] = __high2half(h[1]);
+    }
+}
+
+// The RESIDUAL and RESIDUAL_NORM epilogues of a BM x 128 output tile through shared memory
+// eight lanes a row (STAGED 2): the values of store_tile_staged (RESIDUAL_NORM's row sums in
+// another order), the accumulators staged the same way (stage_accumulators), but lane l of
+// a warp takes row 4 i + l / 8 of the warp's rows and the 16 columns n0 + 4 (l % 8) + 32 c,
+// c < 4, as four float4s: one warp instruction covers four rows, 8 lanes reading a row's 512
+// contiguous bytes; RESIDUAL_NORM's two sums a row are 3-level butterflies within the 8 lanes
+// (quad_sum, quad_square_sum), and the bias and norm parameters are held for all 16 columns.
+// Warp w (0 .. BM / 16 - 1 across the warpgroups) takes the four-row groups w, w + BM / 16, ..,
+// BATCH groups at a time, all their residuals read before any is written (res may be out_f:
+// each element is read and written by one thread). Rows past M take part in the butterflies
+// and store nothing. Float4 accesses where the fp32 rows and bases are 16-byte aligned (the
+// norm's fp16 rows 8-byte), else one by one; N is a multiple of 4.
+template <int EPI, int BM = 128>
+__device__ __forceinline__ void store_tile_staged_eight(
+    const float (&acc)[64], float* tile, int group, int warp, int lane, int m0, int n0, int M,
+    int N, const float* bias, long long out_stride, const float* res, float* out_f,
+    const unsigned char* valid, int zero_sum, const float* norm_w, const float* norm_b,
+    float eps, __half* norm_hi, __half* norm_lo, long long norm_stride) {
+    constexpr int BN = 128, STRIDE = staged_row<BN>(), WARPS = BM / 16, CHUNKS = BN / 32;
+    constexpr int GROUPS = BM / (4 * WARPS), BATCH = 2;  // four-row groups a warp, at once
+    constexpr bool NORM = EPI == RESIDUAL_NORM;
+    static_assert(EPI == RESIDUAL || NORM, "the fp32 epilogues");
+    static_assert(GROUPS % BATCH == 0, "whole batches");
+    stage_accumulators<BM>(acc, tile, group, warp, lane);
+    const int q = lane / 8, part = lane % 8, first = group * 4 + warp;
+    const auto address = [](const void* p) { return reinterpret_cast<unsigned long long>(p); };
+    const bool wide = (out_stride & 3) == 0 && ((address(out_f) | address(res)) & 15) == 0;
+    const bool norm_wide = (norm_stride & 3) == 0 &&
+                           ((address(norm_hi) | address(norm_lo)) & 7) == 0;
+    float4 b[CHUNKS], nw[CHUNKS], nb[CHUNKS];
+    const auto load4 = [N](const float* p, int col) {  // zeros past N
+        return col < N ? make_float4(p[col], p[col + 1], p[col + 2], p[col + 3])
+                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    };
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int col = n0 + 4 * part + 32 * c;
+        b[c] = load4(bias, col);
+        if constexpr (NORM) {
+            nw[c] = load4(norm_w, col);
+            nb[c] = load4(norm_b, col);
+        }
+    }
+    for (int g0 = 0; g0 < GROUPS; g0 += BATCH) {
+        float4 v[BATCH][CHUNKS], rv[BATCH][CHUNKS];
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int r = 4 * (first + WARPS * (g0 + i)) + q, row = m0 + r;
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                const int col = n0 + 4 * part + 32 * c;
+                v[i][c] = *reinterpret_cast<const float4*>(tile + r * STRIDE + 4 * part +
+                                                           32 * c);
+                v[i][c] = make_float4(v[i][c].x + b[c].x, v[i][c].y + b[c].y,
+                                      v[i][c].z + b[c].z, v[i][c].w + b[c].w);
+                rv[i][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (row < M && col < N) {
+                    const float* from = res + row * out_stride + col;
+                    if (wide) {
+                        rv[i][c] = *reinterpret_cast<const float4*>(from);
+                    } else {
+                        rv[i][c] = make_float4(from[0], from[1], from[2], from[3]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const int row = m0 + 4 * (first + WARPS * (g0 + i)) + q;
+            const bool in_rows = row < M;
+            const bool keep = valid == nullptr || (in_rows && valid[row] != 0);
+            const long long o_row = row * out_stride;
+            float4 y[CHUNKS];
+            float sum = 0.0f;
+#pragma unroll
+            for (int c = 0; c < CHUNKS; ++c) {
+                const int col = n0 + 4 * part + 32 * c;
+                const float2 p = residual_value(v[i][c].x, v[i][c].y,
+                                                make_float2(rv[i][c].x, rv[i][c].y), keep,
+                                                zero_sum);
+                const float2 h = residual_value(v[i][c].z, v[i][c].w,
+                                                make_float2(rv[i][c].z, rv[i][c].w), keep,
+                                                zero_sum);
+                y[c] = col < N ? make_float4(p.x, p.y, h.x, h.y) : make_float4(0, 0, 0, 0);
+                if (in_rows && col < N) {
+                    float* to = out_f + o_row + col;
+                    if (wide) {
+                        *reinterpret_cast<float4*>(to) = y[c];
+                    } else {
+                        to[0] = y[c].x, to[1] = y[c].y, to[2] = y[c].z, to[3] = y[c].w;
+                    }
+                }
+                if constexpr (NORM) sum += quad_sum(y[c]);
+            }
+            if constexpr (NORM) {
+#pragma unroll
+                for (int o = 1; o < 8; o *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                const float mean = sum / N;
+                float sq = 0.0f;
+#pragma unroll
+                for (int c = 0; c < CHUNKS; ++c)
+                    if (n0 + 4 * part + 32 * c < N) sq += quad_square_sum(y[c], mean);
+#pragma unroll
+                for (int o = 1; o < 8; o *= 2) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+                const float rstd = rsqrtf(sq / N + eps);
+                const long long n_row = row * norm_stride;
+#pragma unroll
+                for (int c = 0; c < CHUNKS; ++c) {
+                    const int col = n0 + 4 * part + 32 * c;
+                    if (!in_rows || col >= N) continue;
+                    __half2 hi[2], lo[2];
+                    split_quad(normalize_quad(y[c], mean, rstd, nw[c], nb[c]), hi, lo);
+                    store_half_quad(norm_hi + n_row + col, hi, norm_wide);
+                    if (norm_lo != nullptr)  // null: the hi half alone, for one product
+                        store_half_quad(norm_lo + n_row + col, lo, norm_wide);
                 }
             }
         }
@@ -444,7 +586,8 @@ constexpr int MAX_WGMMA_SHARED_BYTES = 227 * 1024;
 //      other instruction touches before the wait 0 after the loop.
 //   After the loop: wgmma wait 0 (PENDING 1), cp.async wait 0, the epilogue.
 // STAGED 1 (tiles BN 128): the epilogue through shared memory (store_tile_staged) after the
-// mainloop, the output tile staged over the stages, a warp a row.
+// mainloop, the output tile staged over the stages, a warp a row; STAGED 2 (RESIDUAL and
+// RESIDUAL_NORM): the same, eight lanes a row (store_tile_staged_eight).
 template <int BM, int BN, int PRODUCTS, int EPI, int STAGES, int PENDING, int STAGED = 0>
 __global__ void __launch_bounds__(BM * 2, 1)
 linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
@@ -466,6 +609,8 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     static_assert(PENDING == 0 || PENDING == 1, "wgmma groups left running: 0 or 1");
     static_assert(DISTANCE >= 1, "at least one K tile copied ahead");
     static_assert(!STAGED || BN == 128, "staged: tiles 128 wide");
+    static_assert(STAGED != 2 || EPI == RESIDUAL || EPI == RESIDUAL_NORM,
+                  "eight lanes a row: the fp32 epilogues");
     static_assert(!STAGED || BM * wd::staged_row<BN>() * 4 <=
                                  STAGES * (a_parts(PRODUCTS) * BM + w_parts(PRODUCTS) * BN) * 128,
                   "the staged tile must fit in the stages");
@@ -549,7 +694,12 @@ linear_wgmma(const __half* a_hi, const __half* a_lo, long long a_stride,
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     if (EPI == RESIDUAL_NORM && (gridDim.y != 1 || N > BN)) __trap();  // whole rows a block
-    if constexpr (STAGED) {  // every copy has landed (cp_async_wait above, then the barrier)
+    if constexpr (STAGED == 2) {  // as STAGED 1, eight lanes a row
+        wd::store_tile_staged_eight<EPI, BM>(acc, reinterpret_cast<float*>(smem), group, warp,
+                                             lane, m0, n0, M, N, bias, out_stride, res, out_f,
+                                             valid, zero_sum, norm_w, norm_b, eps, norm_hi,
+                                             norm_lo, norm_stride);
+    } else if constexpr (STAGED) {  // every copy has landed (cp_async_wait, then the barrier)
         wd::store_tile_staged<EPI, BM>(acc, reinterpret_cast<float*>(smem), group, warp, lane,
                                        m0, n0, M, N, bias, out_hi, out_lo, out_stride, res,
                                        out_f, valid, zero_sum, norm_w, norm_b, eps, norm_hi,

@@ -213,7 +213,7 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
            out_half=None, res=None, out=None, valid_rows=None, zero_sum: bool = False,
            norm=None, norm_out=None, eps: float = LN_EPS, tile=None,
            wgmma: bool = False, gemm_variant: str | None = None,
-           prologue_norm=None, staged: bool = False, short_norm: bool = False) -> None:
+           prologue_norm=None, staged: int = 0, short_norm: bool = False) -> None:
     """out = epilogue(a @ weight^T + bias) with a and weight as fp16 (hi, lo) pairs over
     products fp16 products (1: a_hi w_hi; 2: + a_lo w_hi; 3: + a_hi w_lo; ValueError where
     the module has no GEMM for the epilogue at that count, see build.gemm_compiled); "half"
@@ -228,9 +228,10 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
     cannot be described by one (tensor_maps.check: a misaligned base or row stride).
     prologue_norm = (x, norm_weight, norm_bias), with a None: A is LayerNorm(x) of the fp32
     rows x (eps), computed in the GEMM's prologue as layer_norm computes it (see
-    linear_norm_prologue). staged: where the plain schedule runs on build.STAGED_TILE, its
-    twin with the epilogue through shared memory (the same values; residual_norm's row
-    statistics summed in another order). short_norm: residual_norm with no tile given and K
+    linear_norm_prologue). staged (1 or True): where the plain schedule runs on
+    build.STAGED_TILE, its twin with the epilogue through shared memory (the same values;
+    residual_norm's row statistics summed in another order); 2: the same, eight lanes a row
+    for build.EIGHT_LANE_EPILOGUES (1 for the others). short_norm: residual_norm with no tile given and K
     at most build.SHORT_NORM_STAGES x 64 runs the short residual-norm GEMM
     (build.short_norm_name: 64 x 128 tiles, two stages, staged)."""
     if prologue_norm is not None or a is None:
@@ -290,8 +291,10 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
         elif variant.warp_specialised or variant.tma:  # linear_wgmma_ws / _tma
             name, threads = build.gemm_variant_name(variant, products, epilogue), variant.threads
         else:  # staged: the plain schedule's 128 x 128 kernels have the staged twin
-            staged = (staged and tuple(tile) == build.STAGED_TILE
-                      and variant.tile_schedule == build.GEMM_PLAIN.tile_schedule)
+            fits = (tuple(tile) == build.STAGED_TILE
+                    and variant.tile_schedule == build.GEMM_PLAIN.tile_schedule)
+            staged = 0 if not (staged and fits) else (
+                2 if staged == 2 and epilogue in build.EIGHT_LANE_EPILOGUES else 1)
             name = build.wgmma_name(tile, products, epilogue, variant.stages, variant.pending,
                                     staged=staged)
             threads = 2 * bm
