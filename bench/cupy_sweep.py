@@ -15,7 +15,9 @@ and GEMM kernel sweeps.
         # an attention variant against the default attention
     python bench/cupy_sweep.py sources --baseline DIR --shapes 13,6,1
         # this tree's kernel sources against those in DIR (e.g. `git archive REV
-        # backends/cupy | tar -x -C DIR`, then DIR/backends/cupy), the same options
+        # backends/cupy | tar -x -C DIR`, then DIR/backends/cupy), the same options; both
+        # compiled with this tree's name expressions (build.py), so DIR's sources must define
+        # every kernel they name
     python bench/cupy_sweep.py products --shapes 13,6 --products 1,2,3  # out_proj and FFN
     python bench/cupy_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64
         # the mma.sync attention kernel and every wgmma variant of the head dim on one input:

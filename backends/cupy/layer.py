@@ -38,7 +38,7 @@ LONG_ATTENTION_HEAD_DIM, LONG_ATTENTION_MIN_KEYS = 64, 4096
 # Head dim 32 exactly (the ring's boxes are 32 columns wide) runs the plain TMA ring at two
 # blocks an SM where no variant is named: four consumer warpgroups an SM with no block barrier
 # and no copy addresses. H200, shape 13's attention 0.114 ms against the default's 0.146;
-# whole layers: shape 13 -9%, 6 -5%, 1-5 -3-4%, 12 level.
+# whole layers: shape 13 -9%, 6 -5%, 1-4 -3-4%, 5 -3%, 12 level.
 NARROW_ATTENTION, NARROW_ATTENTION_HEAD_DIM = build.WGMMA_TMA_2_PER_SM, 32
 
 

@@ -336,8 +336,8 @@ __device__ __forceinline__ void store_half_quad(__half* to, const __half2 (&h)[2
 // eight lanes a row (STAGED 2): the values of store_tile_staged (RESIDUAL_NORM's row sums in
 // another order), the accumulators staged the same way (stage_accumulators), but lane l of
 // a warp takes row 4 i + l / 8 of the warp's rows and the 16 columns n0 + 4 (l % 8) + 32 c,
-// c < 4, as four float4s: one warp instruction covers four rows, 8 lanes reading a row's 512
-// contiguous bytes; RESIDUAL_NORM's two sums a row are 3-level butterflies within the 8 lanes
+// c < 4, as four float4s: one warp instruction covers four rows, 8 lanes reading 128
+// contiguous bytes of each (a row's 512 in four); RESIDUAL_NORM's two sums a row are 3-level butterflies within the 8 lanes
 // (quad_sum, quad_square_sum), and the bias and norm parameters are held for all 16 columns.
 // Warp w (0 .. BM / 16 - 1 across the warpgroups) takes the four-row groups w, w + BM / 16, ..,
 // BATCH groups at a time, all their residuals read before any is written (res may be out_f:

@@ -231,9 +231,9 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
     linear_norm_prologue). staged (1 or True): where the plain schedule runs on
     build.STAGED_TILE, its twin with the epilogue through shared memory (the same values;
     residual_norm's row statistics summed in another order); 2: the same, eight lanes a row
-    for build.EIGHT_LANE_EPILOGUES (1 for the others). short_norm: residual_norm with no tile given and K
-    at most build.SHORT_NORM_STAGES x 64 runs the short residual-norm GEMM
-    (build.short_norm_name: 64 x 128 tiles, two stages, staged)."""
+    for build.EIGHT_LANE_EPILOGUES where N is a multiple of 4 (1 otherwise). short_norm:
+    residual_norm with no tile given and K at most build.SHORT_NORM_STAGES x 64 runs the
+    short residual-norm GEMM (build.short_norm_name: 64 x 128 tiles, two stages, staged)."""
     if prologue_norm is not None or a is None:
         linear_norm_prologue(k, prologue_norm, a, weight, bias, epilogue, products,
                              out_pair=out_pair, out_half=out_half, res=res, out=out,
@@ -293,8 +293,9 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
         else:  # staged: the plain schedule's 128 x 128 kernels have the staged twin
             fits = (tuple(tile) == build.STAGED_TILE
                     and variant.tile_schedule == build.GEMM_PLAIN.tile_schedule)
-            staged = 0 if not (staged and fits) else (
-                2 if staged == 2 and epilogue in build.EIGHT_LANE_EPILOGUES else 1)
+            eight = (staged == 2 and epilogue in build.EIGHT_LANE_EPILOGUES
+                     and n % 4 == 0)  # a lane's columns four at a time
+            staged = 0 if not (staged and fits) else (2 if eight else 1)
             name = build.wgmma_name(tile, products, epilogue, variant.stages, variant.pending,
                                     staged=staged)
             threads = 2 * bm
