@@ -1763,12 +1763,20 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
     assert_in_order(text, ("wd::consume_stages<BN, STAGES>(acc, base, full0, empty0, k_tiles, "
                            "group, done);", "if constexpr (STAGED)",
                            "wd::store_tile_staged<EPI>("))
-    staged = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
-    staged = staged[staged.index("void store_tile_staged("):]
-    staged = staged[:staged.index("\n}\n")]
-    assert_in_order(staged, ("named_sync<2 * BM>(1);", "*reinterpret_cast<float2*>(mine",
-                             "named_sync<2 * BM>(1);", "*reinterpret_cast<const float4*>(tile"))
-    assert staged.count("named_sync<2 * BM>(1);") == 2
+    source = (build.SOURCE_DIR / "linear_wgmma.cu").read_text()
+
+    def body(signature: str) -> str:
+        """The text of the function whose definition starts with signature."""
+        text = source[source.index(signature):]
+        return text[:text.index("\n}\n")]
+    staging = body("void stage_accumulators(")
+    assert_in_order(staging, ("named_sync<2 * BM>(1);", "*reinterpret_cast<float2*>(mine",
+                              "named_sync<2 * BM>(1);"))
+    assert staging.count("named_sync<2 * BM>(1);") == 2
+    for staged in (body("void store_tile_staged("), body("void store_tile_staged_eight(")):
+        assert_in_order(staged, ("stage_accumulators<BM>(acc, tile, group, warp, lane);",
+                                 "*reinterpret_cast<const float4*>(tile"))
+        assert "named_sync" not in staged
     names = build.name_expressions(build.HOPPER)
     tma = [v for v in build.GEMM_VARIANTS if v.tma]
     assert {build.GEMM_TMA_WIDE, build.GEMM_TMA, build.GEMM_TMA_TWO_PER_SM} <= set(tma)
