@@ -1773,10 +1773,15 @@ def test_tma_gemm_ring_keeps_stages_safe(cupy_selected):
     assert_in_order(staging, ("named_sync<2 * BM>(1);", "*reinterpret_cast<float2*>(mine",
                               "named_sync<2 * BM>(1);"))
     assert staging.count("named_sync<2 * BM>(1);") == 2
-    for staged in (body("void store_tile_staged("), body("void store_tile_staged_eight(")):
-        assert_in_order(staged, ("stage_accumulators<BM>(acc, tile, group, warp, lane);",
-                                 "*reinterpret_cast<const float4*>(tile"))
+    eight = body("void store_tile_staged_eight(")
+    for staged, reads in ((body("void store_tile_staged("),
+                           "*reinterpret_cast<const float4*>(tile"),
+                          (eight, "store_rows_eight<EPI, BM, true>(tile")):
+        assert_in_order(staged, ("stage_accumulators<BM>(acc, tile, group, warp, lane);", reads))
         assert "named_sync" not in staged
+    assert "store_rows_eight<EPI, BM, false>(tile" in eight
+    rows = body("void store_rows_eight(")
+    assert "*reinterpret_cast<const float4*>(tile" in rows and "named_sync" not in rows
     names = build.name_expressions(build.HOPPER)
     tma = [v for v in build.GEMM_VARIANTS if v.tma]
     assert {build.GEMM_TMA_WIDE, build.GEMM_TMA, build.GEMM_TMA_TWO_PER_SM} <= set(tma)

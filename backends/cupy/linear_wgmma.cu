@@ -332,54 +332,26 @@ __device__ __forceinline__ void store_half_quad(__half* to, const __half2 (&h)[2
     }
 }
 
-// The RESIDUAL and RESIDUAL_NORM epilogues of a BM x 128 output tile through shared memory
-// eight lanes a row (STAGED 2): the values of store_tile_staged (RESIDUAL_NORM's row sums in
-// another order), the accumulators staged the same way (stage_accumulators), but lane l of
-// a warp takes row 4 i + l / 8 of the warp's rows and the 16 columns n0 + 4 (l % 8) + 32 c,
-// c < 4, as four float4s: one warp instruction covers four rows, 8 lanes reading 128
-// contiguous bytes of each (a row's 512 in four); RESIDUAL_NORM's two sums a row are 3-level butterflies within the 8 lanes
-// (quad_sum, quad_square_sum), and the bias and norm parameters are held for all 16 columns.
-// Warp w (0 .. BM / 16 - 1 across the warpgroups) takes the four-row groups w, w + BM / 16, ..,
-// BATCH groups at a time, all their residuals read before any is written (res may be out_f:
-// each element is read and written by one thread). Rows past M take part in the butterflies
-// and store nothing. Float4 accesses where the fp32 rows and bases are 16-byte aligned (the
-// norm's fp16 rows 8-byte), else one by one; N is a multiple of 4.
-template <int EPI, int BM = 128>
-__device__ __forceinline__ void store_tile_staged_eight(
-    const float (&acc)[64], float* tile, int group, int warp, int lane, int m0, int n0, int M,
-    int N, const float* bias, long long out_stride, const float* res, float* out_f,
-    const unsigned char* valid, int zero_sum, const float* norm_w, const float* norm_b,
-    float eps, __half* norm_hi, __half* norm_lo, long long norm_stride) {
+// The rows of store_tile_staged_eight (below) after the staging: VEC, float4 accesses (the
+// fp32 rows and bases 16-byte aligned, the norm's fp16 rows 8-byte), else one by one. b, nw,
+// nb: the lane's bias and norm parameters (zero past N).
+template <int EPI, int BM, bool VEC>
+__device__ __forceinline__ void store_rows_eight(
+    const float* tile, int q, int part, int first, int m0, int n0, int M, int N,
+    const float4 (&b)[4], const float4 (&nw)[4], const float4 (&nb)[4], long long out_stride,
+    const float* res, float* out_f, const unsigned char* valid, int zero_sum, float eps,
+    __half* norm_hi, __half* norm_lo, long long norm_stride) {
     constexpr int BN = 128, STRIDE = staged_row<BN>(), WARPS = BM / 16, CHUNKS = BN / 32;
     constexpr int GROUPS = BM / (4 * WARPS), BATCH = 2;  // four-row groups a warp, at once
     constexpr bool NORM = EPI == RESIDUAL_NORM;
-    static_assert(EPI == RESIDUAL || NORM, "the fp32 epilogues");
     static_assert(GROUPS % BATCH == 0, "whole batches");
-    stage_accumulators<BM>(acc, tile, group, warp, lane);
-    const int q = lane / 8, part = lane % 8, first = group * 4 + warp;
-    const auto address = [](const void* p) { return reinterpret_cast<unsigned long long>(p); };
-    const bool wide = (out_stride & 3) == 0 && ((address(out_f) | address(res)) & 15) == 0;
-    const bool norm_wide = (norm_stride & 3) == 0 &&
-                           ((address(norm_hi) | address(norm_lo)) & 7) == 0;
-    float4 b[CHUNKS], nw[CHUNKS], nb[CHUNKS];
-    const auto load4 = [N](const float* p, int col) {  // zeros past N
-        return col < N ? make_float4(p[col], p[col + 1], p[col + 2], p[col + 3])
-                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    };
-#pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) {
-        const int col = n0 + 4 * part + 32 * c;
-        b[c] = load4(bias, col);
-        if constexpr (NORM) {
-            nw[c] = load4(norm_w, col);
-            nb[c] = load4(norm_b, col);
-        }
-    }
     for (int g0 = 0; g0 < GROUPS; g0 += BATCH) {
         float4 v[BATCH][CHUNKS], rv[BATCH][CHUNKS];
+        bool keep[BATCH];
 #pragma unroll
-        for (int i = 0; i < BATCH; ++i) {
+        for (int i = 0; i < BATCH; ++i) {  // the batch's loads, before any store
             const int r = 4 * (first + WARPS * (g0 + i)) + q, row = m0 + r;
+            keep[i] = valid == nullptr || (row < M && valid[row] != 0);
 #pragma unroll
             for (int c = 0; c < CHUNKS; ++c) {
                 const int col = n0 + 4 * part + 32 * c;
@@ -390,7 +362,7 @@ __device__ __forceinline__ void store_tile_staged_eight(
                 rv[i][c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 if (row < M && col < N) {
                     const float* from = res + row * out_stride + col;
-                    if (wide) {
+                    if constexpr (VEC) {
                         rv[i][c] = *reinterpret_cast<const float4*>(from);
                     } else {
                         rv[i][c] = make_float4(from[0], from[1], from[2], from[3]);
@@ -402,7 +374,6 @@ __device__ __forceinline__ void store_tile_staged_eight(
         for (int i = 0; i < BATCH; ++i) {
             const int row = m0 + 4 * (first + WARPS * (g0 + i)) + q;
             const bool in_rows = row < M;
-            const bool keep = valid == nullptr || (in_rows && valid[row] != 0);
             const long long o_row = row * out_stride;
             float4 y[CHUNKS];
             float sum = 0.0f;
@@ -410,15 +381,15 @@ __device__ __forceinline__ void store_tile_staged_eight(
             for (int c = 0; c < CHUNKS; ++c) {
                 const int col = n0 + 4 * part + 32 * c;
                 const float2 p = residual_value(v[i][c].x, v[i][c].y,
-                                                make_float2(rv[i][c].x, rv[i][c].y), keep,
+                                                make_float2(rv[i][c].x, rv[i][c].y), keep[i],
                                                 zero_sum);
                 const float2 h = residual_value(v[i][c].z, v[i][c].w,
-                                                make_float2(rv[i][c].z, rv[i][c].w), keep,
+                                                make_float2(rv[i][c].z, rv[i][c].w), keep[i],
                                                 zero_sum);
                 y[c] = col < N ? make_float4(p.x, p.y, h.x, h.y) : make_float4(0, 0, 0, 0);
                 if (in_rows && col < N) {
                     float* to = out_f + o_row + col;
-                    if (wide) {
+                    if constexpr (VEC) {
                         *reinterpret_cast<float4*>(to) = y[c];
                     } else {
                         to[0] = y[c].x, to[1] = y[c].y, to[2] = y[c].z, to[3] = y[c].w;
@@ -444,12 +415,64 @@ __device__ __forceinline__ void store_tile_staged_eight(
                     if (!in_rows || col >= N) continue;
                     __half2 hi[2], lo[2];
                     split_quad(normalize_quad(y[c], mean, rstd, nw[c], nb[c]), hi, lo);
-                    store_half_quad(norm_hi + n_row + col, hi, norm_wide);
+                    store_half_quad(norm_hi + n_row + col, hi, VEC);
                     if (norm_lo != nullptr)  // null: the hi half alone, for one product
-                        store_half_quad(norm_lo + n_row + col, lo, norm_wide);
+                        store_half_quad(norm_lo + n_row + col, lo, VEC);
                 }
             }
         }
+    }
+}
+
+// The RESIDUAL and RESIDUAL_NORM epilogues of a BM x 128 output tile through shared memory
+// eight lanes a row (STAGED 2): the values of store_tile_staged (RESIDUAL_NORM's row sums in
+// another order), the accumulators staged the same way (stage_accumulators), but lane l of
+// a warp takes row 4 i + l / 8 of the warp's rows and the 16 columns n0 + 4 (l % 8) + 32 c,
+// c < 4, as four float4s: one warp instruction covers four rows, 8 lanes reading 128
+// contiguous bytes of each (a row's 512 in four); RESIDUAL_NORM's two sums a row are 3-level
+// butterflies within the 8 lanes (quad_sum, quad_square_sum), and the bias and norm
+// parameters are held for all 16 columns. Warp w (0 .. BM / 16 - 1 across the warpgroups)
+// takes the four-row groups w, w + BM / 16, .., two groups at a time, their residuals and
+// valid bytes read before any is written (res may be out_f: each element is read and written
+// by one thread). Rows past M take part in the butterflies and store nothing. Float4
+// accesses where every fp32 row and base is 16-byte aligned and the norm's fp16 rows 8-byte
+// (one loop), else one by one (another); N is a multiple of 4.
+template <int EPI, int BM = 128>
+__device__ __forceinline__ void store_tile_staged_eight(
+    const float (&acc)[64], float* tile, int group, int warp, int lane, int m0, int n0, int M,
+    int N, const float* bias, long long out_stride, const float* res, float* out_f,
+    const unsigned char* valid, int zero_sum, const float* norm_w, const float* norm_b,
+    float eps, __half* norm_hi, __half* norm_lo, long long norm_stride) {
+    constexpr int BN = 128, CHUNKS = BN / 32;
+    static_assert(EPI == RESIDUAL || EPI == RESIDUAL_NORM, "the fp32 epilogues");
+    stage_accumulators<BM>(acc, tile, group, warp, lane);
+    const int q = lane / 8, part = lane % 8, first = group * 4 + warp;
+    const auto address = [](const void* p) { return reinterpret_cast<unsigned long long>(p); };
+    const bool vec = (out_stride & 3) == 0 && ((address(out_f) | address(res)) & 15) == 0 &&
+                     (norm_stride & 3) == 0 && ((address(norm_hi) | address(norm_lo)) & 7) == 0;
+    float4 b[CHUNKS], nw[CHUNKS], nb[CHUNKS];
+    const auto load4 = [N](const float* p, int col) {  // zeros past N
+        return col < N ? make_float4(p[col], p[col + 1], p[col + 2], p[col + 3])
+                       : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    };
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int col = n0 + 4 * part + 32 * c;
+        b[c] = load4(bias, col);
+        nw[c] = nb[c] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if constexpr (EPI == RESIDUAL_NORM) {
+            nw[c] = load4(norm_w, col);
+            nb[c] = load4(norm_b, col);
+        }
+    }
+    if (vec) {
+        store_rows_eight<EPI, BM, true>(tile, q, part, first, m0, n0, M, N, b, nw, nb,
+                                        out_stride, res, out_f, valid, zero_sum, eps, norm_hi,
+                                        norm_lo, norm_stride);
+    } else {
+        store_rows_eight<EPI, BM, false>(tile, q, part, first, m0, n0, M, N, b, nw, nb,
+                                         out_stride, res, out_f, valid, zero_sum, eps, norm_hi,
+                                         norm_lo, norm_stride);
     }
 }
 
