@@ -508,18 +508,13 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     for pdl, on in ((None, True), (True, True), (False, False)):
         layer = CupyBackend(pdl=pdl)._build(cfg, sd, cpu, torch.float32)
         assert layer.pdl == on and isinstance(layer.kernels, ops.ProgrammaticKernels) == on
-    for staged, on in ((None, True), (True, True), (False, False)):
-        assert CupyBackend(staged_epilogue=staged)._build(cfg, sd, cpu,
-                                                          torch.float32).staged_epilogue == on
-    for choice, on in ((None, False), (False, False), (True, True)):
-        assert CupyBackend(short_norm_gemm=choice)._build(cfg, sd, cpu,
-                                                          torch.float32).short_norm_gemm == on
-    for choice, on in ((None, True), (True, True), (False, False)):
-        assert CupyBackend(context_hi_only=choice)._build(cfg, sd, cpu,
-                                                          torch.float32).context_hi_only == on
-    for choice, on in ((None, False), (False, False), (True, True)):
-        assert CupyBackend(eight_lane_rows=choice)._build(cfg, sd, cpu,
-                                                          torch.float32).eight_lane_rows == on
+    default_on = ((None, True), (True, True), (False, False))
+    default_off = ((None, False), (False, False), (True, True))
+    for option, choices in (("staged_epilogue", default_on), ("short_norm_gemm", default_off),
+                            ("context_hi_only", default_on), ("eight_lane_rows", default_off)):
+        for choice, on in choices:
+            built = CupyBackend(**{option: choice})._build(cfg, sd, cpu, torch.float32)
+            assert getattr(built, option) == on, (option, choice)
     layer.kernels.launch("k", (1, 1, 1), 32, 0, ())
     CupyBackend()._build(cfg, sd, cpu, torch.float32).kernels.launch("k", (1, 1, 1), 32, 0, ())
     assert Hopper.launches == [False, True]

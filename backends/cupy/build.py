@@ -482,8 +482,8 @@ def name_expressions(arch: str) -> list[str]:
         names += [wgmma_name(t, p, NORM_EPILOGUE) for t in NORM_TILES for p in normed]
         names += [wgmma_name(STAGED_TILE, p, e, staged=True) for p, e in tiled]
         names += [wgmma_name(STAGED_TILE, p, NORM_EPILOGUE, staged=True) for p in normed]
-        names += [wgmma_name(STAGED_TILE, p, e, staged=2) for p, e in tiled + [
-            (p, NORM_EPILOGUE) for p in normed] if e in EIGHT_LANE_EPILOGUES]
+        names += [wgmma_name(STAGED_TILE, p, e, staged=2) for p in GEMM_PRODUCTS
+                  for e in EIGHT_LANE_EPILOGUES if gemm_compiled(e, p)]
         names += [short_norm_name(p) for p in normed]
         names += [gemm_variant_name(v, GEMM_VARIANT_PRODUCTS, e) for v in GEMM_VARIANTS[1:]
                   for e in GEMM_VARIANT_EPILOGUES]

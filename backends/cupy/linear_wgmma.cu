@@ -166,6 +166,11 @@ __device__ __forceinline__ void store_fragment(const float (&acc)[BN / 2], int r
 template <int BN>
 __host__ __device__ constexpr int staged_row(void) { return BN + 8; }
 
+// A pointer's bits, for the staged epilogues' alignment tests.
+__device__ __forceinline__ unsigned long long address(const void* p) {
+    return reinterpret_cast<unsigned long long>(p);
+}
+
 // The first step of the staged epilogues (store_tile_staged, store_tile_staged_eight), for
 // the 2 BM threads of a BM x 128 tile's warpgroups: their accumulators (store_fragment's
 // layout) go to tile (fp32, staged_row floats a row) once every wgmma of all of them has read
@@ -214,7 +219,6 @@ __device__ __forceinline__ void store_tile_staged(
     const int col = n0 + 4 * lane, first = group * 4 + warp;
     const bool live = col < N;  // RESIDUAL_NORM: dead lanes still join the row's sums
     if (EPI != RESIDUAL_NORM && !live) return;
-    const auto address = [](const void* p) { return reinterpret_cast<unsigned long long>(p); };
     const unsigned long long at = FP32_OUT ? address(out_f) | address(res)
                                            : address(out_hi) | address(out_lo);
     const bool wide = col + 4 <= N && (out_stride & 3) == 0 && (at & 15) == 0;
@@ -447,7 +451,6 @@ __device__ __forceinline__ void store_tile_staged_eight(
     static_assert(EPI == RESIDUAL || EPI == RESIDUAL_NORM, "the fp32 epilogues");
     stage_accumulators<BM>(acc, tile, group, warp, lane);
     const int q = lane / 8, part = lane % 8, first = group * 4 + warp;
-    const auto address = [](const void* p) { return reinterpret_cast<unsigned long long>(p); };
     const bool vec = (out_stride & 3) == 0 && ((address(out_f) | address(res)) & 15) == 0 &&
                      (norm_stride & 3) == 0 && ((address(norm_hi) | address(norm_lo)) & 7) == 0;
     float4 b[CHUNKS], nw[CHUNKS], nb[CHUNKS];
