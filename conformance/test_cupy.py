@@ -28,6 +28,7 @@ from layerbench.common.contract import compare
 from layerbench.common.cuda_host import cubin_kernels, key_info, split_fp16, weight_pair
 from layerbench.common.errors import Unsupported
 from layerbench.common.inputs import make_inputs
+from layerbench.common.params import pack_params
 from layerbench.common.selection import selected_backends
 from layerbench.reference import make_reference, packed_attention, reference_forward
 
@@ -148,18 +149,22 @@ def test_sm90_sass(cupy_selected, compiled, hopper_sass):
 def test_every_kernel_waits_for_the_one_before_it(cupy_selected, compiled, hopper_sass):
     """Every sm_90a kernel waits for the kernel before it (griddepcontrol.wait: ACQBULK) and
     lets the next one launch (PREEXIT), as programmatic dependent launches need; the sm_80
-    module has neither (start_after_previous compiles to nothing there)."""
+    module has neither (start_after_previous compiles to nothing there). Only the whole-block
+    kernels touch global memory before the wait, and only by copying weights to shared memory
+    (LDGSTS), which no kernel writes."""
     from bench.sass import functions, kernels
 
     _, lowered = compiled[build.HOPPER]
     bodies, rows = hopper_sass
     memory = re.compile(r"\b(?:LDG|STG|LDGSTS|UTMALDG|UBLKCP|CCTL|ATOMG|RED|LD|ST)\.")
+    after_weights = re.compile(r"\b(?:LDG|STG|UTMALDG|UBLKCP|CCTL|ATOMG|RED|LD|ST)\.")
     for name, symbol in lowered.items():
         assert rows[symbol]["dependency_wait"] >= 1, (name, rows[symbol])
         assert rows[symbol]["dependents_launch"] >= 1, (name, rows[symbol])
         lines = bodies[symbol].splitlines()
         wait = next(i for i, line in enumerate(lines) if re.search(r"\bACQBULK\b", line))
-        first = next((i for i, line in enumerate(lines) if memory.search(line)), len(lines))
+        pattern = after_weights if name.startswith("lb::whole_block<") else memory
+        first = next((i for i, line in enumerate(lines) if pattern.search(line)), len(lines))
         assert wait < first, (name, lines[first])  # nothing global before the wait
     path, _ = compiled["80"]
     for symbol, row in kernels(path, functions(path)).items():
@@ -453,8 +458,8 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     cuda.bindings' own, arguments take the bytes the kernels take (_size), and
     CupyBackend(pdl=...) launches programmatically from sm_90 by default, on request, and
     refuses where the device cannot; CupyBackend(staged_epilogue=...) stages by default and
-    on request, not with False, and context_hi_only likewise; short_norm_gemm and
-    eight_lane_rows only on request, eight_lane_rows asking the GEMMs for staged 2 where
+    on request, not with False, and context_hi_only and eight_lane_rows likewise;
+    short_norm_gemm only on request; eight_lane_rows asking the GEMMs for staged 2 where
     they stage."""
     import ctypes
 
@@ -511,7 +516,7 @@ def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatc
     default_on = ((None, True), (True, True), (False, False))
     default_off = ((None, False), (False, False), (True, True))
     for option, choices in (("staged_epilogue", default_on), ("short_norm_gemm", default_off),
-                            ("context_hi_only", default_on), ("eight_lane_rows", default_off)):
+                            ("context_hi_only", default_on), ("eight_lane_rows", default_on)):
         for choice, on in choices:
             built = CupyBackend(**{option: choice})._build(cfg, sd, cpu, torch.float32)
             assert getattr(built, option) == on, (option, choice)
@@ -615,6 +620,18 @@ def _launches():
             ops.attention(k, qkv, ctx, mask, key_info(mask), batch=2, seq_len=m // 2,
                           num_heads=heads, head_dim=head_dim, causal=True, wgmma=wgmma,
                           variant=variant)
+    for width, ffn in build.WHOLE_BLOCK_WIDTHS:  # with and without the final norm
+        cfg = LayerConfig(2, m // 2, width, 2, ffn, 1)
+        model = make_reference(cfg, seed=1)
+        params = pack_params(cfg, model.state_dict(), device="cpu").layers[0]
+        pairs = {n: weight_pair(getattr(params, n)) for n in layer_module.WEIGHTS}
+        rows = torch.zeros(m, width)
+        mask = torch.ones(2, m // 2, dtype=torch.uint8)
+        for final in (None, (rows[0], rows[0])):
+            ops.whole_block(k, rows, torch.zeros(m, width), params, pairs,
+                            torch.zeros(ffn), mask, key_info(mask), batch=2, seq_len=m // 2,
+                            num_heads=2, causal=True, final=final,
+                            final_out=None if final is None else torch.zeros(m, width))
     return k.calls
 
 
@@ -2932,6 +2949,7 @@ class StandIns:
         self.context_lo = []  # per attention launch: whether the context's lo half was written
         self.gemm_variants = []  # (epilogue, products, N, gemm_variant) of each GEMM
         self.mutation = mutation
+        self.config = None  # the layer's config (_run_stand_ins sets it)
 
     def layer_norm(self, k, x, weight, bias, *, pair=None, half=None, out=None,
                    valid_rows=None, eps=1e-5):
@@ -3005,24 +3023,59 @@ class StandIns:
         else:
             _pair(got, *ctx)
 
+    def whole_block(self, k, x, out, p, w, ffn_in_bias, valid, info, *, batch, seq_len,
+                    num_heads, causal, final=None, final_out=None, eps=1e-5):
+        """One block as whole_block.cu computes it: Q/K/V at one product from norm1's hi
+        half, the context, norm2 and the hidden rows as pairs at three products, the
+        residuals on valid rows (out_proj keeps x elsewhere, ffn_out writes 0); with final,
+        the final norm into final_out (0 on invalid rows). x is only read."""
+        self.calls.append("whole_block:final" if final is not None else "whole_block")
+        assert ops.whole_block_refusal(self.config, seq_len, 3) is None
+        assert out.data_ptr() != x.data_ptr() and (final_out is None) == (final is None)
+        d, rows = x.shape[1], valid is not None
+        valid_rows = None if valid is None else valid.reshape(-1)
+        before = x.clone()
+        qkv = (_norm(x, p.norm1_weight, p.norm1_bias).half().float()
+               @ w["qkv_weight"][0][:3 * d, :d].float().t() + p.qkv_bias).half()
+        everyone = torch.ones(batch, seq_len, dtype=torch.uint8)
+        ctx, _ = packed_attention(qkv, everyone if valid is None else valid, batch=batch,
+                                  seq_len=seq_len, heads=num_heads, causal=causal)
+
+        def pair(y):
+            return y.half(), (y - y.half().float()).half()
+        acc = _products(*pair(ctx.reshape(batch * seq_len, d)), *w["out_weight"], d, 3)
+        h = _residual(acc + p.out_bias, x, valid_rows, rows, 0)
+        f8 = w["ffn_in_weight"][0].shape[0]
+        hidden = _products(*pair(_norm(h, p.norm2_weight, p.norm2_bias)),
+                           *w["ffn_in_weight"], f8, 3) + ffn_in_bias
+        hidden = torch.nn.functional.gelu(hidden)
+        acc = _products(*pair(hidden), *w["ffn_out_weight"], d, 3)
+        out.copy_(_residual(acc + p.ffn_out_bias, h, valid_rows, rows, 1))
+        if final is not None:
+            y = _norm(out, *final)
+            final_out.copy_(y if valid_rows is None
+                            else torch.where(valid_rows.bool()[:, None], y, 0.0))
+        assert torch.equal(x, before), "whole_block wrote its input rows"
+
 
 def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=False,
                    attention_variant=None, gemm_variant=None, norm_prologue=False,
-                   context_hi_only=False):
+                   context_hi_only=False, whole_block=False):
     """The cupy layer's forward on CPU, its kernels replaced by stand (fuse_norms, a GEMM
     variant or norm_prologue as on the wgmma GEMMs; context_hi_only as CupyLayer's), with a
     NaN-poisoned workspace; returns the layer and its output."""
     from layerbench.backends.cupy.layer import CupyLayer
 
     model = make_reference(cfg, seed=5)
-    for name in ("layer_norm", "linear", "attention"):
+    for name in ("layer_norm", "linear", "attention", "whole_block"):
         monkeypatch.setattr(ops, name, getattr(stand, name))
+    stand.config = cfg
     layer = CupyLayer(None, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
                       None, products or linear_products_for(cfg.d_model),
                       wgmma=fuse_norms or gemm_variant is not None or norm_prologue,
                       fuse_norms=fuse_norms, attention_variant=attention_variant,
                       gemm_variant=gemm_variant, norm_prologue=norm_prologue,
-                      context_hi_only=context_hi_only)
+                      context_hi_only=context_hi_only, whole_block=whole_block)
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
@@ -3082,6 +3135,42 @@ def test_launch_sequence_computes_the_layer(cupy_selected, cfg, products, paddin
     else:
         assert len(stand.calls) == 7 * blocks + 1, stand.calls
         assert stand.calls.count(f"linear:residual:{products}") == 2 * blocks
+
+
+@pytest.mark.parametrize("cfg, launches", [
+    (LayerConfig(2, 17, 64, 2, 64, 1), ["whole_block:final"]),
+    (LayerConfig(3, 20, 64, 4, 50, 3), ["whole_block"] * 2 + ["whole_block:final"]),
+    (LayerConfig(2, 128, 32, 4, 32, 2, causal=False), ["whole_block", "whole_block:final"]),
+    (LayerConfig(2, 129, 64, 2, 64, 1), None),  # longer than the kernel holds
+    (LayerConfig(2, 12, 48, 4, 48, 1), None),   # a width it is not compiled for
+    (LayerConfig(3, 24, 32, 4, 36, 2), None)],  # an FFN width it is not compiled for
+    ids=["one-block", "three-blocks", "full-d32", "seq129", "d48", "f36"])
+@pytest.mark.parametrize("padding", [0.0, 0.4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_whole_block_plan_computes_the_layer(cupy_selected, cfg, launches, padding, dtype,
+                                             monkeypatch):
+    """With whole_block, the layer's launches (stand-ins on CPU, NaN-poisoned workspace)
+    keep the contract: one whole-block launch a block, each reading one residual buffer and
+    writing the other (never its own input), the final norm in the last launch, or after it
+    where the output is staged like the input (fp16 in and out, one block); where the kernel
+    refuses the call (too long, a width not compiled), the plan without it."""
+    model = make_reference(cfg, seed=5)
+    x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
+    expected = reference_forward(model, x, mask)
+    stand = StandIns()
+    layer, got = _run_stand_ins(cfg, stand, x.to(dtype), mask, monkeypatch, None,
+                                whole_block=True)
+    if dtype == torch.float32:
+        report = compare(got, expected)
+        assert report.passed, report.summary()
+    else:
+        assert torch.isfinite(got).all()
+    if launches is None:
+        assert "whole_block" not in " ".join(stand.calls) and stand.calls, stand.calls
+    elif dtype == torch.float16 and cfg.num_layers == 1:
+        assert stand.calls == ["whole_block", "layer_norm"], stand.calls
+    else:
+        assert stand.calls == launches, stand.calls
 
 
 @pytest.mark.parametrize("cfg, products", [(LayerConfig(2, 12, 512, 4, 64, 2), None),
@@ -3298,15 +3387,16 @@ def test_layer_keeps_the_contract_and_replays(kernels, number, wgmma, fuse_norms
         pytest.skip("fuse_norms applies on the wgmma GEMMs only")
     cfg = CI[number].config
     model, x, mask, expected = _layer_case(cfg)
-    layer = CupyBackend(wgmma=wgmma, fuse_norms=fuse_norms).build(cfg, model.state_dict(),
-                                                                  device="cuda")
+    layer = CupyBackend(wgmma=wgmma, fuse_norms=fuse_norms, whole_block=False).build(
+        cfg, model.state_dict(), device="cuda")
     assert layer.fuse_norms == (fuse_norms and cfg.d_model <= 128)
     _keeps_contract_and_replays(layer, x, mask, expected)
 
 
 @needs_gpu
+@pytest.mark.parametrize("whole_block", [False, True], ids=["kernels", "whole-block"])
 @pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
-def test_programmatic_launches_give_the_same_bits(kernels, number):
+def test_programmatic_launches_give_the_same_bits(kernels, number, whole_block):
     """With pdl (each launch a programmatic dependent of the one before it) the layer gives
     the bits of ordinary launches, eager, captured and replayed, and keeps the contract."""
     from layerbench.backends.cupy import CupyBackend
@@ -3316,8 +3406,10 @@ def test_programmatic_launches_give_the_same_bits(kernels, number):
         pytest.skip(kernels.programmatic_problem)
     cfg = CI[number].config
     model, x, mask, expected = _layer_case(cfg)
-    plain = CupyBackend(pdl=False).build(cfg, model.state_dict(), device="cuda")
-    layer = CupyBackend(pdl=True).build(cfg, model.state_dict(), device="cuda")
+    plain = CupyBackend(pdl=False, whole_block=whole_block).build(cfg, model.state_dict(),
+                                                                  device="cuda")
+    layer = CupyBackend(pdl=True, whole_block=whole_block).build(cfg, model.state_dict(),
+                                                                 device="cuda")
     assert layer.pdl and not plain.pdl
     with torch.no_grad():
         want = plain(x, mask).clone()
@@ -3341,8 +3433,8 @@ def test_layer_with_norm_prologue_keeps_the_contract_and_replays(kernels, number
         pytest.skip(f"no wgmma on sm_{kernels.arch}")
     cfg = CI[number].config
     model, x, mask, expected = _layer_case(cfg)
-    layer = CupyBackend(norm_prologue=True, fuse_norms=False).build(cfg, model.state_dict(),
-                                                                     device="cuda")
+    layer = CupyBackend(norm_prologue=True, fuse_norms=False, whole_block=False).build(
+        cfg, model.state_dict(), device="cuda")
     assert layer.norm_prologue and not layer.fuse_norms
     _keeps_contract_and_replays(layer, x, mask, expected)
 
@@ -3354,7 +3446,8 @@ def _layer_runs_variant(cfg, option: str, variant: str, op: str, monkeypatch) ->
     from layerbench.backends.cupy import CupyBackend
 
     model, x, mask, expected = _layer_case(cfg)
-    layer = CupyBackend(**{option: variant}).build(cfg, model.state_dict(), device="cuda")
+    layer = CupyBackend(**{option: variant}, whole_block=False).build(cfg, model.state_dict(),
+                                                                      device="cuda")
     names = []
     real = getattr(ops, op)
     keyword = "gemm_variant" if op == "linear" else "variant"
@@ -3397,3 +3490,49 @@ def test_layer_with_tma_attention_keeps_the_contract_and_replays(kernels, number
     cfg = CI[number].config
     assert cfg.d_model // cfg.num_heads in (32, 64)
     _layer_runs_variant(cfg, "attention_variant", variant, "attention", monkeypatch)
+
+@needs_gpu
+@pytest.mark.parametrize("cfg", [
+    LayerConfig(3, 128, 128, 4, 128, 2), LayerConfig(5, 100, 128, 16, 128, 1),
+    LayerConfig(2, 77, 128, 1, 120, 2, causal=False), LayerConfig(4, 33, 64, 2, 64, 2),
+    LayerConfig(3, 128, 32, 4, 32, 2), LayerConfig(2, 1, 32, 4, 32, 1),
+    LayerConfig(70, 64, 128, 2, 128, 1), LayerConfig(2, 128, 128, 8, 128, 1, causal=False)],
+    ids=["s128-h4", "s100-h16", "full-h1-f120", "d64-s33", "d32", "seq1", "b70", "full-h8"])
+@pytest.mark.parametrize("mask", ["prefix", "holes"])
+def test_whole_block_kernel_keeps_the_contract(kernels, cfg, mask, monkeypatch):
+    """The whole-block layer keeps the contract against the fp32 reference eager, captured
+    and replayed, with prefix padding or keys missing inside the sequence (holes), causal or
+    not, head dims 8 to 128, one sequence of one token; one launch a block; its output rows
+    are all written (the output poisoned with NaN first); and the same call at a length it
+    does not hold (144 tokens) runs the plan without it and keeps the contract too."""
+    from layerbench.backends.cupy import CupyBackend
+
+    model = make_reference(cfg, seed=41)
+    x, valid = make_inputs(cfg, padding_ratio=0.4, seed=42, device="cuda")
+    if mask == "holes":  # invalid keys inside the sequences, the first key kept
+        valid = valid & (torch.rand(valid.shape, device="cuda") > 0.3)
+        valid[:, 0] = True
+    expected = reference_forward(model.cuda(), x, valid)
+    layer = CupyBackend(whole_block=True).build(cfg, model.state_dict(), device="cuda")
+    launched = []
+    real = ops.whole_block
+
+    def recorded(*args, **kwargs):
+        launched.append(kwargs["final"] is not None)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(ops, "whole_block", recorded)
+    with torch.no_grad():
+        for _ in range(3):  # eager, captured, replayed
+            out = torch.full_like(x, math.nan)
+            got = layer(x, valid, out=out)
+            assert torch.isfinite(got).all(), "an output element left unwritten"
+            report = compare(got, expected)
+            assert report.passed, report.summary()
+    assert launched[:cfg.num_layers] == [False] * (cfg.num_layers - 1) + [True], launched
+    longer = LayerConfig(2, 144, cfg.d_model, cfg.num_heads, cfg.ffn_dim, 1, cfg.causal)
+    x2, valid2 = make_inputs(longer, padding_ratio=0.25, seed=43, device="cuda")
+    launched.clear()
+    with torch.no_grad():
+        report = compare(layer(x2, valid2), reference_forward(model.cuda(), x2, valid2))
+    assert report.passed, report.summary()
+    assert not launched, "the whole-block kernel ran a sequence it cannot hold"

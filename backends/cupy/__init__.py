@@ -80,8 +80,14 @@ class CupyBackend(Backend):
     eight_lane_rows: the staged residual and residual-norm epilogues (staged_epilogue) take
     a row by eight lanes, four rows a warp instruction, with 3-level butterflies for the
     norm's sums, instead of a warp a row (the same values; residual_norm's row statistics
-    summed in another order). None or False (default): off (not yet timed); True: on where
-    the staged epilogue runs.
+    summed in another order). None (default) or True: on where the staged epilogue runs;
+    False: a warp a row (slower on the H200: bench/PERFORMANCE.md K40).
+    whole_block: one launch a Transformer block (whole_block.cu: norm1, Q/K/V, attention,
+    out_proj, norm2 and the FFN of 64 query rows a block, mma.sync, the rows in registers
+    between products; the final norm in the last launch) on calls whose sequences it holds
+    (up to 128 tokens, three products, d_model and FFN width it is compiled for:
+    ops.whole_block_refusal); elsewhere the plan above. None (default) or True: on where it
+    runs; False: off.
     """
 
     name = "cupy"
@@ -96,7 +102,7 @@ class CupyBackend(Backend):
                  gemm_variant: str | None = None, norm_prologue: bool | None = None,
                  pdl: bool | None = None, staged_epilogue: bool | None = None,
                  short_norm_gemm: bool | None = None, context_hi_only: bool | None = None,
-                 eight_lane_rows: bool | None = None):
+                 eight_lane_rows: bool | None = None, whole_block: bool | None = None):
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"cupy linear_products must be 1, 2 or 3, not {linear_products}")
         names = build.attention_variant_names()
@@ -118,6 +124,7 @@ class CupyBackend(Backend):
         self.short_norm_gemm = short_norm_gemm
         self.context_hi_only = context_hi_only
         self.eight_lane_rows = eight_lane_rows
+        self.whole_block = whole_block
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -173,4 +180,5 @@ class CupyBackend(Backend):
                          pdl=pdl, staged_epilogue=self.staged_epilogue is not False,
                          short_norm_gemm=bool(self.short_norm_gemm),
                          context_hi_only=self.context_hi_only is not False,
-                         eight_lane_rows=bool(self.eight_lane_rows))
+                         eight_lane_rows=self.eight_lane_rows is not False,
+                         whole_block=self.whole_block is not False)

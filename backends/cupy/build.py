@@ -13,7 +13,7 @@ from layerbench.common.errors import Unsupported
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("norm.cu", "linear.cu", "linear_wgmma.cu", "attention.cu",
-           "attention_wgmma.cu")  # one module, in this order
+           "attention_wgmma.cu", "whole_block.cu")  # one module, in this order
 HEADERS = ("common.cuh", "wgmma.cuh")
 ARCHES = ("80", "90a")  # the CPU test compiles for both
 HOPPER = "90a"  # sm_90 devices run the module compiled for sm_90a, which has wgmma
@@ -47,6 +47,10 @@ MAX_NORM_WIDTH = 128  # the widest row residual_norm norms (one block holds it)
 PROLOGUE_EPILOGUES = {"half": (1,), "gelu_pair": GEMM_PRODUCTS}
 MAX_PROLOGUE_K = 128  # the widest rows it norms (linear_wgmma.cu MAX_PROLOGUE_K)
 PROLOGUE_STAGES = 2  # K tiles held at once: MAX_PROLOGUE_K / 64, each in its own stage
+# whole_block (one launch a Transformer block, sequences up to WHOLE_BLOCK_MAX_SEQ tokens, three
+# fp16 products): the (d_model, FFN width padded to 16) pairs it is compiled for.
+WHOLE_BLOCK_WIDTHS = ((32, 32), (64, 64), (128, 128))
+WHOLE_BLOCK_MAX_SEQ, WHOLE_BLOCK_ROWS, WHOLE_BLOCK_THREADS = 128, 64, 128
 ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
                    128: ((64, 64),), 256: ((64, 32),)}  # padded head dim -> (BQ, BKV)
 
@@ -413,6 +417,11 @@ def attention_name(head_pad: int, bq: int, bkv: int) -> str:
     return f"lb::flash_attention<{head_pad}, {bq}, {bkv}>"
 
 
+def whole_block_name(d_model: int, ffn_width: int) -> str:
+    """Name expression of the whole-block kernel at d_model and an FFN width (padded to 16)."""
+    return f"lb::whole_block<{d_model}, {ffn_width}>"
+
+
 def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
     """Name expression of the sm_90a flash attention kernel of variant at a padded head dim
     (a TMA variant: flash_attention_wgmma_tma<HP, BQ, BKV, kv_stages, schedule (+
@@ -471,7 +480,7 @@ def name_expressions(arch: str) -> list[str]:
     only; the GEMM variants past the default on GEMM_VARIANT_EPILOGUES at one product; the
     staged-epilogue twins of the STAGED_TILE GEMMs (EIGHT_LANE_EPILOGUES' also eight lanes
     a row) and the short residual-norm GEMMs; the norm-prologue GEMMs on
-    PROLOGUE_EPILOGUES)."""
+    PROLOGUE_EPILOGUES; the whole-block kernels at WHOLE_BLOCK_WIDTHS)."""
     tiled = [(p, e) for p in GEMM_PRODUCTS for e in EPILOGUES
              if e != NORM_EPILOGUE and gemm_compiled(e, p)]
     normed = [p for p in GEMM_PRODUCTS if gemm_compiled(NORM_EPILOGUE, p)]
@@ -492,6 +501,7 @@ def name_expressions(arch: str) -> list[str]:
         names += [attention_wgmma_name(hp, v) for hp, vs in ATTENTION_WGMMA.items() for v in vs]
     names += [attention_name(hp, bq, bkv) for hp, tiles in ATTENTION_TILES.items()
               for bq, bkv in tiles]
+    names += [whole_block_name(d, f) for d, f in WHOLE_BLOCK_WIDTHS]
     return names
 
 

@@ -40,6 +40,7 @@ LONG_ATTENTION_HEAD_DIM, LONG_ATTENTION_MIN_KEYS = 64, 4096
 # and no copy addresses. H200, shape 13's attention 0.114 ms against the default's 0.146;
 # whole layers: shape 13 -9%, 6 -5%, 1-4 -3-4%, 5 -3%, 12 level.
 NARROW_ATTENTION, NARROW_ATTENTION_HEAD_DIM = build.WGMMA_TMA_2_PER_SM, 32
+WHOLE_BLOCK_MAX_WIDTH = max(d for d, _ in build.WHOLE_BLOCK_WIDTHS)
 
 
 def fuses_norms(config, fuse_norms: bool | None, wgmma: bool, products: int = 1,
@@ -73,9 +74,12 @@ def uses_norm_prologue(config, norm_prologue: bool | None, wgmma: bool,
 def workspace(config) -> dict[str, tuple[int, torch.dtype]]:
     """Per-token workspace buffers: name -> (columns, dtype). "rows" holds the normed rows,
     then the context, as an fp16 (hi, lo) pair; "hidden" the FFN's hidden rows, padded to a
-    multiple of 8 columns (GELU(0) = 0 there)."""
+    multiple of 8 columns (GELU(0) = 0 there); "residual_next" (d_model up to
+    WHOLE_BLOCK_MAX_WIDTH) the whole-block kernel's second residual buffer."""
     d, f = config.d_model, padded(config.ffn_dim)
-    return {"residual": (d, torch.float32), "staging": (d, torch.float32),
+    # the whole-block kernel's second residual buffer (its blocks read one and write the other)
+    following = {"residual_next": (d, torch.float32)} if d <= WHOLE_BLOCK_MAX_WIDTH else {}
+    return {"residual": (d, torch.float32), "staging": (d, torch.float32), **following,
             "qkv": (3 * d, torch.float16), "rows_hi": (d, torch.float16),
             "rows_lo": (d, torch.float16), "hidden_hi": (f, torch.float16),
             "hidden_lo": (f, torch.float16)}
@@ -107,15 +111,19 @@ class CupyLayer(BuiltLayer):
     the fused residual-norm GEMMs of short reductions run ops.linear's short_norm. With
     context_hi_only, attention writes the context's hi half alone where out_proj reads
     nothing else (one product). With eight_lane_rows (and staged_epilogue), the staged
-    residual and residual-norm epilogues take a row by eight lanes (ops.linear's staged 2)."""
+    residual and residual-norm epilogues take a row by eight lanes (ops.linear's staged 2).
+    With whole_block, a call whose sequences the whole-block kernel can run
+    (ops.whole_block_refusal) launches it once a block instead (_run_whole_blocks)."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,
                  attention_variant: str | None = None, gemm_variant: str | None = None,
                  norm_prologue: bool | None = False, pdl: bool = False,
                  staged_epilogue: bool = False, short_norm_gemm: bool = False,
-                 context_hi_only: bool = False, eight_lane_rows: bool = False):
+                 context_hi_only: bool = False, eight_lane_rows: bool = False,
+                 whole_block: bool = False):
         super().__init__(backend, config, device, dtype)
+        self.whole_block = whole_block  # one launch a block where ops.whole_block_refusal allows
         self.eight_lane_rows = eight_lane_rows  # staged fp32 epilogues eight lanes a row
         self.context_hi_only = context_hi_only  # no context lo half where none is read
         self.staged_epilogue = staged_epilogue  # GEMM epilogues through shared memory
@@ -186,6 +194,8 @@ class CupyLayer(BuiltLayer):
     def _run(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk of sequences (x2, out2: [tokens, d_model] views)."""
         cfg, k, products = self.config, self.kernels, self.products
+        if self.whole_block and ops.whole_block_refusal(cfg, s, products, self.device) is None:
+            return self._run_whole_blocks(x2, masks, out2, batch, s, work)
 
         def gemm(epilogue: str, count: int, weight, a) -> dict:
             """The GEMM family and variant of one launch (count: its products, a: its A
@@ -256,5 +266,29 @@ class CupyLayer(BuiltLayer):
             src = res
         ops.layer_norm(k, src, self.params.final_weight, self.params.final_bias, out=target,
                        valid_rows=valid_rows)
+        if target is not out2:
+            out2.copy_(target)
+
+    def _run_whole_blocks(self, x2, masks, out2, batch, s, work):
+        """The stack on one chunk, one whole-block launch a block (ops.whole_block), reading
+        one residual buffer and writing the other; the last launch also writes the final
+        norm, unless the output is the rows it reads (then a LayerNorm launch follows)."""
+        cfg, k = self.config, self.kernels
+        valid, info = masks
+        src, target = float_rows(x2, out2, work["staging"])
+        buffers = (work["residual"], work["residual_next"])
+        final = (self.params.final_weight, self.params.final_bias)
+        layers = list(zip(self.params.layers, self.weights, self.ffn_in_biases))
+        fused_final = False
+        for i, (p, w, ffn_in_bias) in enumerate(layers):
+            fused_final = i + 1 == len(layers) and target.data_ptr() != src.data_ptr()
+            ops.whole_block(k, src, buffers[i % 2], p, w, ffn_in_bias, valid, info,
+                            batch=batch, seq_len=s, num_heads=cfg.num_heads, causal=cfg.causal,
+                            final=final if fused_final else None,
+                            final_out=target if fused_final else None)
+            src = buffers[i % 2]
+        if not fused_final:
+            ops.layer_norm(k, src, *final, out=target,
+                           valid_rows=None if valid is None else valid.reshape(-1))
         if target is not out2:
             out2.copy_(target)

@@ -442,3 +442,59 @@ def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, nu
              (qkv, np.int64(qkv.stride(0)), ctx[0], ctx[1], np.int64(ctx[0].stride(0)),
               valid, info, np.int32(seq_len), np.int32(num_heads), np.int32(head_dim),
               np.float32(1.0 / math.sqrt(head_dim)), np.int32(int(causal))) + maps)
+
+
+def whole_block_shared_bytes(d_model: int, ffn_width: int) -> int:
+    """Dynamic shared memory of a whole-block kernel (whole_block.cu whole_block_shared_bytes):
+    two weight buffers and the keys and values of WHOLE_BLOCK_MAX_SEQ rows, rows of width + 8
+    halves."""
+    def widest(a, b):
+        return a if a > b else b
+    buffer0 = 2 * d_model * (widest(d_model, ffn_width) + 8)
+    buffer1 = widest(d_model, 2 * ffn_width) * (d_model + 8)
+    return 2 * (buffer0 + buffer1 + 2 * build.WHOLE_BLOCK_MAX_SEQ * (d_model + 8))
+
+
+def whole_block_refusal(config, seq_len: int, products: int,
+                        device: torch.device | None = None) -> str | None:
+    """Why the whole-block kernel cannot run a block of config on sequences of seq_len tokens,
+    or None: three products, sequences up to WHOLE_BLOCK_MAX_SEQ tokens, a compiled (d_model,
+    FFN width padded to 16) and its shared memory within the device's."""
+    width = (config.d_model, cdiv(config.ffn_dim, 16) * 16)
+    if products != 3:
+        return f"the whole-block kernel runs three fp16 products, not {products}"
+    if seq_len > build.WHOLE_BLOCK_MAX_SEQ:
+        return (f"the whole-block kernel holds sequences up to {build.WHOLE_BLOCK_MAX_SEQ} "
+                f"tokens, not {seq_len}")
+    if width not in build.WHOLE_BLOCK_WIDTHS:
+        return (f"the whole-block kernel is compiled for (d_model, FFN width) "
+                f"{build.WHOLE_BLOCK_WIDTHS}, not {width}")
+    limit = None if device is None else max_shared_memory_per_block(device)
+    need = whole_block_shared_bytes(*width)
+    if limit is not None and need > limit:
+        return f"the whole-block kernel needs {need} bytes of shared memory; the device has {limit}"
+    return None
+
+
+def whole_block(k: Kernels, x, out, p, w, ffn_in_bias, valid, info, *, batch: int,
+                seq_len: int, num_heads: int, causal: bool, final=None, final_out=None,
+                eps: float = LN_EPS) -> None:
+    """One Transformer block of batch sequences of seq_len tokens (whole_block.cu): out =
+    the block of x (fp32 rows; out must not be x), p its parameters (norms and biases), w its
+    fp16 weight pairs; with final (weight, bias), also the final LayerNorm of out into
+    final_out (rows whose valid byte is 0 set to 0)."""
+    d = x.shape[1]
+    f8 = w["ffn_in_weight"][0].shape[0]
+    width = cdiv(f8, 16) * 16
+    head_dim = d // num_heads
+    final_w, final_b = final if final is not None else (None, None)
+    k.launch(build.whole_block_name(d, width), (cdiv(seq_len, build.WHOLE_BLOCK_ROWS), batch, 1),
+             build.WHOLE_BLOCK_THREADS, whole_block_shared_bytes(d, width),
+             (x, np.int64(x.stride(0)), out, np.int64(out.stride(0)),
+              w["qkv_weight"][0], p.qkv_bias, *w["out_weight"], p.out_bias,
+              *w["ffn_in_weight"], ffn_in_bias, *w["ffn_out_weight"], p.ffn_out_bias,
+              p.norm1_weight, p.norm1_bias, p.norm2_weight, p.norm2_bias, final_w, final_b,
+              final_out, np.int64(0 if final_out is None else final_out.stride(0)),
+              valid, info, np.int32(seq_len), np.int32(f8), np.int32(num_heads),
+              np.int32(head_dim), np.float32(1.0 / math.sqrt(head_dim)),
+              np.int32(int(causal)), np.float32(eps)))
