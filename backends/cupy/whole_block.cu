@@ -133,8 +133,9 @@ __device__ __forceinline__ void wb_product(float (&acc)[NT][4], const unsigned (
         }
 }
 
-// The three fp16 products of a hi/lo pair, acc[j] += a_hi w_hi + a_hi w_lo + a_lo w_hi over
-// rows [n0, n0 + 8 NT) of W (w_lo at w_hi + lo_offset halves).
+// The three fp16 products of a hi/lo pair, acc[j] += a_hi w_hi + (a_hi w_lo + a_lo w_hi)
+// over rows [n0, n0 + 8 NT) of W (w_lo at w_hi + lo_offset halves): the two small products
+// in an accumulator of their own, so that no product waits for the one before it.
 template <int KC, int NT, int PITCH>
 __device__ __forceinline__ void wb_three_products(float (&acc)[NT][4],
                                                   const unsigned (&a_hi)[KC][4],
@@ -143,6 +144,9 @@ __device__ __forceinline__ void wb_three_products(float (&acc)[NT][4],
                                                   int lane) {
     static_assert(NT % 2 == 0, "n8 tiles in pairs");
     const int w_row = lane % 8 + (lane / 16) * 8, w_k = ((lane / 8) % 2) * 8;
+    float cross[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) cross[j][0] = cross[j][1] = cross[j][2] = cross[j][3] = 0.0f;
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc)
 #pragma unroll
@@ -153,11 +157,15 @@ __device__ __forceinline__ void wb_three_products(float (&acc)[NT][4],
             ldmatrix_x4(lo, w + lo_offset);
             mma16816(acc[j], a_hi[kc], hi);
             mma16816(acc[j + 1], a_hi[kc], hi + 2);
-            mma16816(acc[j], a_hi[kc], lo);
-            mma16816(acc[j + 1], a_hi[kc], lo + 2);
-            mma16816(acc[j], a_lo[kc], hi);
-            mma16816(acc[j + 1], a_lo[kc], hi + 2);
+            mma16816(cross[j], a_hi[kc], lo);
+            mma16816(cross[j + 1], a_hi[kc], lo + 2);
+            mma16816(cross[j], a_lo[kc], hi);
+            mma16816(cross[j + 1], a_lo[kc], hi + 2);
         }
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] += cross[j][e];
 }
 
 template <int ROWS, int COLS>
@@ -198,6 +206,7 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
     constexpr int KD = D / 16, KF = F / 16;    // k16 steps over D and over F
     constexpr int PD = D + 8, PF = F + 8;      // shared row pitches (halves)
     constexpr int NS = WB_MAX_KEYS / 8;        // n8 score tiles of a row's keys
+    constexpr int FC = F % 64 == 0 ? 64 : F;   // ffn_in's columns a pass
     extern __shared__ __align__(16) unsigned char wb_smem[];
     __half* buf0 = reinterpret_cast<__half*>(wb_smem);
     __half* buf1 = buf0 + wb_buffer0(D, F);
@@ -247,22 +256,22 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
             visible[r] = key < kv_end && (!holes || vrow[key] != 0);
         }
 #pragma unroll 1
-        for (int n0 = 0; n0 < 2 * D; n0 += 32) {
-            float acc[4][4];
+        for (int n0 = 0; n0 < 2 * D; n0 += D) {  // K, then V
+            float acc[D / 8][4];
             wb_zero(acc);
-            wb_product<KD, 4, PD>(acc, a, buf0, n0, lane);
+            wb_product<KD, D / 8, PD>(acc, a, buf0, n0, lane);
+            __half* dst = n0 == 0 ? sK : sV;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int col = n0 + 8 * j + 2 * t;
-                const float2 bias = *reinterpret_cast<const float2*>(qkv_b + D + col);
-                __half* dst = col < D ? sK + col : sV + (col - D);
+            for (int j = 0; j < D / 8; ++j) {
+                const int col = 8 * j + 2 * t;
+                const float2 bias = *reinterpret_cast<const float2*>(qkv_b + D + n0 + col);
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int key = grp * 16 + g + 8 * r;
                     const __half2 val = visible[r]
                         ? __floats2half2_rn(acc[j][2 * r] + bias.x, acc[j][2 * r + 1] + bias.y)
                         : __floats2half2_rn(0.0f, 0.0f);
-                    *reinterpret_cast<__half2*>(dst + key * PD) = val;
+                    *reinterpret_cast<__half2*>(dst + key * PD + col) = val;
                 }
             }
         }
@@ -447,13 +456,13 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
     __syncthreads();
     if (rows) {
 #pragma unroll
-        for (int c = 0; c < KF; ++c) {
-            float acc[2][4];
+        for (int c = 0; c < F / FC; ++c) {  // FC hidden columns at a time
+            float acc[FC / 8][4];
             wb_zero(acc);
-            wb_three_products<KD, 2, PD>(acc, n_hi, n_lo, buf1, F * PD, 16 * c, lane);
+            wb_three_products<KD, FC / 8, PD>(acc, n_hi, n_lo, buf1, F * PD, FC * c, lane);
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                const int col = 16 * c + 8 * j + 2 * t;
+            for (int j = 0; j < FC / 8; ++j) {
+                const int col = FC * c + 8 * j + 2 * t;
                 const float2 bias = col < f8 ? *reinterpret_cast<const float2*>(in_b + col)
                                              : make_float2(0.0f, 0.0f);
 #pragma unroll
@@ -462,7 +471,10 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
                     acc[j][2 * r + 1] = gelu(acc[j][2 * r + 1] + bias.y);
                 }
             }
-            wb_operand(acc[0], acc[1], f_hi[c], f_lo[c]);
+#pragma unroll
+            for (int i = 0; i < FC / 16; ++i)
+                wb_operand(acc[2 * i], acc[2 * i + 1], f_hi[c * FC / 16 + i],
+                           f_lo[c * FC / 16 + i]);
         }
     }
 
