@@ -86,8 +86,10 @@ class CupyBackend(Backend):
     out_proj, norm2 and the FFN of 64 query rows a block, mma.sync, the rows in registers
     between products; the final norm in the last launch) on calls whose sequences it holds
     (up to 128 tokens, three products, d_model and FFN width it is compiled for:
-    ops.whole_block_refusal); elsewhere the plan above. None (default) or True: on where it
-    runs; False: off.
+    ops.whole_block_refusal); elsewhere the plan above. None (default): where it runs, at
+    d_model up to 32 on a grid of at most one block an SM (layer.runs_whole_blocks; slower
+    at d_model 128 on the H200: bench/PERFORMANCE.md K41); True: wherever it runs; False:
+    off.
     """
 
     name = "cupy"
@@ -181,4 +183,4 @@ class CupyBackend(Backend):
                          short_norm_gemm=bool(self.short_norm_gemm),
                          context_hi_only=self.context_hi_only is not False,
                          eight_lane_rows=self.eight_lane_rows is not False,
-                         whole_block=self.whole_block is not False)
+                         whole_block=self.whole_block)

@@ -41,6 +41,11 @@ LONG_ATTENTION_HEAD_DIM, LONG_ATTENTION_MIN_KEYS = 64, 4096
 # whole layers: shape 13 -9%, 6 -5%, 1-4 -3-4%, 5 -3%, 12 level.
 NARROW_ATTENTION, NARROW_ATTENTION_HEAD_DIM = build.WGMMA_TMA_2_PER_SM, 32
 WHOLE_BLOCK_MAX_WIDTH = max(d for d, _ in build.WHOLE_BLOCK_WIDTHS)
+# Where no choice is made, the whole-block kernel runs at d_model up to this width and a grid
+# of at most one block an SM. H200 (shapes 1-5, 7, 9-12): shape 7 (d_model 32, 128 blocks)
+# 0.102 ms against 0.166; at d_model 128 slower on every shape (shape 2 0.207-0.244 against
+# 0.138, shape 11 0.46 against 0.28).
+WHOLE_BLOCK_DEFAULT_MAX_WIDTH = 32
 
 
 def fuses_norms(config, fuse_norms: bool | None, wgmma: bool, products: int = 1,
@@ -112,8 +117,8 @@ class CupyLayer(BuiltLayer):
     context_hi_only, attention writes the context's hi half alone where out_proj reads
     nothing else (one product). With eight_lane_rows (and staged_epilogue), the staged
     residual and residual-norm epilogues take a row by eight lanes (ops.linear's staged 2).
-    With whole_block, a call whose sequences the whole-block kernel can run
-    (ops.whole_block_refusal) launches it once a block instead (_run_whole_blocks)."""
+    Where runs_whole_blocks says so (whole_block), a call launches the whole-block kernel
+    once a block instead (_run_whole_blocks)."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,
@@ -121,9 +126,9 @@ class CupyLayer(BuiltLayer):
                  norm_prologue: bool | None = False, pdl: bool = False,
                  staged_epilogue: bool = False, short_norm_gemm: bool = False,
                  context_hi_only: bool = False, eight_lane_rows: bool = False,
-                 whole_block: bool = False):
+                 whole_block: bool | None = False):
         super().__init__(backend, config, device, dtype)
-        self.whole_block = whole_block  # one launch a block where ops.whole_block_refusal allows
+        self.whole_block = whole_block  # one launch a block: see runs_whole_blocks
         self.eight_lane_rows = eight_lane_rows  # staged fp32 epilogues eight lanes a row
         self.context_hi_only = context_hi_only  # no context lo half where none is read
         self.staged_epilogue = staged_epilogue  # GEMM epilogues through shared memory
@@ -194,7 +199,7 @@ class CupyLayer(BuiltLayer):
     def _run(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk of sequences (x2, out2: [tokens, d_model] views)."""
         cfg, k, products = self.config, self.kernels, self.products
-        if self.whole_block and ops.whole_block_refusal(cfg, s, products, self.device) is None:
+        if self.runs_whole_blocks(batch, s):
             return self._run_whole_blocks(x2, masks, out2, batch, s, work)
 
         def gemm(epilogue: str, count: int, weight, a) -> dict:
@@ -268,6 +273,21 @@ class CupyLayer(BuiltLayer):
                        valid_rows=valid_rows)
         if target is not out2:
             out2.copy_(target)
+
+    def runs_whole_blocks(self, batch: int, seq_len: int) -> bool:
+        """Whether a call of batch sequences of seq_len tokens runs the whole-block kernel:
+        never where it refuses the call (ops.whole_block_refusal) or with whole_block False;
+        with True wherever it runs; with None on a CUDA device at d_model up to
+        WHOLE_BLOCK_DEFAULT_MAX_WIDTH and a grid of at most one block a multiprocessor."""
+        if self.whole_block is False or ops.whole_block_refusal(
+                self.config, seq_len, self.products, self.device) is not None:
+            return False
+        if self.whole_block:
+            return True
+        blocks = batch * cdiv(seq_len, build.WHOLE_BLOCK_ROWS)
+        return (self.device.type == "cuda"
+                and self.config.d_model <= WHOLE_BLOCK_DEFAULT_MAX_WIDTH
+                and blocks <= multiprocessor_count(self.device))
 
     def _run_whole_blocks(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk, one whole-block launch a block (ops.whole_block), reading
