@@ -13,6 +13,7 @@
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
 #   bash bench/gpu_run.sh cupy        # cupy kernel tests, an option on/off, attention and GEMM sweeps, GPU time per kernel
 #   NCU_BACKEND=cupy NCU_SHAPE=13 NCU_KERNEL=flash_attention [NCU_SOURCE=1] bash bench/gpu_run.sh ncu
+#   (NCU_OPTIONS="--option whole_block=True": one_forward.py's backend options)
 # The cutile backend needs its cubins: export them where cuda-tile is installed
 # (python -m layerbench.backends.cutile.export --arch sm_90 --sweep --out build/cutile)
 # and bring build/cutile along.
@@ -194,7 +195,7 @@ if [[ $stage == ncu ]]; then
         --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
         --section ComputeWorkloadAnalysis "${source_args[@]}" \
         python3 bench/one_forward.py --backend "${NCU_BACKEND:-cupy}" --shape "${NCU_SHAPE:-13}" \
-        --forwards 2 >"$OUT/ncu.txt" 2>&1
+        --forwards 2 ${NCU_OPTIONS:-} >"$OUT/ncu.txt" 2>&1
     status=$((status | $?))
     if [[ ${NCU_SOURCE:-0} == 1 && -f $OUT/ncu.ncu-rep ]]; then
         # with --export the sections are not printed: print them from the report
