@@ -234,13 +234,9 @@ __device__ __forceinline__ void flash_attention_body(
     const int q0 = qg0 + warp * 16;         // ... of the warp
 
     // Keys [0, kv_end) may be visible; holes: some of them are invalid (read valid).
-    int kv_end = seq_len;
-    bool holes = false;
-    if (key_info != nullptr) {
-        kv_end = imin(kv_end, key_info[b * 4]);
-        holes = key_info[b * 4 + 1] != 0;
-    }
-    if (kv_end < 0) kv_end = 0;
+    const KeyExtent keys = visible_keys(key_info, b, seq_len);
+    const int kv_end = keys.end;
+    const bool holes = keys.holes;
     const unsigned char* vrow = holes ? valid + (long long)b * seq_len : nullptr;
     const int kv_stop = causal ? imin(kv_end, qb0 + BQ) : kv_end;
     const int n_tiles = (kv_stop + BKV - 1) / BKV;

@@ -200,6 +200,25 @@ __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000);
 
 __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 
+// Sequence b's keys that may be visible: [0, end), end being seq_len or less where key_info
+// (the per-sequence rows of cuda_host.key_info; may be null) says so; holes: some keys before
+// end are invalid, so the kernel must read the mask.
+struct KeyExtent {
+    int end;
+    bool holes;
+};
+
+__device__ __forceinline__ KeyExtent visible_keys(const int* __restrict__ key_info, int b,
+                                                 int seq_len) {
+    KeyExtent e{seq_len, false};
+    if (key_info != nullptr) {
+        e.end = imin(e.end, key_info[b * 4]);
+        e.holes = key_info[b * 4 + 1] != 0;
+    }
+    if (e.end < 0) e.end = 0;
+    return e;
+}
+
 // One online-softmax step of a row held by the 4 lanes of a quad: mx, this lane's max of the
 // new (log2-domain) scores, becomes the row's; the running max m_run and this lane's running
 // sum l_run move to the new max. Returns the factor for the old sums and outputs, and in base

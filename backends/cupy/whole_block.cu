@@ -227,13 +227,9 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
     start_after_previous();
 
     // Keys [0, kv_end) may be visible; with holes, some of them are invalid (read valid).
-    int kv_end = seq_len;
-    bool holes = false;
-    if (key_info != nullptr) {
-        kv_end = imin(kv_end, key_info[b * 4]);
-        holes = key_info[b * 4 + 1] != 0;
-    }
-    if (kv_end < 0) kv_end = 0;
+    const KeyExtent keys = visible_keys(key_info, b, seq_len);
+    const int kv_end = keys.end;
+    const bool holes = keys.holes;
     const unsigned char* vrow = valid != nullptr ? valid + row_base : nullptr;
     const int q_block = blockIdx.x * WB_ROWS;
     const int kv_stop = causal ? imin(kv_end, q_block + WB_ROWS) : kv_end;
