@@ -1182,11 +1182,11 @@ def pipelined_schedule(n_tiles: int, k_buffers: int, v_buffers: int, top_wait: i
     return ev + [("cp_wait", 0)]
 
 
-
 def _retire(groups: list, pending: int) -> tuple[list, list]:
     """(groups retired, groups still in flight) by a wait that leaves at most `pending`."""
     n = max(0, len(groups) - pending)
     return groups[:n], groups[n:]
+
 
 def check_schedule(events: list[tuple], n_tiles: int, expected: list[str] | None = None,
                    chained: frozenset = frozenset()) -> None:
@@ -3027,8 +3027,10 @@ class StandIns:
                     num_heads, causal, final=None, final_out=None, eps=1e-5):
         """One block as whole_block.cu computes it: Q/K/V at one product from norm1's hi
         half, the context, norm2 and the hidden rows as pairs at three products, the
-        residuals on valid rows (out_proj keeps x elsewhere, ffn_out writes 0); with final,
-        the final norm into final_out (0 on invalid rows). x is only read."""
+        residuals on valid rows (out_proj keeps x elsewhere, ffn_out writes 0) and the
+        block's output in out; with final, out keeps out_proj's residual sum h (x plus the
+        attention output) and the final norm of the block's output goes to final_out alone
+        (0 on invalid rows). x is only read."""
         self.calls.append("whole_block:final" if final is not None else "whole_block")
         assert ops.whole_block_refusal(self.config, seq_len, 3) is None
         assert out.data_ptr() != x.data_ptr() and (final_out is None) == (final is None)
@@ -3050,11 +3052,14 @@ class StandIns:
                            *w["ffn_in_weight"], f8, 3) + ffn_in_bias
         hidden = torch.nn.functional.gelu(hidden)
         acc = _products(*pair(hidden), *w["ffn_out_weight"], d, 3)
-        out.copy_(_residual(acc + p.ffn_out_bias, h, valid_rows, rows, 1))
-        if final is not None:
-            y = _norm(out, *final)
-            final_out.copy_(y if valid_rows is None
-                            else torch.where(valid_rows.bool()[:, None], y, 0.0))
+        y = _residual(acc + p.ffn_out_bias, h, valid_rows, rows, 1)
+        if final is None:
+            out.copy_(y)
+        else:  # as the kernel: out keeps h, only the final norm of y is stored
+            out.copy_(h)
+            z = _norm(y, *final)
+            final_out.copy_(z if valid_rows is None
+                            else torch.where(valid_rows.bool()[:, None], z, 0.0))
         assert torch.equal(x, before), "whole_block wrote its input rows"
 
 
@@ -3491,6 +3496,7 @@ def test_layer_with_tma_attention_keeps_the_contract_and_replays(kernels, number
     assert cfg.d_model // cfg.num_heads in (32, 64)
     _layer_runs_variant(cfg, "attention_variant", variant, "attention", monkeypatch)
 
+
 @needs_gpu
 @pytest.mark.parametrize("cfg", [
     LayerConfig(3, 128, 128, 4, 128, 2), LayerConfig(5, 100, 128, 16, 128, 1),
@@ -3502,7 +3508,7 @@ def test_layer_with_tma_attention_keeps_the_contract_and_replays(kernels, number
 def test_whole_block_kernel_keeps_the_contract(kernels, cfg, mask, monkeypatch):
     """The whole-block layer keeps the contract against the fp32 reference eager, captured
     and replayed, with prefix padding or keys missing inside the sequence (holes), causal or
-    not, head dims 8 to 128, one sequence of one token; one launch a block; its output rows
+    not, head dims 8 to 128, sequences of one token; one launch a block; its output rows
     are all written (the output poisoned with NaN first); and the same call at a length it
     does not hold (144 tokens) runs the plan without it and keeps the contract too."""
     from layerbench.backends.cupy import CupyBackend

@@ -68,8 +68,10 @@ class CupyBackend(Backend):
     staged_epilogue: the wgmma GEMMs' epilogues through shared memory, so that a warp reads
     and writes whole rows (the plain schedule's 128 x 128 kernels, and "wgmma 128x128 TMA
     2/SM staged epilogue" in place of "wgmma 128x128 TMA 2/SM" where no variant is named);
-    the same values (residual_norm's row statistics but for their order of summation). None
-    (default) or True: on where the wgmma GEMMs run; False: off.
+    the plain kernels' residual and residual-norm epilogues run eight lanes a row by default
+    (eight_lane_rows, on by default) and a warp a row with it off; the same values
+    (residual_norm's row statistics but for their order of summation). None (default) or
+    True: on where the wgmma GEMMs run; False: off.
     short_norm_gemm: the fused residual-norm GEMMs (fuse_norms) of reductions up to 128
     columns on 64 x 128 tiles with both K tiles resident (two stages, 97 KiB at three
     products), so that two blocks share an SM, their epilogues staged. None or False

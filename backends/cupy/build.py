@@ -33,7 +33,8 @@ WGMMA_TILES = ((128, 128), (64, 64))  # (BM, BN) of linear_wgmma, 2 BM threads, 
 # (linear_wgmma's STAGED; CupyBackend(staged_epilogue=...)), every epilogue and product count.
 STAGED_TILE = (128, 128)
 # The fp32 epilogues whose staged kernels also come eight lanes a row (linear_wgmma's STAGED
-# 2; CupyBackend(eight_lane_rows=True)), every product count they are compiled at.
+# 2; CupyBackend's eight_lane_rows option, on by default), every product count they are
+# compiled at.
 EIGHT_LANE_EPILOGUES = ("residual", "residual_norm")
 # The residual-norm GEMM for short reductions (CupyBackend(short_norm_gemm=True)): 64 x 128
 # tiles in SHORT_NORM_STAGES stages, staged, so that a block's shared memory (97 KiB at three
