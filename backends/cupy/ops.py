@@ -446,13 +446,12 @@ def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, nu
 
 def whole_block_shared_bytes(d_model: int, ffn_width: int) -> int:
     """Dynamic shared memory of a whole-block kernel (whole_block.cu whole_block_shared_bytes):
-    two weight buffers and the keys and values of WHOLE_BLOCK_MAX_SEQ rows, rows of width + 8
-    halves."""
-    def widest(a, b):
-        return a if a > b else b
-    buffer0 = 2 * d_model * (widest(d_model, ffn_width) + 8)
-    buffer1 = widest(d_model, 2 * ffn_width) * (d_model + 8)
-    return 2 * (buffer0 + buffer1 + 2 * build.WHOLE_BLOCK_MAX_SEQ * (d_model + 8))
+    two weight buffers, the keys and values of WHOLE_BLOCK_MAX_SEQ rows (later ffn_out's
+    pair) and the block's Q rows, rows of width + 8 halves."""
+    buffer0 = 2 * d_model * (d_model + 8)
+    buffer1 = max(d_model, 2 * ffn_width) * (d_model + 8)
+    keys = max(2 * build.WHOLE_BLOCK_MAX_SEQ * (d_model + 8), 2 * d_model * (ffn_width + 8))
+    return 2 * (buffer0 + buffer1 + keys + build.WHOLE_BLOCK_ROWS * (d_model + 8))
 
 
 def whole_block_refusal(config, seq_len: int, products: int,
@@ -481,8 +480,9 @@ def whole_block(k: Kernels, x, out, p, w, ffn_in_bias, valid, info, *, batch: in
                 eps: float = LN_EPS) -> None:
     """One Transformer block of batch sequences of seq_len tokens (whole_block.cu): out =
     the block of x (fp32 rows; out must not be x), p its parameters (norms and biases), w its
-    fp16 weight pairs; with final (weight, bias), also the final LayerNorm of out into
-    final_out (rows whose valid byte is 0 set to 0)."""
+    fp16 weight pairs; with final (weight, bias), the final LayerNorm of the block's output
+    goes to final_out instead (rows whose valid byte is 0 set to 0) and out keeps the sum after
+    out_proj's residual."""
     d = x.shape[1]
     f8 = w["ffn_in_weight"][0].shape[0]
     width = cdiv(f8, 16) * 16

@@ -1,10 +1,12 @@
 // One Transformer block of short sequences in one launch: norm1, Q/K/V, attention, out_proj
 // and the residual, norm2, the FFN and its residual (and, after the last block, the final
 // norm), on mma.sync m16n8k16. A block of four warps takes 64 query rows of one sequence;
-// each warp holds its 16 rows in registers from one product to the next (the accumulator
-// layout of one mma is the operand layout of the next), so only the weights, the keys and
-// the values go through shared memory. The keys and values of every row the block's queries
-// may see are computed by the block itself, so blocks never wait for each other.
+// each warp holds its 16 rows in registers where a product's output is the next one's
+// operand (the accumulator layout of one mma is the operand layout of the next). The keys
+// and values of every row the block's queries may see are computed by the block itself, so
+// blocks never wait for each other. Each product runs as a rolled loop over column chunks,
+// so that the code a block runs stays small: out_proj is summed chunk by chunk of the
+// attention's output, and the FFN's second product chunk by chunk of its hidden columns.
 #include "common.cuh"
 
 namespace lb {
@@ -16,13 +18,17 @@ constexpr int WB_MAX_KEYS = 128;            // the longest sequence it runs
 
 // Shared memory, in halves, at widths D and F (d_model and the FFN's width, multiples of
 // 16), rows of width + 8 halves (ldmatrix rows on distinct banks). Buffer 0 holds the K and V
-// weights, then out_proj's pair, then ffn_out's pair; buffer 1 Q's weights, then ffn_in's
-// pair; then the keys and the values of up to WB_MAX_KEYS rows.
+// weights, then out_proj's pair; buffer 1 Q's weights, then ffn_in's pair; then the keys and
+// the values of up to WB_MAX_KEYS rows, and after attention ffn_out's pair; then the block's
+// Q rows.
 __host__ __device__ constexpr int wb_max(int a, int b) { return a > b ? a : b; }
-__host__ __device__ constexpr int wb_buffer0(int d, int f) { return 2 * d * (wb_max(d, f) + 8); }
+__host__ __device__ constexpr int wb_buffer0(int d) { return 2 * d * (d + 8); }
 __host__ __device__ constexpr int wb_buffer1(int d, int f) { return wb_max(d, 2 * f) * (d + 8); }
+__host__ __device__ constexpr int wb_keys(int d, int f) {
+    return wb_max(2 * WB_MAX_KEYS * (d + 8), 2 * d * (f + 8));
+}
 __host__ __device__ constexpr int whole_block_shared_bytes(int d, int f) {
-    return 2 * (wb_buffer0(d, f) + wb_buffer1(d, f) + 2 * WB_MAX_KEYS * (d + 8));
+    return 2 * (wb_buffer0(d) + wb_buffer1(d, f) + wb_keys(d, f) + WB_ROWS * (d + 8));
 }
 
 // Copy rows [0, rows) x halves [0, cols) of a row-major fp16 matrix (row pitch stride) into
@@ -134,9 +140,10 @@ __device__ __forceinline__ void wb_product(float (&acc)[NT][4], const unsigned (
 }
 
 // The three fp16 products of a hi/lo pair, acc[j] += a_hi w_hi + (a_hi w_lo + a_lo w_hi)
-// over rows [n0, n0 + 8 NT) of W (w_lo at w_hi + lo_offset halves): the two small products
-// in an accumulator of their own, so that no product waits for the one before it.
-template <int KC, int NT, int PITCH>
+// over rows [n0, n0 + 8 NT) of W (w_lo at w_hi + lo_offset halves). With CROSS, the two small
+// products go to an accumulator of their own, so that the hi x hi chain does not wait on
+// them; without, every product adds to acc (for NT large enough to keep the chains apart).
+template <int KC, int NT, int PITCH, bool CROSS = true>
 __device__ __forceinline__ void wb_three_products(float (&acc)[NT][4],
                                                   const unsigned (&a_hi)[KC][4],
                                                   const unsigned (&a_lo)[KC][4],
@@ -144,9 +151,12 @@ __device__ __forceinline__ void wb_three_products(float (&acc)[NT][4],
                                                   int lane) {
     static_assert(NT % 2 == 0, "n8 tiles in pairs");
     const int w_row = lane % 8 + (lane / 16) * 8, w_k = ((lane / 8) % 2) * 8;
-    float cross[NT][4];
+    float cross[NT][4];  // unused without CROSS
+    float (&small)[NT][4] = CROSS ? cross : acc;
+    if (CROSS) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) cross[j][0] = cross[j][1] = cross[j][2] = cross[j][3] = 0.0f;
+        for (int j = 0; j < NT; ++j) small[j][0] = small[j][1] = small[j][2] = small[j][3] = 0.0f;
+    }
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc)
 #pragma unroll
@@ -157,15 +167,50 @@ __device__ __forceinline__ void wb_three_products(float (&acc)[NT][4],
             ldmatrix_x4(lo, w + lo_offset);
             mma16816(acc[j], a_hi[kc], hi);
             mma16816(acc[j + 1], a_hi[kc], hi + 2);
-            mma16816(cross[j], a_hi[kc], lo);
-            mma16816(cross[j + 1], a_hi[kc], lo + 2);
-            mma16816(cross[j], a_lo[kc], hi);
-            mma16816(cross[j + 1], a_lo[kc], hi + 2);
+            mma16816(small[j], a_hi[kc], lo);
+            mma16816(small[j + 1], a_hi[kc], lo + 2);
+            mma16816(small[j], a_lo[kc], hi);
+            mma16816(small[j + 1], a_lo[kc], hi + 2);
         }
+    if (CROSS) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] += cross[j][e];
+            for (int e = 0; e < 4; ++e) acc[j][e] += small[j][e];
+    }
+}
+
+// A warp's A operand of k16 step kc from 16 fp16 rows in shared memory (pitch PITCH).
+template <int PITCH>
+__device__ __forceinline__ void wb_shared_operand(unsigned (&a)[4], const __half* rows, int kc,
+                                                  int lane) {
+    ldmatrix_x4(a, rows + (lane % 16) * PITCH + kc * 16 + (lane / 16) * 8);
+}
+
+// Which halves of k16 step kc lie in columns [c0, c1) (heads are 8-column multiples).
+__device__ __forceinline__ void wb_halves(int kc, int c0, int c1, bool& lo_in, bool& hi_in) {
+    lo_in = kc * 16 >= c0 && kc * 16 + 8 <= c1;
+    hi_in = kc * 16 + 8 >= c0 && kc * 16 + 16 <= c1;
+}
+
+// Stores columns [c0, c0 + 8 NT) of a warp's accumulator tiles (bias added, at bias + c0)
+// as fp16 into shared rows dst (pitch PITCH); rows whose flag is false get zeros.
+template <int NT, int PITCH>
+__device__ __forceinline__ void wb_store_half(const float (&acc)[NT][4], const float* bias,
+                                              __half* dst, int c0, const bool (&flag)[2],
+                                              int g, int t) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int col = c0 + 8 * j + 2 * t;
+        const float2 b2 = *reinterpret_cast<const float2*>(bias + col);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const __half2 val = flag[r] ? __floats2half2_rn(acc[j][2 * r] + b2.x,
+                                                            acc[j][2 * r + 1] + b2.y)
+                                        : __floats2half2_rn(0.0f, 0.0f);
+            *reinterpret_cast<__half2*>(dst + (g + 8 * r) * PITCH + col) = val;
+        }
+    }
 }
 
 template <int ROWS, int COLS>
@@ -178,13 +223,14 @@ __device__ __forceinline__ void wb_zero(float (&a)[ROWS][COLS]) {
 
 // Grid (ceil(seq_len / 64), batch), WB_THREADS threads, whole_block_shared_bytes(D, F).
 // x: the block's input rows (fp32, pitch x_stride), never written; out: its output rows
-// (pitch out_stride; out_proj's residual sum passes through it). With final_w not null, the
-// final LayerNorm of the output rows goes to final_out (fp32, pitch final_stride; rows whose
-// valid byte is 0 set to 0) and out holds the block's output. Weights: fp16 (hi, lo) pairs of
-// [N, K] rows, K padded to a multiple of 8 (qkv [3 D, D], out [D, D], ffn_in [f8, D],
-// ffn_out [D, f8], f8 the FFN's width padded to 8; F is it padded to 16). valid/key_info:
-// the key mask and its per-sequence extents (cuda_host.key_info), or null. Rows past
-// seq_len are neither read nor written; seq_len at most WB_MAX_KEYS.
+// (pitch out_stride). Without final_w, out gets the block's output; with it, out holds the
+// sum after out_proj's residual (h = x + attention's output), and the final LayerNorm of the
+// block's output goes to final_out (fp32, pitch final_stride; rows whose valid byte is 0 set
+// to 0). Weights: fp16 (hi, lo) pairs of [N, K] rows, K padded to a multiple of 8 (qkv
+// [3 D, D] hi only, out [D, D], ffn_in [f8, D], ffn_out [D, f8], f8 the FFN's width padded to
+// 8; F is it padded to 16). valid/key_info: the key mask and its per-sequence extents
+// (cuda_host.key_info), or null. Rows past seq_len are neither read nor written; seq_len at
+// most WB_MAX_KEYS.
 template <int D, int F>
 __global__ void __launch_bounds__(WB_THREADS, 1)
 whole_block(const float* __restrict__ x, long long x_stride, float* out, long long out_stride,
@@ -202,16 +248,19 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
             const unsigned char* __restrict__ valid, const int* __restrict__ key_info,
             int seq_len, int f8, int num_heads, int head_dim, float scale, int causal,
             float eps) {
-    static_assert(D % 16 == 0 && F % 16 == 0 && D <= 128 && F <= 128, "widths: 16 to 128");
-    constexpr int KD = D / 16, KF = F / 16;    // k16 steps over D and over F
+    static_assert(D % 32 == 0 && F % 32 == 0 && D <= 128 && F <= 128, "widths: 32 to 128");
+    constexpr int KD = D / 16;                 // k16 steps over D
     constexpr int PD = D + 8, PF = F + 8;      // shared row pitches (halves)
     constexpr int NS = WB_MAX_KEYS / 8;        // n8 score tiles of a row's keys
-    constexpr int FC = F % 64 == 0 ? 64 : F;   // ffn_in's columns a pass
+    constexpr int NC = D % 64 == 0 ? 64 : 32;  // K, V and Q columns a loop step
+    constexpr int HC = 32;                     // the FFN's hidden columns a loop step
     extern __shared__ __align__(16) unsigned char wb_smem[];
     __half* buf0 = reinterpret_cast<__half*>(wb_smem);
-    __half* buf1 = buf0 + wb_buffer0(D, F);
+    __half* buf1 = buf0 + wb_buffer0(D);
     __half* sK = buf1 + wb_buffer1(D, F);
     __half* sV = sK + WB_MAX_KEYS * PD;
+    __half* sW2 = sK;                          // ffn_out's pair, once attention is done
+    __half* sQ = sK + wb_keys(D, F);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int b = blockIdx.y;
@@ -235,7 +284,7 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
     const int kv_stop = causal ? imin(kv_end, q_block + WB_ROWS) : kv_end;
 
     // 1. Keys and values of rows [0, kv_stop), 16 rows a warp at a time: norm1, one fp16
-    // product; rows that are not visible keys are stored as zeros.
+    // product, NC columns a step; rows that are not visible keys are stored as zeros.
     cp_async_wait<1>();
     __syncthreads();
     for (int grp = warp; grp * 16 < kv_stop; grp += WB_WARPS) {
@@ -252,24 +301,13 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
             visible[r] = key < kv_end && (!holes || vrow[key] != 0);
         }
 #pragma unroll 1
-        for (int n0 = 0; n0 < 2 * D; n0 += D) {  // K, then V
-            float acc[D / 8][4];
+        for (int n0 = 0; n0 < 2 * D; n0 += NC) {  // K's columns, then V's
+            float acc[NC / 8][4];
             wb_zero(acc);
-            wb_product<KD, D / 8, PD>(acc, a, buf0, n0, lane);
-            __half* dst = n0 == 0 ? sK : sV;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                const int col = 8 * j + 2 * t;
-                const float2 bias = *reinterpret_cast<const float2*>(qkv_b + D + n0 + col);
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int key = grp * 16 + g + 8 * r;
-                    const __half2 val = visible[r]
-                        ? __floats2half2_rn(acc[j][2 * r] + bias.x, acc[j][2 * r + 1] + bias.y)
-                        : __floats2half2_rn(0.0f, 0.0f);
-                    *reinterpret_cast<__half2*>(dst + key * PD + col) = val;
-                }
-            }
+            wb_product<KD, NC / 8, PD>(acc, a, buf0, n0, lane);
+            __half* dst = (n0 < D ? sK : sV) + grp * 16 * PD;
+            wb_store_half<NC / 8, PD>(acc, qkv_b + D + (n0 < D ? 0 : D), dst, n0 % D, visible,
+                                      g, t);
         }
     }
     __syncthreads();  // K and V stored; buffer 0 free
@@ -277,11 +315,11 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
     wb_copy<PD>(buf0 + D * PD, out_w_lo, D, D, D, D, D);
     cp_async_commit();
 
-    // 2. Q of the warp's rows (norm1 again, one product), then attention head by head with
-    // every score of a row in registers (a plain softmax: at most WB_MAX_KEYS keys).
+    // 2. Q of the warp's rows (norm1 again, one product), stored in fp16 (as the layer's
+    // fp16 Q/K/V rows) to the warp's 16 rows of sQ.
     const int q0 = q_block + warp * 16;
     const bool rows = q0 < seq_len;
-    unsigned ctx_hi[KD][4], ctx_lo[KD][4];
+    __half* sQw = sQ + warp * 16 * PD;
     cp_async_wait<1>();
     __syncthreads();
     if (rows) {
@@ -291,40 +329,47 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
         unsigned a[KD][4];
 #pragma unroll
         for (int kc = 0; kc < KD; ++kc) wb_operand(v[2 * kc], v[2 * kc + 1], a[kc], nullptr);
-        float qa[D / 8][4];
-        wb_zero(qa);
-        wb_product<KD, D / 8, PD>(qa, a, buf1, 0, lane);
-        unsigned qf[KD][4];  // Q as fp16 A operands (as the fp16 Q/K/V rows of the layer)
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            const float2 bias = *reinterpret_cast<const float2*>(qkv_b + 8 * j + 2 * t);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                qf[j / 2][r + 2 * (j % 2)] = pack_half2(qa[j][2 * r] + bias.x,
-                                                        qa[j][2 * r + 1] + bias.y);
-            }
+        const bool all[2] = {true, true};
+#pragma unroll 1
+        for (int n0 = 0; n0 < D; n0 += NC) {
+            float acc[NC / 8][4];
+            wb_zero(acc);
+            wb_product<KD, NC / 8, PD>(acc, a, buf1, n0, lane);
+            wb_store_half<NC / 8, PD>(acc, qkv_b, sQw, n0, all, g, t);
         }
+    }
+    __syncthreads();  // buffer 1 free
+    wb_copy<PD>(buf1, in_w_hi, D, F, D, f8, D);
+    wb_copy<PD>(buf1 + F * PD, in_w_lo, D, F, D, f8, D);
+    cp_async_commit();
 
+    // 3. Attention head by head with every score of a row in registers (a plain softmax: at
+    // most WB_MAX_KEYS keys); each 16 columns of a head's output, as a hi/lo pair, go
+    // straight into out_proj's three products (y, all D columns).
+    float y[D / 8][4];
+    wb_zero(y);
+    cp_async_wait<1>();
+    __syncthreads();
+    if (rows) {
         const int kb_row = lane % 8 + (lane / 16) * 8, kb_col = ((lane / 8) % 2) * 8;
         const int vb_row = lane % 8 + ((lane / 8) % 2) * 8, vb_col = (lane / 16) * 8;
         const float sl = scale * 1.4426950408889634f;  // scores to the log2 domain
         const float NEG_INF = neg_inf();
         const int n_keys = causal ? imin(kv_end, q0 + 16) : kv_end;
         const int chunks = (n_keys + 15) / 16;  // 16-key steps that hold a visible key
-        float o[D / 8][4];
-        wb_zero(o);
 #pragma unroll 1
         for (int h = 0; h < num_heads; ++h) {
             const int c0 = h * head_dim, c1 = c0 + head_dim;  // the head's columns
             float s[NS][4];
             wb_zero(s);
-#pragma unroll
-            for (int kc = 0; kc < KD; ++kc) {
-                const bool lo_in = kc * 16 >= c0 && kc * 16 + 8 <= c1;
-                const bool hi_in = kc * 16 + 8 >= c0 && kc * 16 + 16 <= c1;
-                if (!lo_in && !hi_in) continue;
-                const unsigned aq[4] = {lo_in ? qf[kc][0] : 0u, lo_in ? qf[kc][1] : 0u,
-                                        hi_in ? qf[kc][2] : 0u, hi_in ? qf[kc][3] : 0u};
+#pragma unroll 1
+            for (int kc = c0 / 16; kc * 16 < c1; ++kc) {
+                bool lo_in, hi_in;
+                wb_halves(kc, c0, c1, lo_in, hi_in);
+                unsigned aq[4];
+                wb_shared_operand<PD>(aq, sQw, kc, lane);
+                if (!lo_in) aq[0] = aq[1] = 0u;
+                if (!hi_in) aq[2] = aq[3] = 0u;
 #pragma unroll
                 for (int nn = 0; nn < NS / 2; ++nn) {
                     if (nn >= chunks) break;
@@ -355,34 +400,21 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
                 if (mx[r] == NEG_INF) mx[r] = 0.0f;  // no visible key: every P is 0
                 l[r] = 0.0f;
             }
-#pragma unroll
-            for (int j = 0; j < NS; ++j) {
-                if (j >= 2 * chunks) break;
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[j][e] = exp2f(s[j][e] - mx[e / 2]);
-                    l[e / 2] += s[j][e];
-                }
-            }
-            // O += P V over the head's n8 output tiles.
+            unsigned p[NS / 2][4];  // P as fp16 A operands, 16 keys a step
 #pragma unroll
             for (int kk = 0; kk < NS / 2; ++kk) {
                 if (kk >= chunks) break;
-                unsigned p[4];
-                p[0] = pack_half2(s[2 * kk][0], s[2 * kk][1]);
-                p[1] = pack_half2(s[2 * kk][2], s[2 * kk][3]);
-                p[2] = pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                p[3] = pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
-                for (int nd = 0; nd < KD; ++nd) {
-                    const bool lo_in = nd * 16 >= c0 && nd * 16 + 8 <= c1;
-                    const bool hi_in = nd * 16 + 8 >= c0 && nd * 16 + 16 <= c1;
-                    if (!lo_in && !hi_in) continue;
-                    unsigned vb[4];
-                    ldmatrix_x4_trans(vb, sV + (kk * 16 + vb_row) * PD + nd * 16 + vb_col);
-                    if (lo_in) mma16816(o[2 * nd], p, vb);
-                    if (hi_in) mma16816(o[2 * nd + 1], p, vb + 2);
-                }
+                for (int j = 2 * kk; j < 2 * kk + 2; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[j][e] = exp2f(s[j][e] - mx[e / 2]);
+                        l[e / 2] += s[j][e];
+                    }
+                p[kk][0] = pack_half2(s[2 * kk][0], s[2 * kk][1]);
+                p[kk][1] = pack_half2(s[2 * kk][2], s[2 * kk][3]);
+                p[kk][2] = pack_half2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                p[kk][3] = pack_half2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
             }
             float inv[2];
 #pragma unroll
@@ -391,34 +423,45 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
                 l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
                 inv[r] = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
             }
+            // The head's output 16 columns a step (P V), then out_proj over those columns.
+#pragma unroll 1
+            for (int nd = c0 / 16; nd * 16 < c1; ++nd) {
+                bool lo_in, hi_in;
+                wb_halves(nd, c0, c1, lo_in, hi_in);
+                float o[2][4];
+                wb_zero(o);
 #pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                if (j * 8 < c0 || j * 8 >= c1) continue;
-                o[j][0] *= inv[0]; o[j][1] *= inv[0];
-                o[j][2] *= inv[1]; o[j][3] *= inv[1];
+                for (int kk = 0; kk < NS / 2; ++kk) {
+                    if (kk >= chunks) break;
+                    unsigned vb[4];
+                    ldmatrix_x4_trans(vb, sV + (kk * 16 + vb_row) * PD + nd * 16 + vb_col);
+                    if (lo_in) mma16816(o[0], p[kk], vb);
+                    if (hi_in) mma16816(o[1], p[kk], vb + 2);
+                }
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    o[j][0] *= inv[0]; o[j][1] *= inv[0];
+                    o[j][2] *= inv[1]; o[j][3] *= inv[1];
+                }
+                unsigned c_hi[1][4], c_lo[1][4];
+                wb_operand(o[0], o[1], c_hi[0], c_lo[0]);
+                wb_three_products<1, D / 8, PD, false>(y, c_hi, c_lo, buf0 + nd * 16, D * PD, 0,
+                                                       lane);
             }
         }
-#pragma unroll
-        for (int kc = 0; kc < KD; ++kc)
-            wb_operand(o[2 * kc], o[2 * kc + 1], ctx_hi[kc], ctx_lo[kc]);
     }
-    __syncthreads();  // buffer 1 free
-    wb_copy<PD>(buf1, in_w_hi, D, F, D, f8, D);
-    wb_copy<PD>(buf1 + F * PD, in_w_lo, D, F, D, f8, D);
-    cp_async_commit();
 
-    // 3. out_proj (three products) and the residual: h = x + ctx Wo^T + b on valid rows, x
-    // on the others, stored in out (read back by step 5); norm2 of h.
+    // 4. The residual: h = x + y + b on valid rows, x on the others, stored in out (read back
+    // by step 5); norm2 of h.
     unsigned n_hi[KD][4], n_lo[KD][4];
     const bool keep[2] = {rows && (vrow == nullptr || q0 + g >= seq_len || vrow[q0 + g] != 0),
                           rows && (vrow == nullptr || q0 + g + 8 >= seq_len ||
                                    vrow[q0 + g + 8] != 0)};
-    cp_async_wait<1>();
-    __syncthreads();
+    __syncthreads();  // keys and values read: their memory takes ffn_out's pair
+    wb_copy<PF>(sW2, ffn_w_hi, f8, D, F, D, f8);
+    wb_copy<PF>(sW2 + D * PF, ffn_w_lo, f8, D, F, D, f8);
+    cp_async_commit();
     if (rows) {
-        float acc[D / 8][4];
-        wb_zero(acc);
-        wb_three_products<KD, D / 8, PD>(acc, ctx_hi, ctx_lo, buf0, D * PD, 0, lane);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int row = q0 + g + 8 * r;
@@ -429,59 +472,46 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
             for (int j = 0; j < D / 8; ++j) {
                 const float2 res = *reinterpret_cast<const float2*>(xr + 8 * j);
                 const float2 bias = *reinterpret_cast<const float2*>(out_b + 8 * j + 2 * t);
-                const float2 h = residual_value(acc[j][2 * r] + bias.x,
-                                                acc[j][2 * r + 1] + bias.y, res, keep[r], 0);
-                acc[j][2 * r] = h.x;
-                acc[j][2 * r + 1] = h.y;
+                const float2 h = residual_value(y[j][2 * r] + bias.x, y[j][2 * r + 1] + bias.y,
+                                                res, keep[r], 0);
+                y[j][2 * r] = h.x;
+                y[j][2 * r + 1] = h.y;
                 *reinterpret_cast<float2*>(orow + 8 * j) = h;
             }
         }
-        wb_norm<D>(acc, norm2_w, norm2_b, eps, t);
+        wb_norm<D>(y, norm2_w, norm2_b, eps, t);
 #pragma unroll
-        for (int kc = 0; kc < KD; ++kc)
-            wb_operand(acc[2 * kc], acc[2 * kc + 1], n_hi[kc], n_lo[kc]);
-    }
-    __syncthreads();  // buffer 0 free
-    wb_copy<PF>(buf0, ffn_w_hi, f8, D, F, D, f8);
-    wb_copy<PF>(buf0 + D * PF, ffn_w_lo, f8, D, F, D, f8);
-    cp_async_commit();
-
-    // 4. ffn_in (three products), exact GELU, the hidden rows as a pair of operands.
-    unsigned f_hi[KF][4], f_lo[KF][4];
-    cp_async_wait<1>();
-    __syncthreads();
-    if (rows) {
-#pragma unroll
-        for (int c = 0; c < F / FC; ++c) {  // FC hidden columns at a time
-            float acc[FC / 8][4];
-            wb_zero(acc);
-            wb_three_products<KD, FC / 8, PD>(acc, n_hi, n_lo, buf1, F * PD, FC * c, lane);
-#pragma unroll
-            for (int j = 0; j < FC / 8; ++j) {
-                const int col = FC * c + 8 * j + 2 * t;
-                const float2 bias = col < f8 ? *reinterpret_cast<const float2*>(in_b + col)
-                                             : make_float2(0.0f, 0.0f);
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    acc[j][2 * r] = gelu(acc[j][2 * r] + bias.x);
-                    acc[j][2 * r + 1] = gelu(acc[j][2 * r + 1] + bias.y);
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < FC / 16; ++i)
-                wb_operand(acc[2 * i], acc[2 * i + 1], f_hi[c * FC / 16 + i],
-                           f_lo[c * FC / 16 + i]);
-        }
+        for (int kc = 0; kc < KD; ++kc) wb_operand(y[2 * kc], y[2 * kc + 1], n_hi[kc], n_lo[kc]);
     }
 
-    // 5. ffn_out (three products) and the residual: h + hidden W2^T + b on valid rows, 0 on
-    // the others; with final_w, the final norm of those rows too.
+    // 5. The FFN HC hidden columns a step: ffn_in (three products), exact GELU, the hidden
+    // columns as a hi/lo pair into ffn_out's three products (y, all D columns); then the
+    // residual: h + y + b on valid rows, 0 on the others; with final_w, the final norm too.
     cp_async_wait<0>();
     __syncthreads();
     if (!rows) return;
-    float acc[D / 8][4];
-    wb_zero(acc);
-    wb_three_products<KF, D / 8, PF>(acc, f_hi, f_lo, buf0, D * PF, 0, lane);
+    wb_zero(y);
+#pragma unroll 1
+    for (int c = 0; c < F; c += HC) {
+        float acc[HC / 8][4];
+        wb_zero(acc);
+        wb_three_products<KD, HC / 8, PD>(acc, n_hi, n_lo, buf1, F * PD, c, lane);
+#pragma unroll
+        for (int j = 0; j < HC / 8; ++j) {
+            const int col = c + 8 * j + 2 * t;
+            const float2 bias = col < f8 ? *reinterpret_cast<const float2*>(in_b + col)
+                                         : make_float2(0.0f, 0.0f);
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                acc[j][2 * r] = gelu(acc[j][2 * r] + bias.x);
+                acc[j][2 * r + 1] = gelu(acc[j][2 * r + 1] + bias.y);
+            }
+        }
+        unsigned f_hi[HC / 16][4], f_lo[HC / 16][4];
+#pragma unroll
+        for (int i = 0; i < HC / 16; ++i) wb_operand(acc[2 * i], acc[2 * i + 1], f_hi[i], f_lo[i]);
+        wb_three_products<HC / 16, D / 8, PF, false>(y, f_hi, f_lo, sW2 + c, D * PF, 0, lane);
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = q0 + g + 8 * r;
@@ -491,13 +521,13 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
             const float2 res = row < seq_len ? *reinterpret_cast<const float2*>(hr + 8 * j)
                                              : make_float2(0.0f, 0.0f);
             const float2 bias = *reinterpret_cast<const float2*>(ffn_b + 8 * j + 2 * t);
-            const float2 y = residual_value(acc[j][2 * r] + bias.x, acc[j][2 * r + 1] + bias.y,
+            const float2 z = residual_value(y[j][2 * r] + bias.x, y[j][2 * r + 1] + bias.y,
                                             res, keep[r], 1);
-            acc[j][2 * r] = y.x;
-            acc[j][2 * r + 1] = y.y;
+            y[j][2 * r] = z.x;
+            y[j][2 * r + 1] = z.y;
         }
     }
-    if (final_w != nullptr) wb_norm<D>(acc, final_w, final_b, eps, t);
+    if (final_w != nullptr) wb_norm<D>(y, final_w, final_b, eps, t);
     float* dst = final_w != nullptr ? final_out + row_base * final_stride : outs;
     const long long pitch = final_w != nullptr ? final_stride : out_stride;
 #pragma unroll
@@ -507,10 +537,10 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
         float* orow = dst + (long long)row * pitch + 2 * t;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
-            const float2 y = final_w != nullptr && !keep[r] ? make_float2(0.0f, 0.0f)
-                                                            : make_float2(acc[j][2 * r],
-                                                                          acc[j][2 * r + 1]);
-            *reinterpret_cast<float2*>(orow + 8 * j) = y;
+            const float2 z = final_w != nullptr && !keep[r] ? make_float2(0.0f, 0.0f)
+                                                            : make_float2(y[j][2 * r],
+                                                                          y[j][2 * r + 1]);
+            *reinterpret_cast<float2*>(orow + 8 * j) = z;
         }
     }
 }
