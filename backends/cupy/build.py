@@ -51,7 +51,7 @@ PROLOGUE_STAGES = 2  # K tiles held at once: MAX_PROLOGUE_K / 64, each in its ow
 # whole_block (one launch a Transformer block, sequences up to WHOLE_BLOCK_MAX_SEQ tokens, three
 # fp16 products): the (d_model, FFN width padded to 16) pairs it is compiled for.
 WHOLE_BLOCK_WIDTHS = ((32, 32), (64, 64), (128, 128))
-WHOLE_BLOCK_MAX_SEQ, WHOLE_BLOCK_ROWS, WHOLE_BLOCK_THREADS = 128, 64, 128
+WHOLE_BLOCK_MAX_SEQ, WHOLE_BLOCK_ROWS, WHOLE_BLOCK_THREADS = 128, 128, 256
 ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
                    128: ((64, 64),), 256: ((64, 32),)}  # padded head dim -> (BQ, BKV)
 

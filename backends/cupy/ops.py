@@ -446,12 +446,13 @@ def attention(k: Kernels, qkv, ctx, valid, info, *, batch: int, seq_len: int, nu
 
 def whole_block_shared_bytes(d_model: int, ffn_width: int) -> int:
     """Dynamic shared memory of a whole-block kernel (whole_block.cu whole_block_shared_bytes):
-    two weight buffers, the keys and values of WHOLE_BLOCK_MAX_SEQ rows (later ffn_out's
-    pair) and the block's Q rows, rows of width + 8 halves."""
+    two weight buffers (the second also holds the block's Q rows) and the keys and values of
+    WHOLE_BLOCK_MAX_SEQ rows (later ffn_out's pair), rows of width + 8 halves."""
     buffer0 = 2 * d_model * (d_model + 8)
-    buffer1 = max(d_model, 2 * ffn_width) * (d_model + 8)
+    q_row = max(d_model, ffn_width)
+    buffer1 = max(q_row + build.WHOLE_BLOCK_ROWS, 2 * ffn_width) * (d_model + 8)
     keys = max(2 * build.WHOLE_BLOCK_MAX_SEQ * (d_model + 8), 2 * d_model * (ffn_width + 8))
-    return 2 * (buffer0 + buffer1 + keys + build.WHOLE_BLOCK_ROWS * (d_model + 8))
+    return 2 * (buffer0 + buffer1 + keys)
 
 
 def whole_block_refusal(config, seq_len: int, products: int,

@@ -1,34 +1,37 @@
 // One Transformer block of short sequences in one launch: norm1, Q/K/V, attention, out_proj
 // and the residual, norm2, the FFN and its residual (and, after the last block, the final
-// norm), on mma.sync m16n8k16. A block of four warps takes 64 query rows of one sequence;
-// each warp holds its 16 rows in registers where a product's output is the next one's
-// operand (the accumulator layout of one mma is the operand layout of the next). The keys
-// and values of every row the block's queries may see are computed by the block itself, so
-// blocks never wait for each other. Each product runs as a rolled loop over column chunks,
+// norm), on mma.sync m16n8k16. A block of eight warps takes a whole sequence (up to 128
+// rows), so that its keys and values are computed once; each warp holds its 16 rows in
+// registers where a product's output is the next one's operand (the accumulator layout of
+// one mma is the operand layout of the next). Each product runs as a rolled loop over column chunks,
 // so that the code a block runs stays small: out_proj is summed chunk by chunk of the
 // attention's output, and the FFN's second product chunk by chunk of its hidden columns.
 #include "common.cuh"
 
 namespace lb {
 
-constexpr int WB_ROWS = 64;                 // query rows of a block
+constexpr int WB_ROWS = 128;                // rows of a block: the longest sequence it runs
 constexpr int WB_WARPS = WB_ROWS / 16;      // 16 rows a warp
 constexpr int WB_THREADS = WB_WARPS * 32;
-constexpr int WB_MAX_KEYS = 128;            // the longest sequence it runs
+constexpr int WB_MAX_KEYS = WB_ROWS;
 
 // Shared memory, in halves, at widths D and F (d_model and the FFN's width, multiples of
 // 16), rows of width + 8 halves (ldmatrix rows on distinct banks). Buffer 0 holds the K and V
-// weights, then out_proj's pair; buffer 1 Q's weights, then ffn_in's pair; then the keys and
-// the values of up to WB_MAX_KEYS rows, and after attention ffn_out's pair; then the block's
-// Q rows.
+// weights, then out_proj's pair; buffer 1 Q's weights (rows [0, D)) and the block's Q rows
+// (from row wb_q_row), then ffn_in's pair (its hi half once Q's weights are free, its lo
+// half once attention is done); then the keys and the values of up to WB_MAX_KEYS rows, and
+// after attention ffn_out's pair.
 __host__ __device__ constexpr int wb_max(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int wb_q_row(int d, int f) { return wb_max(d, f); }
 __host__ __device__ constexpr int wb_buffer0(int d) { return 2 * d * (d + 8); }
-__host__ __device__ constexpr int wb_buffer1(int d, int f) { return wb_max(d, 2 * f) * (d + 8); }
+__host__ __device__ constexpr int wb_buffer1(int d, int f) {
+    return wb_max(wb_q_row(d, f) + WB_ROWS, 2 * f) * (d + 8);
+}
 __host__ __device__ constexpr int wb_keys(int d, int f) {
     return wb_max(2 * WB_MAX_KEYS * (d + 8), 2 * d * (f + 8));
 }
 __host__ __device__ constexpr int whole_block_shared_bytes(int d, int f) {
-    return 2 * (wb_buffer0(d) + wb_buffer1(d, f) + wb_keys(d, f) + WB_ROWS * (d + 8));
+    return 2 * (wb_buffer0(d) + wb_buffer1(d, f) + wb_keys(d, f));
 }
 
 // Copy rows [0, rows) x halves [0, cols) of a row-major fp16 matrix (row pitch stride) into
@@ -221,7 +224,7 @@ __device__ __forceinline__ void wb_zero(float (&a)[ROWS][COLS]) {
         for (int j = 0; j < COLS; ++j) a[i][j] = 0.0f;
 }
 
-// Grid (ceil(seq_len / 64), batch), WB_THREADS threads, whole_block_shared_bytes(D, F).
+// Grid (1, batch), WB_THREADS threads, whole_block_shared_bytes(D, F).
 // x: the block's input rows (fp32, pitch x_stride), never written; out: its output rows
 // (pitch out_stride). Without final_w, out gets the block's output; with it, out holds the
 // sum after out_proj's residual (h = x + attention's output), and the final LayerNorm of the
@@ -260,7 +263,7 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
     __half* sK = buf1 + wb_buffer1(D, F);
     __half* sV = sK + WB_MAX_KEYS * PD;
     __half* sW2 = sK;                          // ffn_out's pair, once attention is done
-    __half* sQ = sK + wb_keys(D, F);
+    __half* sQ = buf1 + wb_q_row(D, F) * PD;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const int b = blockIdx.y;
@@ -280,14 +283,12 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
     const int kv_end = keys.end;
     const bool holes = keys.holes;
     const unsigned char* vrow = valid != nullptr ? valid + row_base : nullptr;
-    const int q_block = blockIdx.x * WB_ROWS;
-    const int kv_stop = causal ? imin(kv_end, q_block + WB_ROWS) : kv_end;
 
-    // 1. Keys and values of rows [0, kv_stop), 16 rows a warp at a time: norm1, one fp16
+    // 1. Keys and values of rows [0, kv_end), 16 rows a warp at a time: norm1, one fp16
     // product, NC columns a step; rows that are not visible keys are stored as zeros.
     cp_async_wait<1>();
     __syncthreads();
-    for (int grp = warp; grp * 16 < kv_stop; grp += WB_WARPS) {
+    for (int grp = warp; grp * 16 < kv_end; grp += WB_WARPS) {
         float v[D / 8][4];
         wb_load_rows<D>(v, xs, x_stride, grp * 16, seq_len, g, t);
         wb_norm<D>(v, norm1_w, norm1_b, eps, t);
@@ -317,7 +318,7 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
 
     // 2. Q of the warp's rows (norm1 again, one product), stored in fp16 (as the layer's
     // fp16 Q/K/V rows) to the warp's 16 rows of sQ.
-    const int q0 = q_block + warp * 16;
+    const int q0 = warp * 16;
     const bool rows = q0 < seq_len;
     __half* sQw = sQ + warp * 16 * PD;
     cp_async_wait<1>();
@@ -338,9 +339,8 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
             wb_store_half<NC / 8, PD>(acc, qkv_b, sQw, n0, all, g, t);
         }
     }
-    __syncthreads();  // buffer 1 free
+    __syncthreads();  // Q's weights read: ffn_in's hi half takes their rows
     wb_copy<PD>(buf1, in_w_hi, D, F, D, f8, D);
-    wb_copy<PD>(buf1 + F * PD, in_w_lo, D, F, D, f8, D);
     cp_async_commit();
 
     // 3. Attention head by head with every score of a row in registers (a plain softmax: at
@@ -457,7 +457,8 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
     const bool keep[2] = {rows && (vrow == nullptr || q0 + g >= seq_len || vrow[q0 + g] != 0),
                           rows && (vrow == nullptr || q0 + g + 8 >= seq_len ||
                                    vrow[q0 + g + 8] != 0)};
-    __syncthreads();  // keys and values read: their memory takes ffn_out's pair
+    __syncthreads();  // Q, keys and values read: ffn_in's lo half and ffn_out's pair
+    wb_copy<PD>(buf1 + F * PD, in_w_lo, D, F, D, f8, D);
     wb_copy<PF>(sW2, ffn_w_hi, f8, D, F, D, f8);
     wb_copy<PF>(sW2 + D * PF, ffn_w_lo, f8, D, F, D, f8);
     cp_async_commit();
