@@ -627,10 +627,11 @@ def _launches():
         pairs = {n: weight_pair(getattr(params, n)) for n in layer_module.WEIGHTS}
         rows = torch.zeros(m, width)
         mask = torch.ones(2, m // 2, dtype=torch.uint8)
-        for final in (None, (rows[0], rows[0])):
+        for final, block_rows in itertools.product((None, (rows[0], rows[0])),
+                                                   build.WHOLE_BLOCK_ROWS):
             ops.whole_block(k, rows, torch.zeros(m, width), params, pairs,
                             torch.zeros(ffn), mask, key_info(mask), batch=2, seq_len=m // 2,
-                            num_heads=2, causal=True, final=final,
+                            num_heads=2, causal=True, rows=block_rows, final=final,
                             final_out=None if final is None else torch.zeros(m, width))
     return k.calls
 
@@ -3024,7 +3025,7 @@ class StandIns:
             _pair(got, *ctx)
 
     def whole_block(self, k, x, out, p, w, ffn_in_bias, valid, info, *, batch, seq_len,
-                    num_heads, causal, final=None, final_out=None, eps=1e-5):
+                    num_heads, causal, rows, final=None, final_out=None, eps=1e-5):
         """One block as whole_block.cu computes it: Q/K/V at one product from norm1's hi
         half, the context, norm2 and the hidden rows as pairs at three products, the
         residuals on valid rows (out_proj keeps x elsewhere, ffn_out writes 0) and the
@@ -3033,6 +3034,7 @@ class StandIns:
         (0 on invalid rows). x is only read."""
         self.calls.append("whole_block:final" if final is not None else "whole_block")
         assert ops.whole_block_refusal(self.config, seq_len, 3) is None
+        assert rows in build.WHOLE_BLOCK_ROWS
         assert out.data_ptr() != x.data_ptr() and (final_out is None) == (final is None)
         d, rows = x.shape[1], valid is not None
         valid_rows = None if valid is None else valid.reshape(-1)
@@ -3497,6 +3499,36 @@ def test_layer_with_tma_attention_keeps_the_contract_and_replays(kernels, number
     _layer_runs_variant(cfg, "attention_variant", variant, "attention", monkeypatch)
 
 
+def test_whole_block_rows_and_default_plan(cupy_selected, monkeypatch):
+    """whole_block_rows takes 64-row blocks where they make one wave, else whole sequences;
+    with whole_block None, the layer runs whole blocks on a CUDA device at d_model 32 on one
+    wave of 64-row blocks, and at any width from 64 sequences with heads of 16 columns or
+    more, never where the kernel refuses the call."""
+    from types import SimpleNamespace
+
+    assert ops.whole_block_rows(64, 128, 132) == 64
+    assert ops.whole_block_rows(66, 128, 132) == 64 and ops.whole_block_rows(67, 128, 132) == 128
+    assert ops.whole_block_rows(132, 64, 132) == 64 and ops.whole_block_rows(133, 64, 132) == 128
+    assert ops.whole_block_rows(10000, 128, 132) == 128
+    monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 132)
+
+    def runs(cfg, batch, seq_len, device="cuda", option=None):
+        layer = SimpleNamespace(config=cfg, whole_block=option, products=3,
+                                device=torch.device(device))
+        monkeypatch.setattr(ops, "whole_block_refusal",
+                            lambda *a: None if seq_len <= 128 else "too long")
+        return layer_module.CupyLayer.runs_whole_blocks(layer, batch, seq_len)
+
+    wide, narrow = LayerConfig(1, 128, 128, 4, 128, 1), LayerConfig(1, 128, 32, 4, 32, 1)
+    assert [runs(wide, b, 128) for b in (1, 16, 63, 64, 128, 10000)] == [False] * 3 + [True] * 3
+    assert runs(wide, 64, 32) and not runs(wide, 64, 129)
+    assert not runs(LayerConfig(1, 128, 128, 16, 128, 1), 64, 128)  # head dim 8
+    assert runs(LayerConfig(1, 128, 128, 8, 128, 1), 64, 128)  # head dim 16
+    assert [runs(narrow, b, 128) for b in (1, 66, 67)] == [True, True, False]
+    assert runs(narrow, 67, 64) and not runs(narrow, 10000, 128, device="cpu")
+    assert not runs(wide, 64, 128, option=False) and runs(wide, 1, 128, option=True)
+
+
 @needs_gpu
 @pytest.mark.parametrize("cfg", [
     LayerConfig(3, 128, 128, 4, 128, 2), LayerConfig(5, 100, 128, 16, 128, 1),
@@ -3505,13 +3537,17 @@ def test_layer_with_tma_attention_keeps_the_contract_and_replays(kernels, number
     LayerConfig(70, 64, 128, 2, 128, 1), LayerConfig(2, 128, 128, 8, 128, 1, causal=False)],
     ids=["s128-h4", "s100-h16", "full-h1-f120", "d64-s33", "d32", "seq1", "b70", "full-h8"])
 @pytest.mark.parametrize("mask", ["prefix", "holes"])
-def test_whole_block_kernel_keeps_the_contract(kernels, cfg, mask, monkeypatch):
-    """The whole-block layer keeps the contract against the fp32 reference eager, captured
-    and replayed, with prefix padding or keys missing inside the sequence (holes), causal or
-    not, head dims 8 to 128, sequences of one token; one launch a block; its output rows
-    are all written (the output poisoned with NaN first); and the same call at a length it
-    does not hold (144 tokens) runs the plan without it and keeps the contract too."""
+@pytest.mark.parametrize("rows", build.WHOLE_BLOCK_ROWS, ids=lambda r: f"rows{r}")
+def test_whole_block_kernel_keeps_the_contract(kernels, cfg, mask, rows, monkeypatch):
+    """The whole-block layer, at each count of query rows a block, keeps the contract
+    against the fp32 reference eager, captured and replayed, with prefix padding or keys
+    missing inside the sequence (holes), causal or not, head dims 8 to 128, sequences of one
+    token; one launch a block; its output rows are all written (the output poisoned with NaN
+    first); and the same call at a length it does not hold (144 tokens) runs the plan
+    without it and keeps the contract too."""
     from layerbench.backends.cupy import CupyBackend
+
+    monkeypatch.setattr(ops, "whole_block_rows", lambda batch, seq_len, sms: rows)
 
     model = make_reference(cfg, seed=41)
     x, valid = make_inputs(cfg, padding_ratio=0.4, seed=42, device="cuda")
@@ -3524,6 +3560,7 @@ def test_whole_block_kernel_keeps_the_contract(kernels, cfg, mask, monkeypatch):
     real = ops.whole_block
 
     def recorded(*args, **kwargs):
+        assert kwargs["rows"] == rows
         launched.append(kwargs["final"] is not None)
         return real(*args, **kwargs)
     monkeypatch.setattr(ops, "whole_block", recorded)

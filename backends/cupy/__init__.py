@@ -85,13 +85,14 @@ class CupyBackend(Backend):
     summed in another order). None (default) or True: on where the staged epilogue runs;
     False: a warp a row (slower on the H200: bench/PERFORMANCE.md K40).
     whole_block: one launch a Transformer block (whole_block.cu: norm1, Q/K/V, attention,
-    out_proj, norm2 and the FFN of 64 query rows a block, mma.sync, the rows in registers
-    between products; the final norm in the last launch) on calls whose sequences it holds
-    (up to 128 tokens, three products, d_model and FFN width it is compiled for:
-    ops.whole_block_refusal); elsewhere the plan above. None (default): where it runs, at
-    d_model up to 32 on a grid of at most one block an SM (layer.runs_whole_blocks; slower
-    at d_model 128 on the H200: bench/PERFORMANCE.md K41); True: wherever it runs; False:
-    off.
+    out_proj, norm2 and the FFN of 64 query rows a block, or of a whole sequence where
+    64-row blocks would take more than one wave (ops.whole_block_rows); mma.sync, the rows
+    in registers between products; the final norm in the last launch) on calls whose
+    sequences it holds (up to 128 tokens, three products, d_model and FFN width it is
+    compiled for: ops.whole_block_refusal); elsewhere the plan above. None (default): where
+    it runs, at d_model up to 32 on one wave of 64-row blocks, and from 64 sequences at head
+    dims from 16 (layer.runs_whole_blocks; bench/PERFORMANCE.md K41, K43); True: wherever it
+    runs; False: off.
     """
 
     name = "cupy"

@@ -51,7 +51,9 @@ PROLOGUE_STAGES = 2  # K tiles held at once: MAX_PROLOGUE_K / 64, each in its ow
 # whole_block (one launch a Transformer block, sequences up to WHOLE_BLOCK_MAX_SEQ tokens, three
 # fp16 products): the (d_model, FFN width padded to 16) pairs it is compiled for.
 WHOLE_BLOCK_WIDTHS = ((32, 32), (64, 64), (128, 128))
-WHOLE_BLOCK_MAX_SEQ, WHOLE_BLOCK_ROWS, WHOLE_BLOCK_THREADS = 128, 128, 256
+WHOLE_BLOCK_MAX_SEQ = 128
+# Query rows a block (16 a warp): 64, or a whole sequence (its keys and values computed once).
+WHOLE_BLOCK_ROWS = (64, WHOLE_BLOCK_MAX_SEQ)
 ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
                    128: ((64, 64),), 256: ((64, 32),)}  # padded head dim -> (BQ, BKV)
 
@@ -418,9 +420,10 @@ def attention_name(head_pad: int, bq: int, bkv: int) -> str:
     return f"lb::flash_attention<{head_pad}, {bq}, {bkv}>"
 
 
-def whole_block_name(d_model: int, ffn_width: int) -> str:
-    """Name expression of the whole-block kernel at d_model and an FFN width (padded to 16)."""
-    return f"lb::whole_block<{d_model}, {ffn_width}>"
+def whole_block_name(d_model: int, ffn_width: int, rows: int) -> str:
+    """Name expression of the whole-block kernel at d_model, an FFN width (padded to 16) and
+    query rows a block (one of WHOLE_BLOCK_ROWS)."""
+    return f"lb::whole_block<{d_model}, {ffn_width}, {rows}>"
 
 
 def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
@@ -502,7 +505,8 @@ def name_expressions(arch: str) -> list[str]:
         names += [attention_wgmma_name(hp, v) for hp, vs in ATTENTION_WGMMA.items() for v in vs]
     names += [attention_name(hp, bq, bkv) for hp, tiles in ATTENTION_TILES.items()
               for bq, bkv in tiles]
-    names += [whole_block_name(d, f) for d, f in WHOLE_BLOCK_WIDTHS]
+    names += [whole_block_name(d, f, rows) for d, f in WHOLE_BLOCK_WIDTHS
+              for rows in WHOLE_BLOCK_ROWS]
     return names
 
 

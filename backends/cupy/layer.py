@@ -41,11 +41,15 @@ LONG_ATTENTION_HEAD_DIM, LONG_ATTENTION_MIN_KEYS = 64, 4096
 # whole layers: shape 13 -9%, 6 -5%, 1-4 -3-4%, 5 -3%, 12 level.
 NARROW_ATTENTION, NARROW_ATTENTION_HEAD_DIM = build.WGMMA_TMA_2_PER_SM, 32
 WHOLE_BLOCK_MAX_WIDTH = max(d for d, _ in build.WHOLE_BLOCK_WIDTHS)
-# Where no choice is made, the whole-block kernel runs at d_model up to this width and a grid
-# of at most one block an SM. H200 (shapes 1-5, 7, 9-12): shape 7 (d_model 32, 128 blocks)
-# 0.102 ms against 0.166; at d_model 128 slower on every shape (shape 2 0.207-0.244 against
-# 0.138, shape 11 0.46 against 0.28).
+# Where no choice is made, the whole-block kernel runs at d_model up to
+# WHOLE_BLOCK_DEFAULT_MAX_WIDTH on one wave of 64-row blocks, and at any width from
+# WHOLE_BLOCK_MIN_SEQUENCES sequences with heads of 16 columns or more. H200, time against
+# the per-kernel plan's in the same run (ops.whole_block_rows choosing the rows a block):
+# shape 7 (d_model 32) 0.59; at d_model 128, 64 sequences or more: shapes 1 0.97, 5 0.72,
+# 6 0.94, 9 0.82, 10 0.86, 12 0.84, but shape 11 (16 heads of 8 columns) 1.04; fewer
+# sequences leave most multiprocessors idle: shapes 2, 3, 4 (1, 4, 16 sequences) 1.17-1.31.
 WHOLE_BLOCK_DEFAULT_MAX_WIDTH = 32
+WHOLE_BLOCK_MIN_SEQUENCES, WHOLE_BLOCK_MIN_HEAD_DIM = 64, 16
 
 
 def fuses_norms(config, fuse_norms: bool | None, wgmma: bool, products: int = 1,
@@ -278,16 +282,21 @@ class CupyLayer(BuiltLayer):
         """Whether a call of batch sequences of seq_len tokens runs the whole-block kernel:
         never where it refuses the call (ops.whole_block_refusal) or with whole_block False;
         with True wherever it runs; with None on a CUDA device at d_model up to
-        WHOLE_BLOCK_DEFAULT_MAX_WIDTH and a grid of at most one block a multiprocessor."""
+        WHOLE_BLOCK_DEFAULT_MAX_WIDTH on a grid of at most one 64-row block a multiprocessor,
+        or from WHOLE_BLOCK_MIN_SEQUENCES sequences at head dims from
+        WHOLE_BLOCK_MIN_HEAD_DIM."""
         if self.whole_block is False or ops.whole_block_refusal(
                 self.config, seq_len, self.products, self.device) is not None:
             return False
         if self.whole_block:
             return True
-        blocks = batch * cdiv(seq_len, build.WHOLE_BLOCK_ROWS)
-        return (self.device.type == "cuda"
-                and self.config.d_model <= WHOLE_BLOCK_DEFAULT_MAX_WIDTH
-                and blocks <= multiprocessor_count(self.device))
+        cfg = self.config
+        narrow = (cfg.d_model <= WHOLE_BLOCK_DEFAULT_MAX_WIDTH
+                  and batch * cdiv(seq_len, build.WHOLE_BLOCK_ROWS[0])
+                  <= multiprocessor_count(self.device))
+        many = (batch >= WHOLE_BLOCK_MIN_SEQUENCES
+                and cfg.d_model // cfg.num_heads >= WHOLE_BLOCK_MIN_HEAD_DIM)
+        return self.device.type == "cuda" and (narrow or many)
 
     def _run_whole_blocks(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk, one whole-block launch a block (ops.whole_block), reading
@@ -300,11 +309,12 @@ class CupyLayer(BuiltLayer):
         final = (self.params.final_weight, self.params.final_bias)
         layers = list(zip(self.params.layers, self.weights, self.ffn_in_biases))
         fused_final = False
+        rows = ops.whole_block_rows(batch, s, multiprocessor_count(self.device))
         for i, (p, w, ffn_in_bias) in enumerate(layers):
             fused_final = i + 1 == len(layers) and target.data_ptr() != src.data_ptr()
             ops.whole_block(k, src, buffers[i % 2], p, w, ffn_in_bias, valid, info,
                             batch=batch, seq_len=s, num_heads=cfg.num_heads, causal=cfg.causal,
-                            final=final if fused_final else None,
+                            rows=rows, final=final if fused_final else None,
                             final_out=target if fused_final else None)
             src = buffers[i % 2]
         if not fused_final:

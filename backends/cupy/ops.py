@@ -450,7 +450,7 @@ def whole_block_shared_bytes(d_model: int, ffn_width: int) -> int:
     WHOLE_BLOCK_MAX_SEQ rows (later ffn_out's pair), rows of width + 8 halves."""
     buffer0 = 2 * d_model * (d_model + 8)
     q_row = max(d_model, ffn_width)
-    buffer1 = max(q_row + build.WHOLE_BLOCK_ROWS, 2 * ffn_width) * (d_model + 8)
+    buffer1 = max(q_row + build.WHOLE_BLOCK_MAX_SEQ, 2 * ffn_width) * (d_model + 8)
     keys = max(2 * build.WHOLE_BLOCK_MAX_SEQ * (d_model + 8), 2 * d_model * (ffn_width + 8))
     return 2 * (buffer0 + buffer1 + keys)
 
@@ -476,21 +476,32 @@ def whole_block_refusal(config, seq_len: int, products: int,
     return None
 
 
+def whole_block_rows(batch: int, seq_len: int, multiprocessors: int) -> int:
+    """Query rows a whole-block launch takes a block: 64 (four warps) where those blocks make
+    one wave, else a whole sequence (eight warps: its keys and values computed once). H200,
+    d_model 128, time against the per-kernel plan's in the same run, 64 rows / whole
+    sequences: 64 sequences of 128 tokens (shape 1) 0.97 / 1.09; 128 sequences (shape 5)
+    1.02 / 0.72; 10000 (shape 6) 1.37 / 0.94."""
+    small = build.WHOLE_BLOCK_ROWS[0]
+    return small if batch * cdiv(seq_len, small) <= multiprocessors else build.WHOLE_BLOCK_MAX_SEQ
+
+
 def whole_block(k: Kernels, x, out, p, w, ffn_in_bias, valid, info, *, batch: int,
-                seq_len: int, num_heads: int, causal: bool, final=None, final_out=None,
-                eps: float = LN_EPS) -> None:
+                seq_len: int, num_heads: int, causal: bool, rows: int, final=None,
+                final_out=None, eps: float = LN_EPS) -> None:
     """One Transformer block of batch sequences of seq_len tokens (whole_block.cu): out =
     the block of x (fp32 rows; out must not be x), p its parameters (norms and biases), w its
     fp16 weight pairs; with final (weight, bias), the final LayerNorm of the block's output
     goes to final_out instead (rows whose valid byte is 0 set to 0) and out keeps the sum after
-    out_proj's residual."""
+    out_proj's residual. rows: query rows a block, one of build.WHOLE_BLOCK_ROWS
+    (whole_block_rows chooses)."""
     d = x.shape[1]
     f8 = w["ffn_in_weight"][0].shape[0]
     width = cdiv(f8, 16) * 16
     head_dim = d // num_heads
     final_w, final_b = final if final is not None else (None, None)
-    k.launch(build.whole_block_name(d, width), (cdiv(seq_len, build.WHOLE_BLOCK_ROWS), batch, 1),
-             build.WHOLE_BLOCK_THREADS, whole_block_shared_bytes(d, width),
+    k.launch(build.whole_block_name(d, width, rows), (cdiv(seq_len, rows), batch, 1), 2 * rows,
+             whole_block_shared_bytes(d, width),
              (x, np.int64(x.stride(0)), out, np.int64(out.stride(0)),
               w["qkv_weight"][0], p.qkv_bias, *w["out_weight"], p.out_bias,
               *w["ffn_in_weight"], ffn_in_bias, *w["ffn_out_weight"], p.ffn_out_bias,

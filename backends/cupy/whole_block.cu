@@ -1,22 +1,22 @@
 // One Transformer block of short sequences in one launch: norm1, Q/K/V, attention, out_proj
 // and the residual, norm2, the FFN and its residual (and, after the last block, the final
-// norm), on mma.sync m16n8k16. A block of eight warps takes a whole sequence (up to 128
-// rows), so that its keys and values are computed once; each warp holds its 16 rows in
-// registers where a product's output is the next one's operand (the accumulator layout of
-// one mma is the operand layout of the next). Each product runs as a rolled loop over column chunks,
-// so that the code a block runs stays small: out_proj is summed chunk by chunk of the
-// attention's output, and the FFN's second product chunk by chunk of its hidden columns.
+// norm), on mma.sync m16n8k16. A block takes ROWS query rows of one sequence (64: four
+// warps; 128: eight warps, a whole sequence, its keys and values computed once); each warp
+// holds its 16 rows in registers where a product's output is the next one's operand (the
+// accumulator layout of one mma is the operand layout of the next). The keys and values of
+// every row a block's queries may see are computed by the block itself, so blocks never
+// wait for each other. Each product runs as a rolled loop over column chunks, so that the
+// code a block runs stays small: out_proj is summed chunk by chunk of the attention's
+// output, and the FFN's second product chunk by chunk of its hidden columns.
 #include "common.cuh"
 
 namespace lb {
 
-constexpr int WB_ROWS = 128;                // rows of a block: the longest sequence it runs
-constexpr int WB_WARPS = WB_ROWS / 16;      // 16 rows a warp
-constexpr int WB_THREADS = WB_WARPS * 32;
-constexpr int WB_MAX_KEYS = WB_ROWS;
+constexpr int WB_MAX_KEYS = 128;            // the longest sequence it runs
+constexpr int WB_MAX_ROWS = WB_MAX_KEYS;    // query rows of a block: 64 or 128, 16 a warp
 
 // Shared memory, in halves, at widths D and F (d_model and the FFN's width, multiples of
-// 16), rows of width + 8 halves (ldmatrix rows on distinct banks). Buffer 0 holds the K and V
+// 32), rows of width + 8 halves (ldmatrix rows on distinct banks). Buffer 0 holds the K and V
 // weights, then out_proj's pair; buffer 1 Q's weights (rows [0, D)) and the block's Q rows
 // (from row wb_q_row), then ffn_in's pair (its hi half once Q's weights are free, its lo
 // half once attention is done); then the keys and the values of up to WB_MAX_KEYS rows, and
@@ -25,7 +25,7 @@ __host__ __device__ constexpr int wb_max(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int wb_q_row(int d, int f) { return wb_max(d, f); }
 __host__ __device__ constexpr int wb_buffer0(int d) { return 2 * d * (d + 8); }
 __host__ __device__ constexpr int wb_buffer1(int d, int f) {
-    return wb_max(wb_q_row(d, f) + WB_ROWS, 2 * f) * (d + 8);
+    return wb_max(wb_q_row(d, f) + WB_MAX_ROWS, 2 * f) * (d + 8);
 }
 __host__ __device__ constexpr int wb_keys(int d, int f) {
     return wb_max(2 * WB_MAX_KEYS * (d + 8), 2 * d * (f + 8));
@@ -36,12 +36,13 @@ __host__ __device__ constexpr int whole_block_shared_bytes(int d, int f) {
 
 // Copy rows [0, rows) x halves [0, cols) of a row-major fp16 matrix (row pitch stride) into
 // shared rows of PITCH halves, asynchronously, zero-filling rows at or past valid_rows and
-// columns at or past valid_cols (multiples of 8); every thread of the block takes part.
-template <int PITCH>
+// columns at or past valid_cols (multiples of 8); every one of the block's THREADS threads
+// takes part.
+template <int PITCH, int THREADS>
 __device__ __forceinline__ void wb_copy(__half* dst, const __half* src, long long stride,
                                         int rows, int cols, int valid_rows, int valid_cols) {
     const int per_row = cols / 8;
-    for (int c = threadIdx.x; c < rows * per_row; c += WB_THREADS) {
+    for (int c = threadIdx.x; c < rows * per_row; c += THREADS) {
         const int r = c / per_row, k = (c % per_row) * 8;
         const bool ok = r < valid_rows && k < valid_cols;
         cp_async16(dst + r * PITCH + k, ok ? src + (long long)r * stride + k : src, ok);
@@ -224,7 +225,7 @@ __device__ __forceinline__ void wb_zero(float (&a)[ROWS][COLS]) {
         for (int j = 0; j < COLS; ++j) a[i][j] = 0.0f;
 }
 
-// Grid (1, batch), WB_THREADS threads, whole_block_shared_bytes(D, F).
+// Grid (ceil(seq_len / ROWS), batch), 2 ROWS threads, whole_block_shared_bytes(D, F).
 // x: the block's input rows (fp32, pitch x_stride), never written; out: its output rows
 // (pitch out_stride). Without final_w, out gets the block's output; with it, out holds the
 // sum after out_proj's residual (h = x + attention's output), and the final LayerNorm of the
@@ -234,8 +235,8 @@ __device__ __forceinline__ void wb_zero(float (&a)[ROWS][COLS]) {
 // 8; F is it padded to 16). valid/key_info: the key mask and its per-sequence extents
 // (cuda_host.key_info), or null. Rows past seq_len are neither read nor written; seq_len at
 // most WB_MAX_KEYS.
-template <int D, int F>
-__global__ void __launch_bounds__(WB_THREADS, 1)
+template <int D, int F, int ROWS>
+__global__ void __launch_bounds__(2 * ROWS, 1)
 whole_block(const float* __restrict__ x, long long x_stride, float* out, long long out_stride,
             const __half* __restrict__ qkv_w, const float* __restrict__ qkv_b,
             const __half* __restrict__ out_w_hi, const __half* __restrict__ out_w_lo,
@@ -252,6 +253,8 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
             int seq_len, int f8, int num_heads, int head_dim, float scale, int causal,
             float eps) {
     static_assert(D % 32 == 0 && F % 32 == 0 && D <= 128 && F <= 128, "widths: 32 to 128");
+    static_assert(ROWS == 64 || ROWS == WB_MAX_ROWS, "64 rows a block or a whole sequence");
+    constexpr int WARPS = ROWS / 16, THREADS = 32 * WARPS;
     constexpr int KD = D / 16;                 // k16 steps over D
     constexpr int PD = D + 8, PF = F + 8;      // shared row pitches (halves)
     constexpr int NS = WB_MAX_KEYS / 8;        // n8 score tiles of a row's keys
@@ -272,9 +275,9 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
     float* outs = out + row_base * out_stride;
 
     // The weights do not depend on the kernel before this one: copy them before waiting.
-    wb_copy<PD>(buf0, qkv_w + (long long)D * D, D, 2 * D, D, 2 * D, D);  // K and V
+    wb_copy<PD, THREADS>(buf0, qkv_w + (long long)D * D, D, 2 * D, D, 2 * D, D);  // K and V
     cp_async_commit();
-    wb_copy<PD>(buf1, qkv_w, D, D, D, D, D);  // Q
+    wb_copy<PD, THREADS>(buf1, qkv_w, D, D, D, D, D);  // Q
     cp_async_commit();
     start_after_previous();
 
@@ -283,12 +286,14 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
     const int kv_end = keys.end;
     const bool holes = keys.holes;
     const unsigned char* vrow = valid != nullptr ? valid + row_base : nullptr;
+    const int q_block = blockIdx.x * ROWS;
+    const int kv_stop = causal ? imin(kv_end, q_block + ROWS) : kv_end;
 
-    // 1. Keys and values of rows [0, kv_end), 16 rows a warp at a time: norm1, one fp16
+    // 1. Keys and values of rows [0, kv_stop), 16 rows a warp at a time: norm1, one fp16
     // product, NC columns a step; rows that are not visible keys are stored as zeros.
     cp_async_wait<1>();
     __syncthreads();
-    for (int grp = warp; grp * 16 < kv_end; grp += WB_WARPS) {
+    for (int grp = warp; grp * 16 < kv_stop; grp += WARPS) {
         float v[D / 8][4];
         wb_load_rows<D>(v, xs, x_stride, grp * 16, seq_len, g, t);
         wb_norm<D>(v, norm1_w, norm1_b, eps, t);
@@ -312,13 +317,13 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
         }
     }
     __syncthreads();  // K and V stored; buffer 0 free
-    wb_copy<PD>(buf0, out_w_hi, D, D, D, D, D);
-    wb_copy<PD>(buf0 + D * PD, out_w_lo, D, D, D, D, D);
+    wb_copy<PD, THREADS>(buf0, out_w_hi, D, D, D, D, D);
+    wb_copy<PD, THREADS>(buf0 + D * PD, out_w_lo, D, D, D, D, D);
     cp_async_commit();
 
     // 2. Q of the warp's rows (norm1 again, one product), stored in fp16 (as the layer's
     // fp16 Q/K/V rows) to the warp's 16 rows of sQ.
-    const int q0 = warp * 16;
+    const int q0 = q_block + warp * 16;
     const bool rows = q0 < seq_len;
     __half* sQw = sQ + warp * 16 * PD;
     cp_async_wait<1>();
@@ -340,7 +345,7 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
         }
     }
     __syncthreads();  // Q's weights read: ffn_in's hi half takes their rows
-    wb_copy<PD>(buf1, in_w_hi, D, F, D, f8, D);
+    wb_copy<PD, THREADS>(buf1, in_w_hi, D, F, D, f8, D);
     cp_async_commit();
 
     // 3. Attention head by head with every score of a row in registers (a plain softmax: at
@@ -458,9 +463,9 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
                           rows && (vrow == nullptr || q0 + g + 8 >= seq_len ||
                                    vrow[q0 + g + 8] != 0)};
     __syncthreads();  // Q, keys and values read: ffn_in's lo half and ffn_out's pair
-    wb_copy<PD>(buf1 + F * PD, in_w_lo, D, F, D, f8, D);
-    wb_copy<PF>(sW2, ffn_w_hi, f8, D, F, D, f8);
-    wb_copy<PF>(sW2 + D * PF, ffn_w_lo, f8, D, F, D, f8);
+    wb_copy<PD, THREADS>(buf1 + F * PD, in_w_lo, D, F, D, f8, D);
+    wb_copy<PF, THREADS>(sW2, ffn_w_hi, f8, D, F, D, f8);
+    wb_copy<PF, THREADS>(sW2 + D * PF, ffn_w_lo, f8, D, F, D, f8);
     cp_async_commit();
     if (rows) {
 #pragma unroll
