@@ -3036,7 +3036,7 @@ class StandIns:
         assert ops.whole_block_refusal(self.config, seq_len, 3) is None
         assert rows in build.WHOLE_BLOCK_ROWS
         assert out.data_ptr() != x.data_ptr() and (final_out is None) == (final is None)
-        d, rows = x.shape[1], valid is not None
+        d, masked = x.shape[1], valid is not None
         valid_rows = None if valid is None else valid.reshape(-1)
         before = x.clone()
         qkv = (_norm(x, p.norm1_weight, p.norm1_bias).half().float()
@@ -3048,13 +3048,13 @@ class StandIns:
         def pair(y):
             return y.half(), (y - y.half().float()).half()
         acc = _products(*pair(ctx.reshape(batch * seq_len, d)), *w["out_weight"], d, 3)
-        h = _residual(acc + p.out_bias, x, valid_rows, rows, 0)
+        h = _residual(acc + p.out_bias, x, valid_rows, masked, 0)
         f8 = w["ffn_in_weight"][0].shape[0]
         hidden = _products(*pair(_norm(h, p.norm2_weight, p.norm2_bias)),
                            *w["ffn_in_weight"], f8, 3) + ffn_in_bias
         hidden = torch.nn.functional.gelu(hidden)
         acc = _products(*pair(hidden), *w["ffn_out_weight"], d, 3)
-        y = _residual(acc + p.ffn_out_bias, h, valid_rows, rows, 1)
+        y = _residual(acc + p.ffn_out_bias, h, valid_rows, masked, 1)
         if final is None:
             out.copy_(y)
         else:  # as the kernel: out keeps h, only the final norm of y is stored

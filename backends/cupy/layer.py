@@ -47,7 +47,7 @@ WHOLE_BLOCK_MAX_WIDTH = max(d for d, _ in build.WHOLE_BLOCK_WIDTHS)
 # the per-kernel plan's in the same run (ops.whole_block_rows choosing the rows a block):
 # shape 7 (d_model 32) 0.59; at d_model 128, 64 sequences or more: shapes 1 0.97, 5 0.72,
 # 6 0.94, 9 0.82, 10 0.86, 12 0.87, but shape 11 (16 heads of 8 columns) 1.04; fewer
-# sequences leave most multiprocessors idle: shapes 2, 3, 4 (1, 4, 16 sequences) 1.17-1.31.
+# sequences leave most multiprocessors idle: shapes 2, 3, 4 (1, 4, 16 sequences) 1.17-1.30.
 WHOLE_BLOCK_DEFAULT_MAX_WIDTH = 32
 WHOLE_BLOCK_MIN_SEQUENCES, WHOLE_BLOCK_MIN_HEAD_DIM = 64, 16
 

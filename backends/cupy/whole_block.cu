@@ -146,7 +146,7 @@ __device__ __forceinline__ void wb_product(float (&acc)[NT][4], const unsigned (
 // The three fp16 products of a hi/lo pair, acc[j] += a_hi w_hi + (a_hi w_lo + a_lo w_hi)
 // over rows [n0, n0 + 8 NT) of W (w_lo at w_hi + lo_offset halves). With CROSS, the two small
 // products go to an accumulator of their own, so that the hi x hi chain does not wait on
-// them; without, every product adds to acc (for NT large enough to keep the chains apart).
+// them; without, every product adds to acc (the NT tiles' chains run side by side).
 template <int KC, int NT, int PITCH, bool CROSS = true>
 __device__ __forceinline__ void wb_three_products(float (&acc)[NT][4],
                                                   const unsigned (&a_hi)[KC][4],
@@ -232,7 +232,7 @@ __device__ __forceinline__ void wb_zero(float (&a)[ROWS][COLS]) {
 // block's output goes to final_out (fp32, pitch final_stride; rows whose valid byte is 0 set
 // to 0). Weights: fp16 (hi, lo) pairs of [N, K] rows, K padded to a multiple of 8 (qkv
 // [3 D, D] hi only, out [D, D], ffn_in [f8, D], ffn_out [D, f8], f8 the FFN's width padded to
-// 8; F is it padded to 16). valid/key_info: the key mask and its per-sequence extents
+// 8; F is it padded to 16, a multiple of 32 at the compiled widths). valid/key_info: the key mask and its per-sequence extents
 // (cuda_host.key_info), or null. Rows past seq_len are neither read nor written; seq_len at
 // most WB_MAX_KEYS.
 template <int D, int F, int ROWS>
