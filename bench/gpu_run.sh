@@ -49,7 +49,9 @@ if [[ $stage == all || $stage == conformance ]]; then
     status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $stage == all || $stage == bench ]]; then
-    python3 -m pytest bench "${backend_args[@]}" --shapes "${SHAPES:-official}" -q -p no:cacheprovider \
+    # The benchmark alone: bench's other tests (reports, SASS, the command line) are CPU
+    # tests, and its JSON is written only when pytest ends.
+    python3 -m pytest bench/test_bench.py "${backend_args[@]}" --shapes "${SHAPES:-official}" -q -p no:cacheprovider \
         --benchmark-json "$OUT/bench.json" --benchmark-columns=median,iqr,rounds \
         --results-file "$OUT/conformance.jsonl" \
         --benchmark-sort=fullname ${KEXPR:+-k "$KEXPR"} $EXTRA 2>&1 | tee -a "$OUT/bench.log"
