@@ -30,9 +30,12 @@ def wmma_selected(pytestconfig):
 
 
 @pytest.fixture(scope="session")
-def strict_compiles(wmma_objects):
+def strict_compiles(wmma_objects, pytestconfig):
     """(source, arch) -> (command, return code, output) of every strict nvcc compile, one
-    process per CPU at a time; the objects stay in wmma_objects for the SASS report."""
+    process per CPU at a time; the objects stay in wmma_objects for the SASS report. Skips
+    where wmma is not selected (every run without --backend selects it, CI's too)."""
+    if "wmma" not in selected_backends(pytestconfig):
+        pytest.skip("wmma is not among the selected backends")
     if build.nvcc_path() is None:
         pytest.skip(build.toolkit_missing())
     from concurrent.futures import ThreadPoolExecutor
