@@ -292,8 +292,8 @@ class CupyLayer(BuiltLayer):
             return True
         cfg = self.config
         narrow = (cfg.d_model <= WHOLE_BLOCK_DEFAULT_MAX_WIDTH
-                  and batch * cdiv(seq_len, build.WHOLE_BLOCK_ROWS[0])
-                  <= multiprocessor_count(self.device))
+                  and ops.whole_block_one_wave(batch, seq_len,
+                                               multiprocessor_count(self.device)))
         many = (batch >= WHOLE_BLOCK_MIN_SEQUENCES
                 and cfg.d_model // cfg.num_heads >= WHOLE_BLOCK_MIN_HEAD_DIM)
         return self.device.type == "cuda" and (narrow or many)

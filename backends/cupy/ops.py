@@ -476,14 +476,21 @@ def whole_block_refusal(config, seq_len: int, products: int,
     return None
 
 
+def whole_block_one_wave(batch: int, seq_len: int, multiprocessors: int) -> bool:
+    """Whether 64-row whole-block blocks of batch sequences of seq_len tokens make one wave
+    (at most one a multiprocessor)."""
+    return batch * cdiv(seq_len, build.WHOLE_BLOCK_ROWS[0]) <= multiprocessors
+
+
 def whole_block_rows(batch: int, seq_len: int, multiprocessors: int) -> int:
     """Query rows a whole-block launch takes a block: 64 (four warps) where those blocks make
     one wave, else a whole sequence (eight warps: its keys and values computed once). H200,
     d_model 128, time against the per-kernel plan's in the same run, 64 rows / whole
     sequences: 64 sequences of 128 tokens (shape 1) 0.97 / 1.09; 128 sequences (shape 5)
     1.02 / 0.72; 10000 (shape 6) 1.37 / 0.94."""
-    small = build.WHOLE_BLOCK_ROWS[0]
-    return small if batch * cdiv(seq_len, small) <= multiprocessors else build.WHOLE_BLOCK_MAX_SEQ
+    if whole_block_one_wave(batch, seq_len, multiprocessors):
+        return build.WHOLE_BLOCK_ROWS[0]
+    return build.WHOLE_BLOCK_MAX_SEQ
 
 
 def whole_block(k: Kernels, x, out, p, w, ffn_in_bias, valid, info, *, batch: int,
