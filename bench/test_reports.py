@@ -107,6 +107,28 @@ def test_collect_from_kept_runs_orders_them_by_date(tmp_path):
     assert rows[("triton", 1)]["median_ms"] == 0.5 and rows[("triton", 1)]["run"] == 1
 
 
+def test_results_md_opens_with_each_backends_newest_times(tmp_path):
+    """results.md shows, before the runs, each kernel backend's newest time per shape from
+    whichever run timed it last (peers left out), and names those runs."""
+    raw = tmp_path / "raw"
+    runs = (("run-a", "2026-01-01", {("torch-baseline", 1): 2.0, ("triton", 1): 1.0,
+                                     ("torch-baseline", 13): 20.0, ("triton", 13): 4.0}),
+            ("run-b", "2026-02-01", {("torch-baseline", 1): 4.0, ("triton", 1): 0.5}))
+    for name, date, medians in runs:
+        run = raw / name
+        run.mkdir(parents=True)
+        run.joinpath("bench.json").write_text(json.dumps(_bench_json(medians)))
+        run.joinpath("conformance.jsonl").write_text("")
+        run.joinpath("provenance.json").write_text(json.dumps(
+            {"commit": name, "date": date, "driver": "1", "gpu": "G", "versions": {}}))
+    assert cli_main(["collect", "--raw", str(raw), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "results.md").read_text()
+    newest = text[text.index("Newest time"):text.index("Run 0:")]
+    assert "`triton` run 0 (shape 13), run 1 (shape 1)" in newest
+    assert "| shape | triton |" in newest and "torch-baseline |" not in newest
+    assert "| 1 | 0.500 ms (8.00x) |" in newest and "| 13 | 4.000 ms (5.00x) |" in newest
+
+
 def _ci_rows(best_peer: bool = False) -> list[dict]:
     """Rows of a CPU run on CI shapes 1 and 8; triton far slower (the interpreter)."""
     data = _bench_json({("torch-baseline", 1): 1.5, ("torch-sdpa", 1): 0.9, ("triton", 1): 1200.0,

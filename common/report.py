@@ -75,7 +75,7 @@ def _in_geomean(key: tuple[str, int]) -> bool:
     return not (kind == "official" and number > 13)
 
 
-def _span(keys: list[tuple[str, int]]) -> str:
+def shape_span(keys: list[tuple[str, int]]) -> str:
     """Shape labels with runs of consecutive numbers joined: '1-13', 'ci1, ci8', 'ci2-ci4'."""
     parts = []
     for key in keys:
@@ -148,7 +148,7 @@ def _grid_table(rows: list[dict], cell, key: str, footer: str) -> list[str]:
         g = geomean(index[(b, s)].get(key) for s in counted
                     if (b, s) in index and index[(b, s)].get("passed") is not False)
         means.append("-" if g is None else fmt_speedup(g))
-    lines.append(f"| {footer}, shapes {_span(counted) or '-'} | " + " | ".join(means) + " |")
+    lines.append(f"| {footer}, shapes {shape_span(counted) or '-'} | " + " | ".join(means) + " |")
     return lines
 
 

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from . import provenance
-from .report import heatmap, markdown_table, rows_from_benchmark_json
+from .report import heatmap, markdown_table, rows_from_benchmark_json, shape_span
 
 
 def append_json_line(path, row: dict) -> None:
@@ -54,6 +54,30 @@ def raw_inputs(raw: Path) -> tuple[list[Path], list[Path], list[Path]]:
     benched = [d for d in runs if (d / "bench.json").is_file()]
     return (conformance, [d / "bench.json" for d in benched],
             [d / "provenance.json" for d in benched])
+
+
+def newest_section(rows: list[dict]) -> list[str]:
+    """Markdown lines: the newest time of each kernel backend (not a peer) and shape, each from
+    its own run, with the runs each backend's times come from; nothing if none was timed."""
+    from .registry import PEERS
+
+    newest = [{**r, "shape_kind": "official", "padding": r.get("bench_padding") or 0.0}
+              for r in rows if r["median_ms"] is not None and r["backend"] not in PEERS]
+    if not newest:
+        return []
+    sources = []
+    for backend in sorted({r["backend"] for r in newest}):
+        by_run: dict[int, list[tuple[str, int]]] = {}
+        for r in newest:
+            if r["backend"] == backend:
+                by_run.setdefault(r["run"], []).append(("official", r["shape"]))
+        sources.append(f"`{backend}` " + ", ".join(
+            f"run {run} (shape{'s' if len(keys) > 1 else ''} "
+            f"{shape_span(sorted(keys, key=lambda k: k[1]))})"
+            for run, keys in sorted(by_run.items())))
+    return ["", "Newest time of each kernel backend and shape, each from its own run, its "
+            "speedups against that run's `torch-baseline` and fastest passing peer: "
+            + "; ".join(sources) + ".", "", markdown_table(newest)]
 
 
 def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_dir: Path,
@@ -132,6 +156,7 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
                      f"{run.get('driver')}, " + ", ".join(f"{k} {v}" for k, v in
                                                          run["versions"].items())
                      + f"; timed here: {', '.join(names) or 'nothing'}")
+    lines += newest_section(rows)
     for index, timed_here in enumerate(per_run):
         paddings = sorted({r["padding"] for r in timed_here if r["padding"]})
         padded = f", inputs padded at {', '.join(map(str, paddings))}" if paddings else ""
