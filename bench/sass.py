@@ -8,17 +8,20 @@ from pathlib import Path
 
 from layerbench.common.cuda_host import cuda_tool as tool
 
+# Each pattern starts with the opcode's first letters, so that a search can skip ahead to
+# them; a match counts where no letter, digit or underscore comes right before it.
 PATTERNS = {
-    "HGMMA": r"\bHGMMA\.",
-    "HMMA": r"\bHMMA\.",
-    "LDSM": r"\bLDSM\.",
-    "load128": r"\b(LDG\.E\.128|LDGSTS\.E\.BYPASS\.128|LDG\.E\.EL\.128)",
-    "load16": r"\bLDG\.E\.(U16|S16)\b",
-    "spill_stores": r"\bSTL\b",
-    "local_loads": r"\bLDL\b",
-    "dependency_wait": r"\bACQBULK\b",      # griddepcontrol.wait
-    "dependents_launch": r"\bPREEXIT\b",    # griddepcontrol.launch_dependents
+    "HGMMA": r"HGMMA\.",
+    "HMMA": r"HMMA\.",
+    "LDSM": r"LDSM\.",
+    "load128": r"(?:LDG\.E\.128|LDGSTS\.E\.BYPASS\.128|LDG\.E\.EL\.128)",
+    "load16": r"LDG\.E\.(?:U16|S16)\b",
+    "spill_stores": r"STL\b",
+    "local_loads": r"LDL\b",
+    "dependency_wait": r"ACQBULK\b",      # griddepcontrol.wait
+    "dependents_launch": r"PREEXIT\b",    # griddepcontrol.launch_dependents
 }
+_COMPILED = {key: re.compile(pattern) for key, pattern in PATTERNS.items()}
 
 
 def _run(*args: str) -> str:
@@ -26,10 +29,17 @@ def _run(*args: str) -> str:
                           text=True).stdout
 
 
+def count_words(pattern: re.Pattern, text: str) -> int:
+    """Matches of pattern in text that begin a word (not right after a letter, digit or _)."""
+    return sum(1 for m in pattern.finditer(text)
+               if m.start() == 0 or not (text[m.start() - 1].isalnum()
+                                         or text[m.start() - 1] == "_"))
+
+
 def functions(path: str | Path) -> dict[str, str]:
     """Kernel name -> its SASS text, for every kernel of a cubin or object file."""
-    return dict(re.findall(r"Function : (\S+)\n(.*?)(?=\n\s*Function : |\Z)",
-                           _run("-sass", str(path)), flags=re.S))
+    parts = re.split(r"\n[ \t]*Function : (\S+)\n", "\n" + _run("-sass", str(path)))
+    return dict(zip(parts[1::2], (body.rstrip("\n") for body in parts[2::2])))
 
 
 def kernels(path: str | Path, bodies: dict[str, str] | None = None) -> dict[str, dict]:
@@ -44,6 +54,6 @@ def kernels(path: str | Path, bodies: dict[str, str] | None = None) -> dict[str,
                        "stack_bytes": value.get("STACK", 0) + value.get("LOCAL", 0),
                        "shared_bytes": value.get("SHARED", 0)}
     for name, body in (functions(path) if bodies is None else bodies).items():
-        counts = {key: len(re.findall(pattern, body)) for key, pattern in PATTERNS.items()}
+        counts = {key: count_words(pattern, body) for key, pattern in _COMPILED.items()}
         found.setdefault(name, {}).update(counts)
     return found

@@ -15,6 +15,21 @@ def pytest_addoption(parser):
              "(default: skip them with the estimate)")
 
 
+def pytest_collection_finish(session):
+    """Where a selected cupy test needs the NVRTC-compiled module (test_cupy.py's `compiled`),
+    start that compile now in the background: the minutes it takes then pass on another core
+    while the tests before it run."""
+    import background
+
+    if "cupy" not in selected_backends(session.config):
+        return
+    if any(item.path.name == "test_cupy.py" and "compiled" in getattr(item, "fixturenames", ())
+           for item in session.items):
+        from layerbench.backends.cupy import build
+
+        background.start(background.CUPY_NVRTC, build.compile_every_arch_with_nvrtc)
+
+
 def pytest_generate_tests(metafunc):
     config = metafunc.config
     names = metafunc.fixturenames

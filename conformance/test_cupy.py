@@ -32,6 +32,7 @@ from layerbench.common.params import pack_params
 from layerbench.common.selection import selected_backends
 from layerbench.reference import make_reference, packed_attention, reference_forward
 
+import background
 from standins import _norm, _norm_rows, _pair, _products, _residual
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -64,16 +65,15 @@ def compiled(tmp_path_factory):
     why = nvrtc_missing()
     if why:
         pytest.skip(why)
-    from concurrent.futures import ThreadPoolExecutor
-
     root = tmp_path_factory.mktemp("cupy-cubins")
     out = {}
-    with ThreadPoolExecutor(len(build.ARCHES)) as pool:  # NVRTC runs without the GIL
-        for arch, (cubin, lowered) in zip(build.ARCHES,
-                                          pool.map(build.compile_with_nvrtc, build.ARCHES)):
-            path = root / f"sm_{arch}.cubin"
-            path.write_bytes(cubin)
-            out[arch] = (path, lowered)
+    # started at collection by conftest.py where the session needs it
+    compiled_arches = background.result(background.CUPY_NVRTC,
+                                        build.compile_every_arch_with_nvrtc)
+    for arch, (cubin, lowered) in compiled_arches.items():
+        path = root / f"sm_{arch}.cubin"
+        path.write_bytes(cubin)
+        out[arch] = (path, lowered)
     return out
 
 

@@ -270,3 +270,25 @@ def test_entry_point_backends_are_found(monkeypatch):
     monkeypatch.setattr(registry, "_extra", {})
     assert "toy-identity" in registry.backend_names()
     assert registry.get_backend("toy-identity").name == "toy-identity"
+
+
+def test_background_jobs_hand_over_results_and_errors():
+    """A job started in the background gives its result (or raises its error) to the first
+    caller that asks for its key, once; a key never started runs the work in the caller."""
+    import threading
+
+    import background
+
+    release = threading.Event()
+    background.start("test-result", lambda: release.wait(5) and 42)
+    background.start("test-result", lambda: 0)  # already started: not replaced
+    release.set()
+    assert background.result("test-result", lambda: -1) == 42
+    assert background.result("test-result", lambda: -1) == -1  # handed over once
+
+    def fail():
+        raise RuntimeError("compile failed")
+
+    background.start("test-error", fail)
+    with pytest.raises(RuntimeError, match="compile failed"):
+        background.result("test-error", lambda: None)

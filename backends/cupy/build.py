@@ -600,6 +600,15 @@ def compile_with_nvrtc(arch: str) -> tuple[bytes, dict[str, str]]:
     return bytes(cubin), lowered
 
 
+def compile_every_arch_with_nvrtc() -> dict[str, tuple[bytes, dict[str, str]]]:
+    """arch -> compile_with_nvrtc(arch) for every arch of ARCHES, compiled side by side (NVRTC
+    runs without the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(ARCHES)) as pool:
+        return dict(zip(ARCHES, pool.map(compile_with_nvrtc, ARCHES)))
+
+
 def device_arch(device) -> str:
     """The compute capability of device as digits, e.g. '90'."""
     import torch
