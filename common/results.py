@@ -65,16 +65,12 @@ def newest_section(rows: list[dict]) -> list[str]:
               for r in rows if r["median_ms"] is not None and r["backend"] not in PEERS]
     if not newest:
         return []
-    sources = []
-    for backend in sorted({r["backend"] for r in newest}):
-        by_run: dict[int, list[tuple[str, int]]] = {}
-        for r in newest:
-            if r["backend"] == backend:
-                by_run.setdefault(r["run"], []).append(("official", r["shape"]))
-        sources.append(f"`{backend}` " + ", ".join(
-            f"run {run} (shape{'s' if len(keys) > 1 else ''} "
-            f"{shape_span(sorted(keys, key=lambda k: k[1]))})"
-            for run, keys in sorted(by_run.items())))
+    runs: dict[str, dict[int, list[tuple[str, int]]]] = {}  # backend -> run -> shapes
+    for r in sorted(newest, key=lambda r: r["shape"]):
+        runs.setdefault(r["backend"], {}).setdefault(r["run"], []).append(("official", r["shape"]))
+    sources = [f"`{backend}` " + ", ".join(
+        f"run {run} (shape{'s' if len(keys) > 1 else ''} {shape_span(keys)})"
+        for run, keys in sorted(by_run.items())) for backend, by_run in sorted(runs.items())]
     return ["", "Newest time of each kernel backend and shape, each from its own run, its "
             "speedups against that run's `torch-baseline` and fastest passing peer: "
             + "; ".join(sources) + ".", "", markdown_table(newest)]

@@ -22,7 +22,7 @@ CUDA_SOURCES = [name for name in build.SOURCES if name.endswith(".cu")]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def wmma_selected(pytestconfig):
     """Skip unless --backend selects wmma."""
     if "wmma" not in selected_backends(pytestconfig):
@@ -30,12 +30,10 @@ def wmma_selected(pytestconfig):
 
 
 @pytest.fixture(scope="session")
-def strict_compiles(wmma_objects, pytestconfig):
+def strict_compiles(wmma_selected, wmma_objects):
     """(source, arch) -> (command, return code, output) of every strict nvcc compile, one
     process per CPU at a time; the objects stay in wmma_objects for the SASS report. Skips
     where wmma is not selected (every run without --backend selects it, CI's too)."""
-    if "wmma" not in selected_backends(pytestconfig):
-        pytest.skip("wmma is not among the selected backends")
     if build.nvcc_path() is None:
         pytest.skip(build.toolkit_missing())
     from concurrent.futures import ThreadPoolExecutor
