@@ -210,7 +210,7 @@ def main() -> int:
     parser.add_argument("--plan", choices=["wgmma", "fuse_norms", "norm_prologue", "pdl",
                                            "staged_epilogue", "short_norm_gemm",
                                            "context_hi_only", "eight_lane_rows",
-                                           "whole_block",
+                                           "whole_block", "after_attention",
                                            *build.gemm_variant_names(),
                                            *(ATTENTION_PLAN + n
                                              for n in build.attention_variant_names())],

@@ -130,7 +130,7 @@ if [[ $stage == cupy ]]; then
         tail -40 "$log"
     fi
     if [[ $parts == *" plans "* ]]; then
-        timeout 150 python3 bench/cupy_sweep.py plans --plan "${CUPY_PLAN:-wgmma}" \
+        timeout "${CUPY_PLAN_LIMIT:-150}" python3 bench/cupy_sweep.py plans --plan "${CUPY_PLAN:-wgmma}" \
             --shapes "${CUPY_PLAN_SHAPES:-8,13,6,1}" --out "$OUT/cupy-plans.json" 2>&1 | tee -a "$log"
     fi
     if [[ $parts == *" attention "* ]]; then

@@ -150,8 +150,8 @@ def test_every_kernel_waits_for_the_one_before_it(cupy_selected, compiled, hoppe
     """Every sm_90a kernel waits for the kernel before it (griddepcontrol.wait: ACQBULK) and
     lets the next one launch (PREEXIT), as programmatic dependent launches need; the sm_80
     module has neither (start_after_previous compiles to nothing there). Only the whole-block
-    kernels touch global memory before the wait, and only by copying weights to shared memory
-    (LDGSTS), which no kernel writes."""
+    and after-attention kernels touch global memory before the wait, and only by copying
+    weights to shared memory (LDGSTS), which no kernel writes."""
     from bench.sass import functions, kernels
 
     _, lowered = compiled[build.HOPPER]
@@ -163,7 +163,8 @@ def test_every_kernel_waits_for_the_one_before_it(cupy_selected, compiled, hoppe
         assert rows[symbol]["dependents_launch"] >= 1, (name, rows[symbol])
         lines = bodies[symbol].splitlines()
         wait = next(i for i, line in enumerate(lines) if re.search(r"\bACQBULK\b", line))
-        pattern = after_weights if name.startswith("lb::whole_block<") else memory
+        weights_first = name.startswith(("lb::whole_block<", "lb::after_attention<"))
+        pattern = after_weights if weights_first else memory
         first = next((i for i, line in enumerate(lines) if pattern.search(line)), len(lines))
         assert wait < first, (name, lines[first])  # nothing global before the wait
     path, _ = compiled["80"]
@@ -633,6 +634,14 @@ def _launches():
                             torch.zeros(ffn), mask, key_info(mask), batch=2, seq_len=m // 2,
                             num_heads=2, causal=True, rows=block_rows, final=final,
                             final_out=None if final is None else torch.zeros(m, width))
+        ctx = (torch.zeros(m, width, dtype=torch.float16),) * 2
+        for fused_final, block_rows in itertools.product((False, True),
+                                                          build.AFTER_ATTENTION_ROWS):
+            ops.after_attention(k, ctx, rows, None if fused_final else rows, params, pairs,
+                                torch.zeros(ffn), mask.reshape(-1), rows=block_rows,
+                                norm=(params.norm1_weight, params.norm1_bias),
+                                norm_out=None if fused_final else ctx[0],
+                                final_out=rows if fused_final else None)
     return k.calls
 
 
@@ -3065,16 +3074,50 @@ class StandIns:
         assert torch.equal(x, before), "whole_block wrote its input rows"
 
 
+    def after_attention(self, k, ctx, x, out, p, w, ffn_in_bias, valid_rows, *, rows,
+                        norm=None, norm_out=None, final_out=None, eps=1e-5):
+        """A block's work after attention as after_attention.cu computes it: the context,
+        norm2's rows and the hidden rows as pairs at three products, the residuals on valid
+        rows (out_proj keeps x elsewhere, ffn_out writes 0), the block's output in out
+        (unless None); then norm's LayerNorm of it as fp16 into norm_out, or as fp32 into
+        final_out (0 on invalid rows)."""
+        self.calls.append("after_attention:final" if final_out is not None
+                          else "after_attention")
+        assert ops.after_attention_refusal(self.config, 3) is None
+        assert rows in build.AFTER_ATTENTION_ROWS and norm is not None
+        assert (norm_out is None) != (final_out is None)
+        d, masked = x.shape[1], valid_rows is not None
+
+        def pair(y):
+            return y.half(), (y - y.half().float()).half()
+        acc = _products(ctx[0], ctx[1], *w["out_weight"], d, 3)
+        h = _residual(acc + p.out_bias, x, valid_rows, masked, 0)
+        f8 = w["ffn_in_weight"][0].shape[0]
+        hidden = _products(*pair(_norm(h, p.norm2_weight, p.norm2_bias)),
+                           *w["ffn_in_weight"], f8, 3) + ffn_in_bias
+        acc = _products(*pair(torch.nn.functional.gelu(hidden)), *w["ffn_out_weight"], d, 3)
+        y = _residual(acc + p.ffn_out_bias, h, valid_rows, masked, 1)
+        z = _norm(y, *norm)
+        if out is not None:
+            out.copy_(y)
+        if norm_out is not None:
+            norm_out.copy_(z.half())
+        else:
+            final_out.copy_(z if valid_rows is None
+                            else torch.where(valid_rows.bool()[:, None], z, 0.0))
+
+
 def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=False,
                    attention_variant=None, gemm_variant=None, norm_prologue=False,
-                   context_hi_only=False, whole_block=False):
+                   context_hi_only=False, whole_block=False, after_attention=False):
     """The cupy layer's forward on CPU, its kernels replaced by stand (fuse_norms, a GEMM
-    variant or norm_prologue as on the wgmma GEMMs; context_hi_only as CupyLayer's), with a
-    NaN-poisoned workspace; returns the layer and its output."""
+    variant or norm_prologue as on the wgmma GEMMs; context_hi_only, whole_block and
+    after_attention as CupyLayer's), with a NaN-poisoned workspace; returns the layer and
+    its output."""
     from layerbench.backends.cupy.layer import CupyLayer
 
     model = make_reference(cfg, seed=5)
-    for name in ("layer_norm", "linear", "attention", "whole_block"):
+    for name in ("layer_norm", "linear", "attention", "whole_block", "after_attention"):
         monkeypatch.setattr(ops, name, getattr(stand, name))
     stand.config = cfg
     layer = CupyLayer(None, cfg, model.state_dict(), torch.device("cpu"), torch.float32,
@@ -3082,7 +3125,8 @@ def _run_stand_ins(cfg, stand, x, mask, monkeypatch, products=None, fuse_norms=F
                       wgmma=fuse_norms or gemm_variant is not None or norm_prologue,
                       fuse_norms=fuse_norms, attention_variant=attention_variant,
                       gemm_variant=gemm_variant, norm_prologue=norm_prologue,
-                      context_hi_only=context_hi_only, whole_block=whole_block)
+                      context_hi_only=context_hi_only, whole_block=whole_block,
+                      after_attention=after_attention)
     empty = torch.empty
 
     def poisoned(*args, **kwargs):
@@ -3178,6 +3222,41 @@ def test_whole_block_plan_computes_the_layer(cupy_selected, cfg, launches, paddi
         assert stand.calls == ["whole_block", "layer_norm"], stand.calls
     else:
         assert stand.calls == launches, stand.calls
+
+
+@pytest.mark.parametrize("cfg, blocks", [
+    (LayerConfig(2, 17, 64, 2, 64, 1), 1), (LayerConfig(3, 20, 128, 4, 120, 3), 3),
+    (LayerConfig(2, 128, 32, 4, 32, 2, causal=False), 2),
+    (LayerConfig(2, 200, 64, 2, 64, 2), 2),      # longer than the whole-block kernel holds
+    (LayerConfig(2, 12, 48, 4, 48, 1), None),    # a width it is not compiled for
+    (LayerConfig(3, 24, 32, 4, 36, 2), None)],   # an FFN width it is not compiled for
+    ids=["one-block", "three-blocks-f120", "full-d32", "seq200", "d48", "f36"])
+@pytest.mark.parametrize("padding", [0.0, 0.4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_after_attention_plan_computes_the_layer(cupy_selected, cfg, blocks, padding, dtype,
+                                                 monkeypatch):
+    """With after_attention, the layer's launches (stand-ins on CPU, NaN-poisoned workspace)
+    keep the contract: the first norm1, then per block Q/K/V, attention and one
+    after-attention launch, the last one writing the final norm (also where input and output
+    are staged); where the kernel refuses the config (a width not compiled), the plan without
+    it."""
+    model = make_reference(cfg, seed=5)
+    x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
+    expected = reference_forward(model, x, mask)
+    stand = StandIns()
+    layer, got = _run_stand_ins(cfg, stand, x.to(dtype), mask, monkeypatch, None,
+                                after_attention=True)
+    if dtype == torch.float32:
+        report = compare(got, expected)
+        assert report.passed, report.summary()
+    else:
+        assert torch.isfinite(got).all()
+    if blocks is None:
+        assert "after_attention" not in " ".join(stand.calls) and stand.calls, stand.calls
+        return
+    each = ["linear:half:1", "attention", "after_attention"]
+    want = ["layer_norm"] + each * blocks
+    assert stand.calls == want[:-1] + ["after_attention:final"], stand.calls
 
 
 @pytest.mark.parametrize("cfg, products", [(LayerConfig(2, 12, 512, 4, 64, 2), None),
@@ -3513,7 +3592,7 @@ def test_whole_block_rows_and_default_plan(cupy_selected, monkeypatch):
     monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 132)
 
     def runs(cfg, batch, seq_len, device="cuda", option=None):
-        layer = SimpleNamespace(config=cfg, whole_block=option, products=3,
+        layer = SimpleNamespace(config=cfg, whole_block=option, after_attention=None, products=3,
                                 device=torch.device(device))
         monkeypatch.setattr(ops, "whole_block_refusal",
                             lambda *a: None if seq_len <= 128 else "too long")
@@ -3579,3 +3658,53 @@ def test_whole_block_kernel_keeps_the_contract(kernels, cfg, mask, rows, monkeyp
         report = compare(layer(x2, valid2), reference_forward(model.cuda(), x2, valid2))
     assert report.passed, report.summary()
     assert not launched, "the whole-block kernel ran a sequence it cannot hold"
+
+
+@needs_gpu
+@pytest.mark.parametrize("cfg", [
+    LayerConfig(3, 128, 128, 4, 128, 2), LayerConfig(5, 100, 128, 16, 128, 1),
+    LayerConfig(2, 77, 128, 1, 120, 2, causal=False), LayerConfig(4, 33, 64, 2, 64, 2),
+    LayerConfig(3, 128, 32, 4, 32, 2), LayerConfig(2, 1, 32, 4, 32, 1),
+    LayerConfig(3, 300, 128, 4, 128, 1), LayerConfig(70, 64, 128, 2, 128, 1)],
+    ids=["s128-h4", "s100-h16", "full-h1-f120", "d64-s33", "d32", "seq1", "s300", "b70"])
+@pytest.mark.parametrize("mask", ["prefix", "holes"])
+@pytest.mark.parametrize("rows", build.AFTER_ATTENTION_ROWS, ids=lambda r: f"rows{r}")
+def test_after_attention_kernel_keeps_the_contract(kernels, cfg, mask, rows, monkeypatch):
+    """The after-attention layer, at each count of rows a block, keeps the contract against
+    the fp32 reference eager, captured and replayed, with prefix padding or keys missing
+    inside the sequence (holes), causal or not, head dims 8 to 128, FFN widths not a
+    multiple of 16, sequences of one token and past 128; one after-attention launch a block,
+    the last with the final norm; every output row written (the output poisoned with NaN
+    first); and a call of another batch and length keeps it too."""
+    from layerbench.backends.cupy import CupyBackend
+
+    monkeypatch.setattr(ops, "after_attention_rows", lambda m, sms: rows)
+    model = make_reference(cfg, seed=51)
+    x, valid = make_inputs(cfg, padding_ratio=0.4, seed=52, device="cuda")
+    if mask == "holes":  # invalid keys inside the sequences, the first key kept
+        valid = valid & (torch.rand(valid.shape, device="cuda") > 0.3)
+        valid[:, 0] = True
+    expected = reference_forward(model.cuda(), x, valid)
+    layer = CupyBackend(after_attention=True).build(cfg, model.state_dict(), device="cuda")
+    launched = []
+    real = ops.after_attention
+
+    def recorded(*args, **kwargs):
+        assert kwargs["rows"] == rows
+        launched.append(kwargs["final_out"] is not None)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(ops, "after_attention", recorded)
+    with torch.no_grad():
+        for _ in range(3):  # eager, captured, replayed
+            out = torch.full_like(x, math.nan)
+            got = layer(x, valid, out=out)
+            assert torch.isfinite(got).all(), "an output element left unwritten"
+            report = compare(got, expected)
+            assert report.passed, report.summary()
+    assert launched[:cfg.num_layers] == [False] * (cfg.num_layers - 1) + [True], launched
+    other = LayerConfig(3, cfg.seq_len + 5, cfg.d_model, cfg.num_heads, cfg.ffn_dim, 1,
+                        cfg.causal)
+    x2, valid2 = make_inputs(other, padding_ratio=0.25, seed=53, device="cuda")
+    with torch.no_grad():
+        report = compare(layer(x2, valid2), reference_forward(model.cuda(), x2, valid2))
+    assert report.passed, report.summary()

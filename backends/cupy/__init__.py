@@ -93,6 +93,13 @@ class CupyBackend(Backend):
     it runs, at d_model up to 32 on one wave of 64-row blocks, and from 64 sequences at head
     dims from 16 (layer.runs_whole_blocks; bench/PERFORMANCE.md K41, K43); True: wherever it
     runs; False: off.
+    after_attention: three launches a block (Q/K/V, attention, and after_attention.cu for
+    out_proj, its residual, norm2, the FFN, its residual and the next block's norm1 or the
+    final norm, 16, 32 or 64 rows a block, four warps sharing each 16 rows' columns; three
+    fp16 products on mma.sync, the FFN's hidden rows in shared memory) where the whole-block
+    kernel does not run and the kernel is compiled for the widths
+    (ops.after_attention_refusal). None (default) or False: off; True: wherever it runs,
+    before the whole-block kernel's default.
     """
 
     name = "cupy"
@@ -107,7 +114,8 @@ class CupyBackend(Backend):
                  gemm_variant: str | None = None, norm_prologue: bool | None = None,
                  pdl: bool | None = None, staged_epilogue: bool | None = None,
                  short_norm_gemm: bool | None = None, context_hi_only: bool | None = None,
-                 eight_lane_rows: bool | None = None, whole_block: bool | None = None):
+                 eight_lane_rows: bool | None = None, whole_block: bool | None = None,
+                 after_attention: bool | None = None):
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"cupy linear_products must be 1, 2 or 3, not {linear_products}")
         names = build.attention_variant_names()
@@ -130,6 +138,7 @@ class CupyBackend(Backend):
         self.context_hi_only = context_hi_only
         self.eight_lane_rows = eight_lane_rows
         self.whole_block = whole_block
+        self.after_attention = after_attention
 
     def unavailable_reason(self, device):
         """CuPy must import, the CUDA headers must be found, and the device must have compute
@@ -186,4 +195,4 @@ class CupyBackend(Backend):
                          short_norm_gemm=bool(self.short_norm_gemm),
                          context_hi_only=self.context_hi_only is not False,
                          eight_lane_rows=self.eight_lane_rows is not False,
-                         whole_block=self.whole_block)
+                         whole_block=self.whole_block, after_attention=self.after_attention)

@@ -13,7 +13,7 @@ from layerbench.common.errors import Unsupported
 
 SOURCE_DIR = Path(__file__).resolve().parent
 SOURCES = ("norm.cu", "linear.cu", "linear_wgmma.cu", "attention.cu",
-           "attention_wgmma.cu", "whole_block.cu")  # one module, in this order
+           "attention_wgmma.cu", "whole_block.cu", "after_attention.cu")  # one module, in order
 HEADERS = ("common.cuh", "wgmma.cuh")
 ARCHES = ("80", "90a")  # the CPU test compiles for both
 HOPPER = "90a"  # sm_90 devices run the module compiled for sm_90a, which has wgmma
@@ -54,6 +54,10 @@ WHOLE_BLOCK_WIDTHS = ((32, 32), (64, 64), (128, 128))
 WHOLE_BLOCK_MAX_SEQ = 128
 # Query rows a block (16 a warp): 64, or a whole sequence (its keys and values computed once).
 WHOLE_BLOCK_ROWS = (64, WHOLE_BLOCK_MAX_SEQ)
+# after_attention (out_proj through the second residual and the next norm, rows of a block at
+# three fp16 products): the (d_model, FFN width padded to 16) pairs and rows a block.
+AFTER_ATTENTION_WIDTHS = WHOLE_BLOCK_WIDTHS
+AFTER_ATTENTION_ROWS = (16, 32, 64)
 ATTENTION_TILES = {16: ((64, 64),), 32: ((64, 64), (128, 64)), 64: ((64, 64), (128, 64)),
                    128: ((64, 64),), 256: ((64, 32),)}  # padded head dim -> (BQ, BKV)
 
@@ -426,6 +430,12 @@ def whole_block_name(d_model: int, ffn_width: int, rows: int) -> str:
     return f"lb::whole_block<{d_model}, {ffn_width}, {rows}>"
 
 
+def after_attention_name(d_model: int, ffn_width: int, rows: int) -> str:
+    """Name expression of the after-attention kernel at d_model, an FFN width (padded to 16)
+    and rows a block (one of AFTER_ATTENTION_ROWS)."""
+    return f"lb::after_attention<{d_model}, {ffn_width}, {rows}>"
+
+
 def attention_wgmma_name(head_pad: int, variant: AttentionVariant) -> str:
     """Name expression of the sm_90a flash attention kernel of variant at a padded head dim
     (a TMA variant: flash_attention_wgmma_tma<HP, BQ, BKV, kv_stages, schedule (+
@@ -484,7 +494,8 @@ def name_expressions(arch: str) -> list[str]:
     only; the GEMM variants past the default on GEMM_VARIANT_EPILOGUES at one product; the
     staged-epilogue twins of the STAGED_TILE GEMMs (EIGHT_LANE_EPILOGUES' also eight lanes
     a row) and the short residual-norm GEMMs; the norm-prologue GEMMs on
-    PROLOGUE_EPILOGUES; the whole-block kernels at WHOLE_BLOCK_WIDTHS)."""
+    PROLOGUE_EPILOGUES; the whole-block kernels at WHOLE_BLOCK_WIDTHS; the after-attention
+    kernels at AFTER_ATTENTION_WIDTHS)."""
     tiled = [(p, e) for p in GEMM_PRODUCTS for e in EPILOGUES
              if e != NORM_EPILOGUE and gemm_compiled(e, p)]
     normed = [p for p in GEMM_PRODUCTS if gemm_compiled(NORM_EPILOGUE, p)]
@@ -507,6 +518,8 @@ def name_expressions(arch: str) -> list[str]:
               for bq, bkv in tiles]
     names += [whole_block_name(d, f, rows) for d, f in WHOLE_BLOCK_WIDTHS
               for rows in WHOLE_BLOCK_ROWS]
+    names += [after_attention_name(d, f, rows) for d, f in AFTER_ATTENTION_WIDTHS
+              for rows in AFTER_ATTENTION_ROWS]
     return names
 
 

@@ -122,7 +122,9 @@ class CupyLayer(BuiltLayer):
     nothing else (one product). With eight_lane_rows (and staged_epilogue), the staged
     residual and residual-norm epilogues take a row by eight lanes (ops.linear's staged 2).
     Where runs_whole_blocks says so (whole_block), a call launches the whole-block kernel
-    once a block instead (_run_whole_blocks)."""
+    once a block instead (_run_whole_blocks); where runs_after_attention says so
+    (after_attention), three launches a block: Q/K/V, attention, and one kernel for the rest
+    (_run_after_attention)."""
 
     def __init__(self, backend, config, state_dict, device, dtype, kernels, products: int,
                  wgmma: bool = False, fuse_norms: bool | None = False,
@@ -130,8 +132,9 @@ class CupyLayer(BuiltLayer):
                  norm_prologue: bool | None = False, pdl: bool = False,
                  staged_epilogue: bool = False, short_norm_gemm: bool = False,
                  context_hi_only: bool = False, eight_lane_rows: bool = False,
-                 whole_block: bool | None = False):
+                 whole_block: bool | None = False, after_attention: bool | None = False):
         super().__init__(backend, config, device, dtype)
+        self.after_attention = after_attention  # see runs_after_attention
         self.whole_block = whole_block  # one launch a block: see runs_whole_blocks
         self.eight_lane_rows = eight_lane_rows  # staged fp32 epilogues eight lanes a row
         self.context_hi_only = context_hi_only  # no context lo half where none is read
@@ -178,6 +181,13 @@ class CupyLayer(BuiltLayer):
                     and tensor_maps.describable(weight[0][:, :a[0].shape[1]], v.bn))
         return v.name if fits else None
 
+    def gemm_options(self, epilogue: str, products: int, weight, rows: int, a) -> dict:
+        """ops.linear's family and variant keywords for a GEMM of this epilogue, product
+        count, weight pair, row count and A operand pair."""
+        staged = (2 if self.eight_lane_rows else 1) if self.staged_epilogue else 0
+        return {"wgmma": self.wgmma, "staged": staged, "short_norm": self.short_norm_gemm,
+                "gemm_variant": self.gemm_variant_for(epilogue, products, weight, rows, a)}
+
     def attention_variant_for(self, seq_len: int) -> str | None:
         """The attention variant's name for sequences of seq_len tokens: the one named, else
         on the wgmma attention LONG_ATTENTION at head dim LONG_ATTENTION_HEAD_DIM from
@@ -206,14 +216,13 @@ class CupyLayer(BuiltLayer):
         if self.runs_whole_blocks(batch, s):
             return self._run_whole_blocks(x2, masks, out2, batch, s, work)
 
+        if self.runs_after_attention(batch, s):
+            return self._run_after_attention(x2, masks, out2, batch, s, work)
+
         def gemm(epilogue: str, count: int, weight, a) -> dict:
             """The GEMM family and variant of one launch (count: its products, a: its A
             operand pair)."""
-            staged = (2 if self.eight_lane_rows else 1) if self.staged_epilogue else 0
-            return {"wgmma": self.wgmma, "staged": staged,
-                    "short_norm": self.short_norm_gemm,
-                    "gemm_variant": self.gemm_variant_for(epilogue, count, weight,
-                                                          x2.shape[0], a)}
+            return self.gemm_options(epilogue, count, weight, x2.shape[0], a)
         valid, info = masks
         valid_rows = None if valid is None else valid.reshape(-1)
         res, qkv = work["residual"], work["qkv"]
@@ -284,10 +293,12 @@ class CupyLayer(BuiltLayer):
         with True wherever it runs; with None on a CUDA device at d_model up to
         WHOLE_BLOCK_DEFAULT_MAX_WIDTH on a grid of at most one 64-row block a multiprocessor,
         or from WHOLE_BLOCK_MIN_SEQUENCES sequences at head dims from
-        WHOLE_BLOCK_MIN_HEAD_DIM."""
+        WHOLE_BLOCK_MIN_HEAD_DIM, unless after_attention is True."""
         if self.whole_block is False or ops.whole_block_refusal(
                 self.config, seq_len, self.products, self.device) is not None:
             return False
+        if self.whole_block is None and self.after_attention:
+            return False  # asked for by name: the default gives way
         if self.whole_block:
             return True
         cfg = self.config
@@ -320,5 +331,50 @@ class CupyLayer(BuiltLayer):
         if not fused_final:
             ops.layer_norm(k, src, *final, out=target,
                            valid_rows=None if valid is None else valid.reshape(-1))
+        if target is not out2:
+            out2.copy_(target)
+
+    def runs_after_attention(self, batch: int, seq_len: int) -> bool:
+        """Whether a call runs the after-attention plan (where the whole-block kernel does
+        not run): never where its kernel refuses the config (ops.after_attention_refusal) or
+        with after_attention None or False; with True wherever it runs."""
+        if not self.after_attention or ops.after_attention_refusal(
+                self.config, self.products, self.device) is not None:
+            return False
+        return True
+
+    def _run_after_attention(self, x2, masks, out2, batch, s, work):
+        """The stack on one chunk, three launches a block: Q/K/V from norm1's fp16 rows,
+        attention into the context's pair, then ops.after_attention (out_proj to the second
+        residual, then the next block's norm1 over the context's hi half, or the final norm
+        into the output); the first norm1 apart."""
+        cfg, k = self.config, self.kernels
+        valid, info = masks
+        valid_rows = None if valid is None else valid.reshape(-1)
+        res, qkv = work["residual"], work["qkv"]
+        rows = (work["rows_hi"], work["rows_lo"])
+        src, target = float_rows(x2, out2, work["staging"])
+        layers = list(zip(self.params.layers, self.weights, self.ffn_in_biases))
+        per_block = ops.after_attention_rows(x2.shape[0], multiprocessor_count(self.device))
+        ops.layer_norm(k, src, layers[0][0].norm1_weight, layers[0][0].norm1_bias,
+                       half=rows[0])
+        for i, (p, w, ffn_in_bias) in enumerate(layers):
+            ops.linear(k, rows, w["qkv_weight"], p.qkv_bias, "half", 1, out_half=qkv,
+                       **self.gemm_options("half", 1, w["qkv_weight"], x2.shape[0], rows))
+            ops.attention(k, qkv, rows, valid, info, batch=batch, seq_len=s,
+                          num_heads=cfg.num_heads, head_dim=cfg.head_dim, causal=cfg.causal,
+                          variant=self.attention_variant_for(s), wgmma=self.wgmma)
+            if i + 1 < len(layers):
+                following = layers[i + 1][0]
+                ops.after_attention(k, rows, src, res, p, w, ffn_in_bias, valid_rows,
+                                    rows=per_block,
+                                    norm=(following.norm1_weight, following.norm1_bias),
+                                    norm_out=rows[0])
+            else:
+                ops.after_attention(k, rows, src, None, p, w, ffn_in_bias, valid_rows,
+                                    rows=per_block,
+                                    norm=(self.params.final_weight, self.params.final_bias),
+                                    final_out=target)
+            src = res
         if target is not out2:
             out2.copy_(target)

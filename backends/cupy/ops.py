@@ -517,3 +517,70 @@ def whole_block(k: Kernels, x, out, p, w, ffn_in_bias, valid, info, *, batch: in
               valid, info, np.int32(seq_len), np.int32(f8), np.int32(num_heads),
               np.int32(head_dim), np.float32(1.0 / math.sqrt(head_dim)),
               np.int32(int(causal)), np.float32(eps)))
+
+
+def after_attention_shared_bytes(d_model: int, ffn_width: int, rows: int) -> int:
+    """Dynamic shared memory of an after-attention block (after_attention.cu
+    after_attention_shared_bytes): out_proj's weight pair (later ffn_out's), ffn_in's, the
+    block's operand pair and hidden pair (rows of width + 8 halves), and the rows' partial
+    sums (two floats per column warp and row)."""
+    weights0 = 2 * d_model * (max(d_model, ffn_width) + 8)
+    halves = (weights0 + 2 * ffn_width * (d_model + 8) + 2 * rows * (d_model + 8)
+              + 2 * rows * (ffn_width + 8))
+    return 2 * halves + 4 * 2 * after_attention_column_warps(d_model) * rows
+
+
+def after_attention_column_warps(d_model: int) -> int:
+    """Warps that share a 16-row group of the after-attention kernel (after_attention.cu
+    aa_column_warps): each takes at least 16 columns of every product."""
+    return 4 if d_model >= 64 else 2
+
+
+def after_attention_refusal(config, products: int,
+                            device: torch.device | None = None) -> str | None:
+    """Why the after-attention kernel cannot run a block of config, or None: three products,
+    a compiled (d_model, FFN width padded to 16), and its shared memory within the device's
+    at the largest rows a block."""
+    width = (config.d_model, cdiv(config.ffn_dim, 16) * 16)
+    if products != 3:
+        return f"the after-attention kernel runs three fp16 products, not {products}"
+    if width not in build.AFTER_ATTENTION_WIDTHS:
+        return (f"the after-attention kernel is compiled for (d_model, FFN width) "
+                f"{build.AFTER_ATTENTION_WIDTHS}, not {width}")
+    limit = None if device is None else max_shared_memory_per_block(device)
+    need = after_attention_shared_bytes(*width, max(build.AFTER_ATTENTION_ROWS))
+    if limit is not None and need > limit:
+        return (f"the after-attention kernel needs {need} bytes of shared memory; the device "
+                f"has {limit}")
+    return None
+
+
+def after_attention_rows(rows: int, multiprocessors: int) -> int:
+    """Rows an after-attention block takes: the fewest of AFTER_ATTENTION_ROWS whose grid has
+    at most a block a multiprocessor, else the most (as the Triton narrow plan's rows)."""
+    *fewer, most = build.AFTER_ATTENTION_ROWS
+    return next((r for r in fewer if cdiv(rows, r) <= multiprocessors), most)
+
+
+def after_attention(k: Kernels, ctx, x, out, p, w, ffn_in_bias, valid_rows, *, rows: int,
+                    norm=None, norm_out=None, final_out=None, eps: float = LN_EPS) -> None:
+    """A block's work after attention on x's fp32 rows (after_attention.cu): out = x +
+    out_proj(ctx) + FFN(norm2(...)) with the residual rules (out None: not stored; out may
+    be x), then with norm (weight, bias) its LayerNorm into norm_out (fp16, may be ctx's hi
+    half) or final_out (fp32, 0 on invalid rows; may be x). ctx: the context's fp16 pair;
+    p the block's parameters, w its weight pairs; rows: rows a block (after_attention_rows)."""
+    m, d = x.shape
+    f8 = w["ffn_in_weight"][0].shape[0]
+    width = cdiv(f8, 16) * 16
+    norm_w, norm_b = norm if norm is not None else (None, None)
+    threads = rows // 16 * after_attention_column_warps(d) * 32
+
+    def stride(t):
+        return np.int64(0 if t is None else t.stride(0))
+    k.launch(build.after_attention_name(d, width, rows), (cdiv(m, rows), 1, 1), threads,
+             after_attention_shared_bytes(d, width, rows),
+             (x, stride(x), ctx[0], ctx[1], stride(ctx[0]), out, stride(out),
+              *w["out_weight"], p.out_bias, *w["ffn_in_weight"], ffn_in_bias,
+              *w["ffn_out_weight"], p.ffn_out_bias, p.norm2_weight, p.norm2_bias,
+              norm_w, norm_b, norm_out, stride(norm_out), final_out, stride(final_out),
+              valid_rows, np.int32(m), np.int32(f8), np.float32(eps)))
