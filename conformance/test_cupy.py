@@ -3473,16 +3473,19 @@ def test_layer_keeps_the_contract_and_replays(kernels, number, wgmma, fuse_norms
         pytest.skip("fuse_norms applies on the wgmma GEMMs only")
     cfg = CI[number].config
     model, x, mask, expected = _layer_case(cfg)
-    layer = CupyBackend(wgmma=wgmma, fuse_norms=fuse_norms, whole_block=False).build(
+    layer = CupyBackend(wgmma=wgmma, fuse_norms=fuse_norms, whole_block=False,
+                        after_attention=False).build(
         cfg, model.state_dict(), device="cuda")
     assert layer.fuse_norms == (fuse_norms and cfg.d_model <= 128)
     _keeps_contract_and_replays(layer, x, mask, expected)
 
 
 @needs_gpu
-@pytest.mark.parametrize("whole_block", [False, True], ids=["kernels", "whole-block"])
+@pytest.mark.parametrize("plan", [{"whole_block": False, "after_attention": False},
+                                  {"whole_block": True}, {"after_attention": True}],
+                         ids=["kernels", "whole-block", "after-attention"])
 @pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
-def test_programmatic_launches_give_the_same_bits(kernels, number, whole_block):
+def test_programmatic_launches_give_the_same_bits(kernels, number, plan):
     """With pdl (each launch a programmatic dependent of the one before it) the layer gives
     the bits of ordinary launches, eager, captured and replayed, and keeps the contract."""
     from layerbench.backends.cupy import CupyBackend
@@ -3492,10 +3495,8 @@ def test_programmatic_launches_give_the_same_bits(kernels, number, whole_block):
         pytest.skip(kernels.programmatic_problem)
     cfg = CI[number].config
     model, x, mask, expected = _layer_case(cfg)
-    plain = CupyBackend(pdl=False, whole_block=whole_block).build(cfg, model.state_dict(),
-                                                                  device="cuda")
-    layer = CupyBackend(pdl=True, whole_block=whole_block).build(cfg, model.state_dict(),
-                                                                 device="cuda")
+    plain = CupyBackend(pdl=False, **plan).build(cfg, model.state_dict(), device="cuda")
+    layer = CupyBackend(pdl=True, **plan).build(cfg, model.state_dict(), device="cuda")
     assert layer.pdl and not plain.pdl
     with torch.no_grad():
         want = plain(x, mask).clone()
@@ -3519,7 +3520,8 @@ def test_layer_with_norm_prologue_keeps_the_contract_and_replays(kernels, number
         pytest.skip(f"no wgmma on sm_{kernels.arch}")
     cfg = CI[number].config
     model, x, mask, expected = _layer_case(cfg)
-    layer = CupyBackend(norm_prologue=True, fuse_norms=False, whole_block=False).build(
+    layer = CupyBackend(norm_prologue=True, fuse_norms=False, whole_block=False,
+                        after_attention=False).build(
         cfg, model.state_dict(), device="cuda")
     assert layer.norm_prologue and not layer.fuse_norms
     _keeps_contract_and_replays(layer, x, mask, expected)
@@ -3532,8 +3534,8 @@ def _layer_runs_variant(cfg, option: str, variant: str, op: str, monkeypatch) ->
     from layerbench.backends.cupy import CupyBackend
 
     model, x, mask, expected = _layer_case(cfg)
-    layer = CupyBackend(**{option: variant}, whole_block=False).build(cfg, model.state_dict(),
-                                                                      device="cuda")
+    layer = CupyBackend(**{option: variant}, whole_block=False,
+                        after_attention=False).build(cfg, model.state_dict(), device="cuda")
     names = []
     real = getattr(ops, op)
     keyword = "gemm_variant" if op == "linear" else "variant"
@@ -3582,21 +3584,33 @@ def test_whole_block_rows_and_default_plan(cupy_selected, monkeypatch):
     """whole_block_rows takes 64-row blocks where they make one wave, else whole sequences;
     with whole_block None, the layer runs whole blocks on a CUDA device at d_model 32 on one
     wave of 64-row blocks, and at any width from 64 sequences with heads of 16 columns or
-    more, never where the kernel refuses the call."""
+    more, never where the kernel refuses the call, nor where the after-attention plan's
+    default takes the call (from d_model 64 where its 64-row blocks make one wave), which
+    runs there and nowhere else unless asked for."""
     from types import SimpleNamespace
 
     assert ops.whole_block_rows(64, 128, 132) == 64
     assert ops.whole_block_rows(66, 128, 132) == 64 and ops.whole_block_rows(67, 128, 132) == 128
     assert ops.whole_block_rows(132, 64, 132) == 64 and ops.whole_block_rows(133, 64, 132) == 128
     assert ops.whole_block_rows(10000, 128, 132) == 128
+    assert [ops.after_attention_rows(m, 132) for m in (128, 2112, 2113, 4224, 4225)] == [
+        16, 16, 32, 32, 64]
     monkeypatch.setattr(layer_module, "multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(ops, "max_shared_memory_per_block", lambda device: 227 * 1024)
 
-    def runs(cfg, batch, seq_len, device="cuda", option=None):
-        layer = SimpleNamespace(config=cfg, whole_block=option, after_attention=None, products=3,
-                                device=torch.device(device))
+    def layer(cfg, device, option, after):
+        return SimpleNamespace(config=cfg, whole_block=option, after_attention=after,
+                               products=3, device=torch.device(device))
+
+    def runs(cfg, batch, seq_len, device="cuda", option=None, after=False):
         monkeypatch.setattr(ops, "whole_block_refusal",
                             lambda *a: None if seq_len <= 128 else "too long")
-        return layer_module.CupyLayer.runs_whole_blocks(layer, batch, seq_len)
+        return layer_module.CupyLayer.runs_whole_blocks(layer(cfg, device, option, after),
+                                                        batch, seq_len)
+
+    def after(cfg, batch, seq_len, device="cuda", option=None):
+        return layer_module.CupyLayer.runs_after_attention(layer(cfg, device, None, option),
+                                                           batch, seq_len)
 
     wide, narrow = LayerConfig(1, 128, 128, 4, 128, 1), LayerConfig(1, 128, 32, 4, 32, 1)
     assert [runs(wide, b, 128) for b in (1, 16, 63, 64, 128, 10000)] == [False] * 3 + [True] * 3
@@ -3606,6 +3620,16 @@ def test_whole_block_rows_and_default_plan(cupy_selected, monkeypatch):
     assert [runs(narrow, b, 128) for b in (1, 66, 67)] == [True, True, False]
     assert runs(narrow, 67, 64) and not runs(narrow, 10000, 128, device="cpu")
     assert not runs(wide, 64, 128, option=False) and runs(wide, 1, 128, option=True)
+    # the after-attention default: 8448 rows are one wave of 64-row blocks on 132 SMs
+    assert [runs(wide, b, 128, after=None) for b in (64, 66, 67)] == [False, False, True]
+    assert [after(wide, b, 128) for b in (1, 64, 66, 67, 10000)] == [True] * 3 + [False] * 2
+    assert after(wide, 8, 1000) and not after(wide, 64, 1024)  # any length
+    assert runs(narrow, 66, 128, after=None) and not after(narrow, 1, 128)  # d_model 32
+    assert not after(wide, 1, 128, device="cpu") and after(wide, 1, 128, device="cpu",
+                                                           option=True)
+    assert not after(wide, 1, 128, option=False) and after(narrow, 67, 128, option=True)
+    assert not runs(wide, 1, 128, option=None, after=True)  # asked for: the default gives way
+    assert not after(LayerConfig(1, 128, 48, 4, 48, 1), 1, 128, option=True)  # not compiled
 
 
 @needs_gpu

@@ -98,8 +98,10 @@ class CupyBackend(Backend):
     final norm, 16, 32 or 64 rows a block, four warps sharing each 16 rows' columns; three
     fp16 products on mma.sync, the FFN's hidden rows in shared memory) where the whole-block
     kernel does not run and the kernel is compiled for the widths
-    (ops.after_attention_refusal). None (default) or False: off; True: wherever it runs,
-    before the whole-block kernel's default.
+    (ops.after_attention_refusal). None (default): from d_model 64 where its 64-row blocks
+    make one wave (layer.after_attention_by_default; bench/PERFORMANCE.md K47), before the
+    whole-block kernel's default; True: wherever it runs, before the whole-block kernel's
+    default; False: off.
     """
 
     name = "cupy"

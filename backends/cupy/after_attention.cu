@@ -143,13 +143,13 @@ __device__ __forceinline__ void aa_store_pair(const float (&v)[NT][4], __half* d
 // ROWS). For rows [0, rows) of the residual stream x (fp32, pitch x_stride) and the attention
 // context (ctx_hi, ctx_lo: fp16, pitch ctx_stride): h = x + out_proj(ctx) + out_b (x where
 // the row's valid byte is 0), z = h + ffn_out(GELU(ffn_in(norm2(h)) + in_b)) + ffn_b (0 where
-// invalid), stored to out (fp32, pitch out_stride; out may be x: each element is read and
-// written by one thread; null: not stored). With norm_out, also the LayerNorm of z by (norm_w, norm_b) as fp16
-// (pitch norm_stride: the next block's norm1 rows; norm_out may be ctx_hi, read before any
-// is written, each block its own rows); with final_out, the final LayerNorm of z by (norm_w,
-// norm_b) as fp32 (pitch final_stride), 0 on invalid rows. Weights: fp16 (hi, lo) pairs of
-// [N, K] rows (out [D, D], ffn_in [f8, D], ffn_out [D, f8], f8 the FFN's width padded to 8;
-// F is it padded to 16). valid: a byte a row, or null.
+// invalid), stored to out (fp32, pitch out_stride; null: not stored). With norm_out, also the
+// LayerNorm of z by (norm_w, norm_b) as fp16 (pitch norm_stride: the next block's norm1 rows);
+// with final_out, the final LayerNorm of z by (norm_w, norm_b) as fp32 (pitch final_stride), 0
+// on invalid rows. out and final_out may be x (each element is read and written by one
+// thread), norm_out may be ctx_hi (each block reads its rows before it writes them). Weights:
+// fp16 (hi, lo) pairs of [N, K] rows (out [D, D], ffn_in [f8, D], ffn_out [D, f8], f8 the
+// FFN's width padded to 8; F is it padded to 16). valid: a byte a row, or null.
 template <int D, int F, int ROWS>
 __global__ void __launch_bounds__(aa_threads(D, ROWS), 1)
 after_attention(const float* x, long long x_stride, const __half* ctx_hi,

@@ -50,6 +50,22 @@ WHOLE_BLOCK_MAX_WIDTH = max(d for d, _ in build.WHOLE_BLOCK_WIDTHS)
 # sequences leave most multiprocessors idle: shapes 2, 3, 4 (1, 4, 16 sequences) 1.17-1.30.
 WHOLE_BLOCK_DEFAULT_MAX_WIDTH = 32
 WHOLE_BLOCK_MIN_SEQUENCES, WHOLE_BLOCK_MIN_HEAD_DIM = 64, 16
+# Where no choice is made, the after-attention plan (three launches a block) runs where its
+# 64-row blocks make one wave, from d_model 64. H200 (bench/PERFORMANCE.md K47), time against
+# the plan it replaces in the same run: shapes 2, 3, 4 0.68, 0.66, 0.75 (per-kernel plan), 11
+# 0.84, 1 0.81, 12 0.80, 9 0.96, 10 0.91 (whole-block kernel); on more rows the whole-block
+# kernel and the per-kernel plan are faster: shapes 5 1.08, 6 1.10, 13 1.01; at d_model 32
+# the whole-block kernel: shape 7 1.08.
+AFTER_ATTENTION_MIN_WIDTH = 64
+
+
+def after_attention_by_default(config, rows: int, products: int, device: torch.device) -> bool:
+    """Whether a call of rows tokens runs the after-attention plan where no choice is made:
+    on a CUDA device, where its kernel runs the config, d_model from
+    AFTER_ATTENTION_MIN_WIDTH and its 64-row blocks make one wave."""
+    return (device.type == "cuda" and config.d_model >= AFTER_ATTENTION_MIN_WIDTH
+            and ops.after_attention_refusal(config, products, device) is None
+            and cdiv(rows, max(build.AFTER_ATTENTION_ROWS)) <= multiprocessor_count(device))
 
 
 def fuses_norms(config, fuse_norms: bool | None, wgmma: bool, products: int = 1,
@@ -293,7 +309,8 @@ class CupyLayer(BuiltLayer):
         with True wherever it runs; with None on a CUDA device at d_model up to
         WHOLE_BLOCK_DEFAULT_MAX_WIDTH on a grid of at most one 64-row block a multiprocessor,
         or from WHOLE_BLOCK_MIN_SEQUENCES sequences at head dims from
-        WHOLE_BLOCK_MIN_HEAD_DIM, unless after_attention is True."""
+        WHOLE_BLOCK_MIN_HEAD_DIM where the after-attention plan's default does not take the
+        call (after_attention_by_default); never with after_attention True."""
         if self.whole_block is False or ops.whole_block_refusal(
                 self.config, seq_len, self.products, self.device) is not None:
             return False
@@ -302,12 +319,16 @@ class CupyLayer(BuiltLayer):
         if self.whole_block:
             return True
         cfg = self.config
-        narrow = (cfg.d_model <= WHOLE_BLOCK_DEFAULT_MAX_WIDTH
-                  and ops.whole_block_one_wave(batch, seq_len,
-                                               multiprocessor_count(self.device)))
-        many = (batch >= WHOLE_BLOCK_MIN_SEQUENCES
+        if self.device.type != "cuda":
+            return False
+        if (cfg.d_model <= WHOLE_BLOCK_DEFAULT_MAX_WIDTH
+                and ops.whole_block_one_wave(batch, seq_len, multiprocessor_count(self.device))):
+            return True
+        if self.after_attention is None and after_attention_by_default(
+                cfg, batch * seq_len, self.products, self.device):
+            return False
+        return (batch >= WHOLE_BLOCK_MIN_SEQUENCES
                 and cfg.d_model // cfg.num_heads >= WHOLE_BLOCK_MIN_HEAD_DIM)
-        return self.device.type == "cuda" and (narrow or many)
 
     def _run_whole_blocks(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk, one whole-block launch a block (ops.whole_block), reading
@@ -337,11 +358,13 @@ class CupyLayer(BuiltLayer):
     def runs_after_attention(self, batch: int, seq_len: int) -> bool:
         """Whether a call runs the after-attention plan (where the whole-block kernel does
         not run): never where its kernel refuses the config (ops.after_attention_refusal) or
-        with after_attention None or False; with True wherever it runs."""
-        if not self.after_attention or ops.after_attention_refusal(
+        with after_attention False; with True wherever it runs; with None where
+        after_attention_by_default says so."""
+        if self.after_attention is False or ops.after_attention_refusal(
                 self.config, self.products, self.device) is not None:
             return False
-        return True
+        return bool(self.after_attention) or after_attention_by_default(
+            self.config, batch * seq_len, self.products, self.device)
 
     def _run_after_attention(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk, three launches a block: Q/K/V from norm1's fp16 rows,
