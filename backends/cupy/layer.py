@@ -1,7 +1,8 @@
 """The cupy layer: packs the weights as fp16 pairs, plans the workspace, streams the batch in
 chunks and launches seven kernels per block (five where the LayerNorms run in the residual
-GEMMs' epilogues or in the prologues of the GEMMs that read them), replayed from a CUDA graph
-where it can."""
+GEMMs' epilogues or in the prologues of the GEMMs that read them; three with the
+after-attention kernel; one with the whole-block kernel), replayed from a CUDA graph where it
+can."""
 from __future__ import annotations
 
 import torch
