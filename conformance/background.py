@@ -2,10 +2,16 @@
 compile runs on another core while the first tests run on this one."""
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 import threading
+from pathlib import Path
 from typing import Callable
 
 CUPY_NVRTC = "cupy-nvrtc"  # the cupy module compiled by NVRTC for every arch (test_cupy.py)
+CUTILE_EXPORT = "cutile-export"  # every cuTile specialisation exported (test_cutile.py)
+WMMA_STRICT = "wmma-strict"  # every wmma source compiled by strict nvcc (test_wmma.py)
 _JOBS: dict[str, "Job"] = {}
 
 
@@ -42,3 +48,10 @@ def result(key: str, work: Callable[[], object]) -> object:
     """work's result: from the background job of key where one was started, else run now."""
     job = _JOBS.pop(key, None)
     return job.result() if job is not None else work()
+
+
+def scratch(prefix: str) -> Path:
+    """A new temporary folder, removed when the process exits."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder

@@ -16,18 +16,41 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_finish(session):
-    """Where a selected cupy test needs the NVRTC-compiled module (test_cupy.py's `compiled`),
-    start that compile now in the background: the minutes it takes then pass on another core
-    while the tests before it run."""
+    """Start now, in the background, the long compiles that selected tests need later: the
+    cupy module by NVRTC (test_cupy.py's `compiled`), every cuTile specialisation's export
+    (test_cutile.py's `cutile_build`) and the strict nvcc compile of the wmma sources
+    (test_wmma.py's `strict_compiles`), so that their minutes pass on another core while the
+    tests before them run."""
     import background
 
-    if "cupy" not in selected_backends(session.config):
-        return
-    if any(item.path.name == "test_cupy.py" and "compiled" in getattr(item, "fixturenames", ())
-           for item in session.items):
+    backends = selected_backends(session.config)
+
+    def needed(backend: str, file: str, fixture: str) -> bool:
+        return backend in backends and any(
+            item.path.name == file and fixture in getattr(item, "fixturenames", ())
+            for item in session.items)
+    if needed("cupy", "test_cupy.py", "compiled"):
         from layerbench.backends.cupy import build
 
         background.start(background.CUPY_NVRTC, build.compile_every_arch_with_nvrtc)
+    if needed("cutile", "test_cutile.py", "cutile_build"):
+        from layerbench.backends.cutile import launch, manifest
+        from layerbench.backends.cutile.export import export
+
+        if launch.jit_unavailable_reason() is None:
+            def export_all():
+                root = background.scratch("layerbench-cutile-build-")
+                export(manifest.ARCHS, root, progress=False)
+                return root
+            background.start(background.CUTILE_EXPORT, export_all)
+    if needed("wmma", "test_wmma.py", "strict_compiles"):
+        from layerbench.backends.wmma import build as wmma_build
+
+        if wmma_build.nvcc_path() is not None:
+            def compile_all():
+                folder = background.scratch("layerbench-wmma-objects-")
+                return folder, wmma_build.compile_strict(folder)
+            background.start(background.WMMA_STRICT, compile_all)
 
 
 def pytest_generate_tests(metafunc):

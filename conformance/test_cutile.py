@@ -18,6 +18,8 @@ from layerbench.common.errors import Unsupported
 from layerbench.common.selection import selected_backends
 from layerbench.reference import packed_attention
 
+import background
+
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -38,12 +40,15 @@ def cutile_compiles():
 
 @pytest.fixture(scope="session")
 def cutile_build(cutile_compiles, tmp_path_factory):
-    """Every specialisation exported for every architecture into one folder per session."""
+    """Every specialisation exported for every architecture into one folder per session
+    (started in the background at collection where this session needs it)."""
     from layerbench.backends.cutile.export import export
 
-    root = tmp_path_factory.mktemp("cutile-build")
-    export(manifest.ARCHS, root, progress=False)
-    return root
+    def export_here():
+        root = tmp_path_factory.mktemp("cutile-build")
+        export(manifest.ARCHS, root, progress=False)
+        return root
+    return background.result(background.CUTILE_EXPORT, export_here)
 
 
 def expected_sizes(name: str) -> list[int]:

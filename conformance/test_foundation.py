@@ -274,7 +274,8 @@ def test_entry_point_backends_are_found(monkeypatch):
 
 def test_background_jobs_hand_over_results_and_errors():
     """A job started in the background gives its result (or raises its error) to the first
-    caller that asks for its key, once; a key never started runs the work in the caller."""
+    caller that asks for its key, once; a key never started runs the work in the caller; a
+    scratch folder is new and empty."""
     import threading
 
     import background
@@ -292,3 +293,5 @@ def test_background_jobs_hand_over_results_and_errors():
     background.start("test-error", fail)
     with pytest.raises(RuntimeError, match="compile failed"):
         background.result("test-error", lambda: None)
+    folder = background.scratch("layerbench-test-")
+    assert folder.is_dir() and not any(folder.iterdir())

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ from layerbench.common.contract import compare
 from layerbench.common.errors import Unsupported
 from layerbench.common.selection import selected_backends
 from layerbench.reference import packed_attention
+
+import background
 
 CUDA_SOURCES = [name for name in build.SOURCES if name.endswith(".cu")]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -31,23 +35,18 @@ def wmma_selected(pytestconfig):
 
 @pytest.fixture(scope="session")
 def strict_compiles(wmma_selected, wmma_objects):
-    """(source, arch) -> (command, return code, output) of every strict nvcc compile, one
-    process per CPU at a time; the objects stay in wmma_objects for the SASS report. Skips
-    where wmma is not selected (every run without --backend selects it, CI's too)."""
+    """(source, arch) -> (command, return code, output) of every strict nvcc compile
+    (build.compile_strict; started in the background at collection where this session needs
+    it); the objects land in wmma_objects for the SASS report. Skips where wmma is not
+    selected (every run without --backend selects it, CI's too)."""
     if build.nvcc_path() is None:
         pytest.skip(build.toolkit_missing())
-    from concurrent.futures import ThreadPoolExecutor
-
-    def compile_one(key):
-        source, arch = key
-        command = build.nvcc_command(build.SOURCE_DIR / source, arch,
-                                     wmma_objects / f"{source}-sm{arch}.o", strict=True)
-        run = subprocess.run(command, capture_output=True, text=True)
-        return command, run.returncode, run.stdout + run.stderr
-
-    keys = [(source, arch) for source in CUDA_SOURCES for arch in build.ARCHES]
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        return dict(zip(keys, pool.map(compile_one, keys)))
+    folder, results = background.result(background.WMMA_STRICT,
+                                        lambda: (wmma_objects, build.compile_strict(wmma_objects)))
+    for obj in Path(folder).glob("*.o"):
+        if obj.parent != Path(wmma_objects):
+            shutil.copy(obj, wmma_objects / obj.name)
+    return results
 
 
 @pytest.mark.parametrize("arch", build.ARCHES, ids=[f"sm{a}" for a in build.ARCHES])

@@ -89,6 +89,25 @@ def nvcc_command(source: str | Path, arch: str, output: str | Path,
     return command
 
 
+def compile_strict(folder: str | Path) -> dict[tuple[str, str], tuple[list[str], int, str]]:
+    """(source, arch) -> (command, return code, output) of the strict compile (nvcc_command's
+    strict) of every .cu source for every arch in ARCHES into folder/'<source>-sm<arch>.o',
+    one nvcc process per CPU at a time."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def compile_one(key):
+        source, arch = key
+        command = nvcc_command(SOURCE_DIR / source, arch, Path(folder) / f"{source}-sm{arch}.o",
+                               strict=True)
+        run = subprocess.run(command, capture_output=True, text=True)
+        return command, run.returncode, run.stdout + run.stderr
+
+    keys = [(source, arch) for source in SOURCES if source.endswith(".cu") for arch in ARCHES]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(keys, pool.map(compile_one, keys)))
+
+
 def toolkit_missing() -> str:
     """The reason given when no CUDA toolkit is found."""
     return ("no CUDA toolkit found (nvcc on PATH, $CUDA_HOME or /usr/local/cuda); "
