@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .registry import resolve_backends
-from .shapes import HUGE_SHAPES, NONCAUSAL, Shape, resolve_shapes
+from .shapes import NONCAUSAL, Shape, resolve_shapes
 
 # What the conformance suite runs when --shapes is not given.
 CONFORMANCE_DEFAULT = {"cuda": "official,noncausal,headdims", "cpu": "ci,ci-noncausal,headdims"}
@@ -46,21 +46,35 @@ def selected_cases(config) -> list[tuple[str, float]]:
     return cases
 
 
+# CI variants at least this wide (shapes 8 and 14 at d_model 1024) take a CPU kernel
+# interpreter 10-20 s a case: they run one case, as the head-dim shapes do, and no
+# determinism case (the narrower CI shapes run every dtype and the determinism case).
+WIDE_CI_D_MODEL = 1024
+
+
+def runs_one_case(shape: Shape) -> bool:
+    """Whether shape runs SMALL_SHAPE_CASE alone: head-dim shapes, the non-causal CI shapes
+    (which keep the CPU suite short; the official non-causal shapes run every case) and the
+    CI shapes from WIDE_CI_D_MODEL."""
+    return (shape.table == "headdim" or shape.kind == "ci" + NONCAUSAL
+            or (shape.table == "ci" and shape.config.d_model >= WIDE_CI_D_MODEL))
+
+
 def shape_cases(shape: Shape, config) -> tuple[list[tuple[str, float]], str]:
     """The (dtype, padding) cases the options select for shape, and why there are none if so.
 
-    Huge shapes and their CI variants run the float32 cases only; head-dim shapes and the non-causal CI shapes
-    (which keep the CPU suite short; the official non-causal shapes run every case) run
-    float32 at padding 0.25 only.
+    Huge shapes run the float32 cases only; the shapes of runs_one_case run float32 at
+    padding 0.25 only.
     """
     cases = selected_cases(config)
     dtypes = ", ".join(config.getoption("--dtype") or [])
-    if shape.table == "headdim" or shape.kind == "ci" + NONCAUSAL:
+    if runs_one_case(shape):
         if any(d == "float32" for d, _ in cases):
             return [SMALL_SHAPE_CASE], ""
-        return [], (f"{shape.id}: head-dim and non-causal CI shapes run float32 at padding "
-                    f"{SMALL_SHAPE_CASE[1]:g} only, and --dtype selected {dtypes}")
-    if shape.huge or (shape.table == "ci" and shape.number in HUGE_SHAPES):
+        return [], (f"{shape.id}: head-dim, non-causal CI and d_model-{WIDE_CI_D_MODEL} CI "
+                    f"shapes run float32 at padding {SMALL_SHAPE_CASE[1]:g} only, and --dtype "
+                    f"selected {dtypes}")
+    if shape.huge:
         kept = [c for c in cases if c[0] == "float32"]
         if not kept:
             return [], (f"{shape.id} runs float32 cases only (half-precision cases are left "
@@ -75,4 +89,7 @@ def determinism_reason(shape: Shape) -> str:
         return f"{shape.id}: the determinism case is not run on huge shapes"
     if shape.kind == "ci" + NONCAUSAL:
         return f"{shape.id}: determinism is run on the causal CI shapes"
+    if shape.table == "ci" and shape.config.d_model >= WIDE_CI_D_MODEL:
+        return (f"{shape.id}: determinism is run on the CI shapes narrower than d_model "
+                f"{WIDE_CI_D_MODEL}")
     return ""

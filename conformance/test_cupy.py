@@ -3188,6 +3188,22 @@ def test_launch_sequence_computes_the_layer(cupy_selected, cfg, products, paddin
         assert stand.calls.count(f"linear:residual:{products}") == 2 * blocks
 
 
+def _plan_keeps_contract(cfg, padding, dtype, monkeypatch, **option) -> StandIns:
+    """The layer with option (stand-ins on CPU, NaN-poisoned workspace) on inputs of dtype
+    with padding: the contract kept against the fp32 reference (fp32), a finite output
+    (fp16: the input's own rounding is beyond the contract here); returns the stand-ins."""
+    model = make_reference(cfg, seed=5)
+    x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
+    stand = StandIns()
+    _, got = _run_stand_ins(cfg, stand, x.to(dtype), mask, monkeypatch, None, **option)
+    if dtype == torch.float32:
+        report = compare(got, reference_forward(model, x, mask))
+        assert report.passed, report.summary()
+    else:
+        assert torch.isfinite(got).all()
+    return stand
+
+
 @pytest.mark.parametrize("cfg, launches", [
     (LayerConfig(2, 17, 64, 2, 64, 1), ["whole_block:final"]),
     (LayerConfig(3, 20, 64, 4, 50, 3), ["whole_block"] * 2 + ["whole_block:final"]),
@@ -3205,17 +3221,7 @@ def test_whole_block_plan_computes_the_layer(cupy_selected, cfg, launches, paddi
     writing the other (never its own input), the final norm in the last launch, or after it
     where the output is staged like the input (fp16 in and out, one block); where the kernel
     refuses the call (too long, a width not compiled), the plan without it."""
-    model = make_reference(cfg, seed=5)
-    x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
-    expected = reference_forward(model, x, mask)
-    stand = StandIns()
-    layer, got = _run_stand_ins(cfg, stand, x.to(dtype), mask, monkeypatch, None,
-                                whole_block=True)
-    if dtype == torch.float32:
-        report = compare(got, expected)
-        assert report.passed, report.summary()
-    else:
-        assert torch.isfinite(got).all()
+    stand = _plan_keeps_contract(cfg, padding, dtype, monkeypatch, whole_block=True)
     if launches is None:
         assert "whole_block" not in " ".join(stand.calls) and stand.calls, stand.calls
     elif dtype == torch.float16 and cfg.num_layers == 1:
@@ -3240,17 +3246,7 @@ def test_after_attention_plan_computes_the_layer(cupy_selected, cfg, blocks, pad
     after-attention launch, the last one writing the final norm (also where input and output
     are staged); where the kernel refuses the config (a width not compiled), the plan without
     it."""
-    model = make_reference(cfg, seed=5)
-    x, mask = make_inputs(cfg, padding_ratio=padding, seed=6)
-    expected = reference_forward(model, x, mask)
-    stand = StandIns()
-    layer, got = _run_stand_ins(cfg, stand, x.to(dtype), mask, monkeypatch, None,
-                                after_attention=True)
-    if dtype == torch.float32:
-        report = compare(got, expected)
-        assert report.passed, report.summary()
-    else:
-        assert torch.isfinite(got).all()
+    stand = _plan_keeps_contract(cfg, padding, dtype, monkeypatch, after_attention=True)
     if blocks is None:
         assert "after_attention" not in " ".join(stand.calls) and stand.calls, stand.calls
         return

@@ -102,7 +102,8 @@ def test_default_selection_adds_noncausal_and_head_dims():
 
 def test_a_shape_without_cases_says_why():
     """Shape 14 with only half dtypes and head-dim shapes without float32 give no case and a
-    reason; otherwise their cases are the float32 ones (head dims: padding 0.25)."""
+    reason; otherwise their cases are the float32 ones (head dims: padding 0.25); the CI
+    variants of the d_model-1024 shapes run one case and no determinism case."""
     half = _Options(dtype=["float16"])
     for shape in (OFFICIAL[14], HEAD_DIM_SHAPES[24]):
         cases, reason = selection.shape_cases(shape, half)
@@ -112,7 +113,12 @@ def test_a_shape_without_cases_says_why():
     assert selection.shape_cases(HEAD_DIM_SHAPES[24], _Options(padding=[0.0]))[0] == \
         [("float32", 0.25)]
     assert len(selection.shape_cases(OFFICIAL[1], _Options())[0]) == 4
-    assert selection.determinism_reason(OFFICIAL[14]) and not selection.determinism_reason(CI[14])
+    assert len(selection.shape_cases(CI[1], _Options())[0]) == 4
+    for wide in (CI[8], CI[14]):  # d_model 1024 on a CPU: one case, no determinism case
+        assert selection.shape_cases(wide, _Options())[0] == [("float32", 0.25)]
+        assert wide.id in selection.determinism_reason(wide)
+    assert selection.determinism_reason(OFFICIAL[14]) and not selection.determinism_reason(CI[13])
+    assert not selection.determinism_reason(OFFICIAL[8])
 
 
 def test_case_plan_counts_everything_the_case_allocates(monkeypatch):
