@@ -12,6 +12,14 @@ CONFORMANCE_DEFAULT = {"cuda": "official,noncausal,headdims", "cpu": "ci,ci-nonc
 SMALL_SHAPE_CASE = ("float32", 0.25)
 
 
+def skip_unless_selected(config, backend: str) -> None:
+    """Skip the calling test unless the options select backend."""
+    import pytest
+
+    if backend not in selected_backends(config):
+        pytest.skip(f"{backend} is not among the selected backends")
+
+
 def selected_backends(config) -> list[str]:
     """Backends named by --backend (default: all registered)."""
     return resolve_backends(config.getoption("--backend") or ["all"])

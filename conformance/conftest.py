@@ -5,7 +5,25 @@ import pytest
 
 from layerbench.common.results import append_json_line
 from layerbench.common.selection import (conformance_shapes, determinism_reason,
-                                         selected_backends, shape_cases)
+                                         selected_backends, shape_cases, skip_unless_selected)
+
+
+@pytest.fixture(scope="session")
+def cupy_selected(pytestconfig):
+    """Skip unless --backend selects cupy."""
+    skip_unless_selected(pytestconfig, "cupy")
+
+
+@pytest.fixture(scope="session")
+def cutile_selected(pytestconfig):
+    """Skip unless --backend selects cutile."""
+    skip_unless_selected(pytestconfig, "cutile")
+
+
+@pytest.fixture(scope="session")
+def wmma_selected(pytestconfig):
+    """Skip unless --backend selects wmma."""
+    skip_unless_selected(pytestconfig, "wmma")
 
 
 def pytest_addoption(parser):

@@ -29,20 +29,12 @@ from layerbench.common.cuda_host import cubin_kernels, key_info, split_fp16, wei
 from layerbench.common.errors import Unsupported
 from layerbench.common.inputs import make_inputs
 from layerbench.common.params import pack_params
-from layerbench.common.selection import selected_backends
 from layerbench.reference import make_reference, packed_attention, reference_forward
 
 import background
 from standins import _norm, _norm_rows, _pair, _products, _residual
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture
-def cupy_selected(pytestconfig):
-    """Skip unless --backend selects cupy."""
-    if "cupy" not in selected_backends(pytestconfig):
-        pytest.skip("cupy is not among the selected backends")
 
 
 def nvrtc_missing() -> str | None:

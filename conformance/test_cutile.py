@@ -15,19 +15,11 @@ from layerbench.backends.cutile import CutileBackend, launch, manifest, ops, spe
 from layerbench.common.config import LayerConfig
 from layerbench.common.cuda_host import key_info, split_fp16, weight_pair
 from layerbench.common.errors import Unsupported
-from layerbench.common.selection import selected_backends
 from layerbench.reference import packed_attention
 
 import background
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture
-def cutile_selected(pytestconfig):
-    """Skip unless --backend selects cutile."""
-    if "cutile" not in selected_backends(pytestconfig):
-        pytest.skip("cutile is not among the selected backends")
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,6 @@ from layerbench.common.config import LayerConfig
 from layerbench.common.contract import compare
 from layerbench.common.errors import Unsupported
 from layerbench.common.inputs import make_inputs
-from layerbench.common.selection import selected_backends
 from layerbench.reference import make_reference, reference_forward
 
 from standins import _norm, _pair, _products, _residual
@@ -176,13 +175,6 @@ def _stand_in_layer(cfg, model, fuse_norms, fuse_ffn, products=None, lean_pairs=
                         kernels, products or linear_products_for(cfg.d_model), fuse_norms,
                         fuse_ffn, lean_pairs=lean_pairs, pdl=pdl, fuse_block=fuse_block)
     return layer, kernels
-
-
-@pytest.fixture
-def cutile_selected(pytestconfig):
-    """Skip unless --backend selects cutile."""
-    if "cutile" not in selected_backends(pytestconfig):
-        pytest.skip("cutile is not among the selected backends")
 
 
 PLANS = [(False, False), (True, False), (True, True)]

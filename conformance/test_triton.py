@@ -12,7 +12,7 @@ from layerbench.common.config import LayerConfig
 from layerbench.common.contract import compare
 from layerbench.common.errors import Unsupported
 from layerbench.common.inputs import make_inputs
-from layerbench.common.selection import selected_backends
+from layerbench.common.selection import skip_unless_selected
 from layerbench.common.shapes import CI
 from layerbench.reference import (make_reference, packed_attention, reference_forward,
                                   streaming_forward)
@@ -24,8 +24,7 @@ MODES = [("fp16x3", "tf32x3"), ("tf32x3", "fp16"), ("tf32x3", "tf32x3"), ("ieee"
 @pytest.fixture(autouse=True)
 def _only_when_triton_is_selected(pytestconfig):
     """Skip every test here unless --backend selects the triton backend."""
-    if "triton" not in selected_backends(pytestconfig):
-        pytest.skip("triton not selected by --backend")
+    skip_unless_selected(pytestconfig, "triton")
 
 
 @pytest.fixture(scope="module")

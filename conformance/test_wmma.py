@@ -17,20 +17,12 @@ from layerbench.backends.wmma.tiles import GEMM_TILES, choose_tiles
 from layerbench.common.config import LayerConfig
 from layerbench.common.contract import compare
 from layerbench.common.errors import Unsupported
-from layerbench.common.selection import selected_backends
 from layerbench.reference import packed_attention
 
 import background
 
 CUDA_SOURCES = [name for name in build.SOURCES if name.endswith(".cu")]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(scope="session")
-def wmma_selected(pytestconfig):
-    """Skip unless --backend selects wmma."""
-    if "wmma" not in selected_backends(pytestconfig):
-        pytest.skip("wmma is not among the selected backends")
 
 
 @pytest.fixture(scope="session")
