@@ -118,7 +118,8 @@ if [[ $stage == cupy ]]; then
     # default wgmma), the attention kernels at shapes 14 (one sequence) and 13, the GEMM
     # variants on shape 8's and 14's GEMM sizes, then GPU time per kernel.
     # Each part is time-limited, so a kernel that hangs costs one part, not the call.
-    # CUPY_PARTS picks parts (default all: tests plans attention gemm profile).
+    # CUPY_PARTS picks parts (default all: tests plans attention gemm profile);
+    # CUPY_PLAN_LIMIT is the plans part's time limit in seconds (default 150).
     log="$OUT/cupy.log"
     parts=" ${CUPY_PARTS:-tests plans attention gemm profile} "
     if [[ $parts == *" tests "* ]]; then
