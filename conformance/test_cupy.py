@@ -3620,6 +3620,29 @@ def test_whole_block_rows_and_default_plan(cupy_selected, monkeypatch):
     assert not after(LayerConfig(1, 128, 48, 4, 48, 1), 1, 128, option=True)  # not compiled
 
 
+def _masked_gpu_case(cfg, mask: str, seed: int):
+    """(model, x, valid, expected) on the GPU: cfg's reference model (seed), inputs padded by
+    0.4 (seed + 1), with mask "holes" also keys missing inside the sequences (the first key
+    kept), and the reference's output."""
+    model = make_reference(cfg, seed=seed)
+    x, valid = make_inputs(cfg, padding_ratio=0.4, seed=seed + 1, device="cuda")
+    if mask == "holes":
+        valid = valid & (torch.rand(valid.shape, device="cuda") > 0.3)
+        valid[:, 0] = True
+    return model, x, valid, reference_forward(model.cuda(), x, valid)
+
+
+def _writes_every_row_and_keeps_contract(layer, x, valid, expected) -> None:
+    """Eager, captured and replayed, each into a NaN-poisoned output: every element written
+    and the contract kept."""
+    with torch.no_grad():
+        for _ in range(3):  # eager, captured, replayed
+            got = layer(x, valid, out=torch.full_like(x, math.nan))
+            assert torch.isfinite(got).all(), "an output element left unwritten"
+            report = compare(got, expected)
+            assert report.passed, report.summary()
+
+
 @needs_gpu
 @pytest.mark.parametrize("cfg", [
     LayerConfig(3, 128, 128, 4, 128, 2), LayerConfig(5, 100, 128, 16, 128, 1),
@@ -3640,12 +3663,7 @@ def test_whole_block_kernel_keeps_the_contract(kernels, cfg, mask, rows, monkeyp
 
     monkeypatch.setattr(ops, "whole_block_rows", lambda batch, seq_len, sms: rows)
 
-    model = make_reference(cfg, seed=41)
-    x, valid = make_inputs(cfg, padding_ratio=0.4, seed=42, device="cuda")
-    if mask == "holes":  # invalid keys inside the sequences, the first key kept
-        valid = valid & (torch.rand(valid.shape, device="cuda") > 0.3)
-        valid[:, 0] = True
-    expected = reference_forward(model.cuda(), x, valid)
+    model, x, valid, expected = _masked_gpu_case(cfg, mask, seed=41)
     layer = CupyBackend(whole_block=True).build(cfg, model.state_dict(), device="cuda")
     launched = []
     real = ops.whole_block
@@ -3655,13 +3673,7 @@ def test_whole_block_kernel_keeps_the_contract(kernels, cfg, mask, rows, monkeyp
         launched.append(kwargs["final"] is not None)
         return real(*args, **kwargs)
     monkeypatch.setattr(ops, "whole_block", recorded)
-    with torch.no_grad():
-        for _ in range(3):  # eager, captured, replayed
-            out = torch.full_like(x, math.nan)
-            got = layer(x, valid, out=out)
-            assert torch.isfinite(got).all(), "an output element left unwritten"
-            report = compare(got, expected)
-            assert report.passed, report.summary()
+    _writes_every_row_and_keeps_contract(layer, x, valid, expected)
     assert launched[:cfg.num_layers] == [False] * (cfg.num_layers - 1) + [True], launched
     longer = LayerConfig(2, 144, cfg.d_model, cfg.num_heads, cfg.ffn_dim, 1, cfg.causal)
     x2, valid2 = make_inputs(longer, padding_ratio=0.25, seed=43, device="cuda")
@@ -3691,12 +3703,7 @@ def test_after_attention_kernel_keeps_the_contract(kernels, cfg, mask, rows, mon
     from layerbench.backends.cupy import CupyBackend
 
     monkeypatch.setattr(ops, "after_attention_rows", lambda m, sms: rows)
-    model = make_reference(cfg, seed=51)
-    x, valid = make_inputs(cfg, padding_ratio=0.4, seed=52, device="cuda")
-    if mask == "holes":  # invalid keys inside the sequences, the first key kept
-        valid = valid & (torch.rand(valid.shape, device="cuda") > 0.3)
-        valid[:, 0] = True
-    expected = reference_forward(model.cuda(), x, valid)
+    model, x, valid, expected = _masked_gpu_case(cfg, mask, seed=51)
     layer = CupyBackend(after_attention=True).build(cfg, model.state_dict(), device="cuda")
     launched = []
     real = ops.after_attention
@@ -3706,13 +3713,7 @@ def test_after_attention_kernel_keeps_the_contract(kernels, cfg, mask, rows, mon
         launched.append(kwargs.get("final_out") is not None)
         return real(*args, **kwargs)
     monkeypatch.setattr(ops, "after_attention", recorded)
-    with torch.no_grad():
-        for _ in range(3):  # eager, captured, replayed
-            out = torch.full_like(x, math.nan)
-            got = layer(x, valid, out=out)
-            assert torch.isfinite(got).all(), "an output element left unwritten"
-            report = compare(got, expected)
-            assert report.passed, report.summary()
+    _writes_every_row_and_keeps_contract(layer, x, valid, expected)
     assert launched[:cfg.num_layers] == [False] * (cfg.num_layers - 1) + [True], launched
     other = LayerConfig(3, cfg.seq_len + 5, cfg.d_model, cfg.num_heads, cfg.ffn_dim, 1,
                         cfg.causal)
