@@ -60,12 +60,16 @@ def selected_cases(config) -> list[tuple[str, float]]:
 WIDE_CI_D_MODEL = 1024
 
 
+def wide_ci(shape: Shape) -> bool:
+    """Whether shape is a CI variant of at least WIDE_CI_D_MODEL columns."""
+    return shape.table == "ci" and shape.config.d_model >= WIDE_CI_D_MODEL
+
+
 def runs_one_case(shape: Shape) -> bool:
     """Whether shape runs SMALL_SHAPE_CASE alone: head-dim shapes, the non-causal CI shapes
     (which keep the CPU suite short; the official non-causal shapes run every case) and the
-    CI shapes from WIDE_CI_D_MODEL."""
-    return (shape.table == "headdim" or shape.kind == "ci" + NONCAUSAL
-            or (shape.table == "ci" and shape.config.d_model >= WIDE_CI_D_MODEL))
+    wide CI shapes (wide_ci)."""
+    return shape.table == "headdim" or shape.kind == "ci" + NONCAUSAL or wide_ci(shape)
 
 
 def shape_cases(shape: Shape, config) -> tuple[list[tuple[str, float]], str]:
@@ -97,7 +101,7 @@ def determinism_reason(shape: Shape) -> str:
         return f"{shape.id}: the determinism case is not run on huge shapes"
     if shape.kind == "ci" + NONCAUSAL:
         return f"{shape.id}: determinism is run on the causal CI shapes"
-    if shape.table == "ci" and shape.config.d_model >= WIDE_CI_D_MODEL:
+    if wide_ci(shape):
         return (f"{shape.id}: determinism is run on the CI shapes narrower than d_model "
                 f"{WIDE_CI_D_MODEL}")
     return ""

@@ -4,7 +4,6 @@ over every head dim, full attention, masks, and the streamed batch."""
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import subprocess
 from pathlib import Path

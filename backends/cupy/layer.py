@@ -361,11 +361,11 @@ class CupyLayer(BuiltLayer):
         not run): never where its kernel refuses the config (ops.after_attention_refusal) or
         with after_attention False; with True wherever it runs; with None where
         after_attention_by_default says so."""
-        if self.after_attention is False or ops.after_attention_refusal(
-                self.config, self.products, self.device) is not None:
-            return False
-        return bool(self.after_attention) or after_attention_by_default(
-            self.config, batch * seq_len, self.products, self.device)
+        if self.after_attention is None:  # the default checks the refusal itself
+            return after_attention_by_default(self.config, batch * seq_len, self.products,
+                                              self.device)
+        return self.after_attention and ops.after_attention_refusal(
+            self.config, self.products, self.device) is None
 
     def _run_after_attention(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk, three launches a block: Q/K/V from norm1's fp16 rows,
