@@ -121,6 +121,30 @@ __device__ __forceinline__ void aa_norm(float (&v)[NT][4], const float* __restri
     }
 }
 
+// h = residual_value(acc + bias, h, keep, zero_sum) over a warp's NT n8 tiles (columns c0 +
+// 8 j + 2 t): out_proj's residual (zero_sum 0) and ffn_out's (1); then stored(r, col, value)
+// for each updated pair of row r.
+template <int NT, typename Stored>
+__device__ __forceinline__ void aa_residual(float (&h)[NT][4], const float (&acc)[NT][4],
+                                            const float* __restrict__ bias,
+                                            const bool (&keep)[2], int zero_sum, int c0, int t,
+                                            Stored stored) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int col = c0 + 8 * j + 2 * t;
+        const float2 b = *reinterpret_cast<const float2*>(bias + col);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float2 v = residual_value(acc[j][2 * r] + b.x, acc[j][2 * r + 1] + b.y,
+                                            make_float2(h[j][2 * r], h[j][2 * r + 1]), keep[r],
+                                            zero_sum);
+            h[j][2 * r] = v.x;
+            h[j][2 * r + 1] = v.y;
+            stored(r, col, v);
+        }
+    }
+}
+
 // A warp's NT n8 tiles (columns c0 + 8 j + 2 t) split into an fp16 pair in shared rows (hi at
 // dst, lo lo halves after, rows of PITCH halves; the warp's first row at dst).
 template <int NT, int PITCH>
@@ -221,19 +245,7 @@ after_attention(const float* x, long long x_stride, const __half* ctx_hi,
         float acc[ND][4];
         wb_zero(acc);
         aa_products<D / 16, ND, PD>(acc, sA + grp * 16 * PD, ROWS * PD, sW0, D * PD, cd, lane);
-#pragma unroll
-        for (int j = 0; j < ND; ++j) {
-            const float2 bias = *reinterpret_cast<const float2*>(out_b + cd + 8 * j + 2 * t);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float2 v = residual_value(acc[j][2 * r] + bias.x,
-                                                acc[j][2 * r + 1] + bias.y,
-                                                make_float2(h[j][2 * r], h[j][2 * r + 1]),
-                                                keep[r], 0);
-                h[j][2 * r] = v.x;
-                h[j][2 * r + 1] = v.y;
-            }
-        }
+        aa_residual(h, acc, out_b, keep, 0, cd, t, [](int, int, float2) {});
     }
 
     // 2. norm2 of h into sA (the context is read: norm2's first barrier follows every warp's
@@ -256,17 +268,7 @@ after_attention(const float* x, long long x_stride, const __half* ctx_hi,
         float acc[NF][4];
         wb_zero(acc);
         aa_products<D / 16, NF, PD>(acc, sA + grp * 16 * PD, ROWS * PD, sW1, F * PD, cf, lane);
-#pragma unroll
-        for (int j = 0; j < NF; ++j) {
-            const int col = cf + 8 * j + 2 * t;
-            const float2 bias = col < f8 ? *reinterpret_cast<const float2*>(in_b + col)
-                                         : make_float2(0.0f, 0.0f);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                acc[j][2 * r] = gelu(acc[j][2 * r] + bias.x);
-                acc[j][2 * r + 1] = gelu(acc[j][2 * r + 1] + bias.y);
-            }
-        }
+        wb_bias_gelu(acc, in_b, cf, f8, t);
         aa_store_pair<NF, PF>(acc, sH + grp * 16 * PF, ROWS * PF, cf, g, t);
     }
     cp_async_wait<0>();  // ffn_out's pair
@@ -277,23 +279,11 @@ after_attention(const float* x, long long x_stride, const __half* ctx_hi,
         float acc[ND][4];
         wb_zero(acc);
         aa_products<F / 16, ND, PF>(acc, sH + grp * 16 * PF, ROWS * PF, sW0, D * PF, cd, lane);
-#pragma unroll
-        for (int j = 0; j < ND; ++j) {
-            const int col = cd + 8 * j + 2 * t;
-            const float2 bias = *reinterpret_cast<const float2*>(ffn_b + col);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const float2 z = residual_value(acc[j][2 * r] + bias.x,
-                                                acc[j][2 * r + 1] + bias.y,
-                                                make_float2(h[j][2 * r], h[j][2 * r + 1]),
-                                                keep[r], 1);
-                h[j][2 * r] = z.x;
-                h[j][2 * r + 1] = z.y;
-                if (present[r] && out != nullptr)
-                    *reinterpret_cast<float2*>(out + (first + r_block + 8 * r) * out_stride +
-                                               col) = z;
-            }
-        }
+        aa_residual(h, acc, ffn_b, keep, 1, cd, t, [&](int r, int col, float2 z) {
+            if (present[r] && out != nullptr)
+                *reinterpret_cast<float2*>(out + (first + r_block + 8 * r) * out_stride + col) =
+                    z;
+        });
     }
 
     // 5. The next block's norm1 (fp16) or the final norm (fp32, 0 on invalid rows).

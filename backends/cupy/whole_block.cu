@@ -217,6 +217,24 @@ __device__ __forceinline__ void wb_store_half(const float (&acc)[NT][4], const f
     }
 }
 
+// acc[j] = GELU(acc[j] + bias) over NT n8 tiles of hidden columns c0 + 8 j + 2 t (the bias
+// 0 at and past f8, the FFN's width padded to 8).
+template <int NT>
+__device__ __forceinline__ void wb_bias_gelu(float (&acc)[NT][4], const float* bias, int c0,
+                                             int f8, int t) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        const int col = c0 + 8 * j + 2 * t;
+        const float2 b = col < f8 ? *reinterpret_cast<const float2*>(bias + col)
+                                  : make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            acc[j][2 * r] = gelu(acc[j][2 * r] + b.x);
+            acc[j][2 * r + 1] = gelu(acc[j][2 * r + 1] + b.y);
+        }
+    }
+}
+
 template <int ROWS, int COLS>
 __device__ __forceinline__ void wb_zero(float (&a)[ROWS][COLS]) {
 #pragma unroll
@@ -502,17 +520,7 @@ whole_block(const float* __restrict__ x, long long x_stride, float* out, long lo
         float acc[HC / 8][4];
         wb_zero(acc);
         wb_three_products<KD, HC / 8, PD>(acc, n_hi, n_lo, buf1, F * PD, c, lane);
-#pragma unroll
-        for (int j = 0; j < HC / 8; ++j) {
-            const int col = c + 8 * j + 2 * t;
-            const float2 bias = col < f8 ? *reinterpret_cast<const float2*>(in_b + col)
-                                         : make_float2(0.0f, 0.0f);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                acc[j][2 * r] = gelu(acc[j][2 * r] + bias.x);
-                acc[j][2 * r + 1] = gelu(acc[j][2 * r + 1] + bias.y);
-            }
-        }
+        wb_bias_gelu(acc, in_b, c, f8, t);
         unsigned f_hi[HC / 16][4], f_lo[HC / 16][4];
 #pragma unroll
         for (int i = 0; i < HC / 16; ++i) wb_operand(acc[2 * i], acc[2 * i + 1], f_hi[i], f_lo[i]);
