@@ -2938,6 +2938,26 @@ def test_attention_kernel(kernels, head_dim, causal, mask, batch, seq_len, wgmma
             assert torch.equal(got, same), f"{name} differs from {first}"
 
 
+def _split(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y as an fp16 pair (hi, lo), y = hi + lo to about 22 bits."""
+    return y.half(), (y - y.half().float()).half()
+
+
+def _after_attention_rows(ctx, x, p, w, ffn_in_bias, valid_rows):
+    """(h, y) as the whole-block and after-attention kernels compute them from the context
+    pair ctx and the fp32 rows x: h = x + out_proj(ctx) (x kept on invalid rows), y = h +
+    FFN(norm2(h)) (0 on invalid rows); the normed and hidden rows as pairs, three products
+    each."""
+    d, masked = x.shape[1], valid_rows is not None
+    h = _residual(_products(*ctx, *w["out_weight"], d, 3) + p.out_bias, x, valid_rows,
+                  masked, 0)
+    f8 = w["ffn_in_weight"][0].shape[0]
+    hidden = _products(*_split(_norm(h, p.norm2_weight, p.norm2_bias)), *w["ffn_in_weight"],
+                       f8, 3) + ffn_in_bias
+    acc = _products(*_split(torch.nn.functional.gelu(hidden)), *w["ffn_out_weight"], d, 3)
+    return h, _residual(acc + p.ffn_out_bias, h, valid_rows, masked, 1)
+
+
 class StandIns:
     """PyTorch stand-ins for ops.layer_norm, ops.linear and ops.attention, computing what
     each kernel promises from the operands it reads (one product reads only hi halves).
@@ -3037,7 +3057,7 @@ class StandIns:
         assert ops.whole_block_refusal(self.config, seq_len, 3) is None
         assert rows in build.WHOLE_BLOCK_ROWS
         assert out.data_ptr() != x.data_ptr() and (final_out is None) == (final is None)
-        d, masked = x.shape[1], valid is not None
+        d = x.shape[1]
         valid_rows = None if valid is None else valid.reshape(-1)
         before = x.clone()
         qkv = (_norm(x, p.norm1_weight, p.norm1_bias).half().float()
@@ -3045,17 +3065,8 @@ class StandIns:
         everyone = torch.ones(batch, seq_len, dtype=torch.uint8)
         ctx, _ = packed_attention(qkv, everyone if valid is None else valid, batch=batch,
                                   seq_len=seq_len, heads=num_heads, causal=causal)
-
-        def pair(y):
-            return y.half(), (y - y.half().float()).half()
-        acc = _products(*pair(ctx.reshape(batch * seq_len, d)), *w["out_weight"], d, 3)
-        h = _residual(acc + p.out_bias, x, valid_rows, masked, 0)
-        f8 = w["ffn_in_weight"][0].shape[0]
-        hidden = _products(*pair(_norm(h, p.norm2_weight, p.norm2_bias)),
-                           *w["ffn_in_weight"], f8, 3) + ffn_in_bias
-        hidden = torch.nn.functional.gelu(hidden)
-        acc = _products(*pair(hidden), *w["ffn_out_weight"], d, 3)
-        y = _residual(acc + p.ffn_out_bias, h, valid_rows, masked, 1)
+        h, y = _after_attention_rows(_split(ctx.reshape(batch * seq_len, d)), x, p, w,
+                                     ffn_in_bias, valid_rows)
         if final is None:
             out.copy_(y)
         else:  # as the kernel: out keeps h, only the final norm of y is stored
@@ -3064,7 +3075,6 @@ class StandIns:
             final_out.copy_(z if valid_rows is None
                             else torch.where(valid_rows.bool()[:, None], z, 0.0))
         assert torch.equal(x, before), "whole_block wrote its input rows"
-
 
     def after_attention(self, k, ctx, x, out, p, w, ffn_in_bias, valid_rows, *, rows,
                         norm=None, norm_out=None, final_out=None, eps=1e-5):
@@ -3078,17 +3088,7 @@ class StandIns:
         assert ops.after_attention_refusal(self.config, 3) is None
         assert rows in build.AFTER_ATTENTION_ROWS and norm is not None
         assert (norm_out is None) != (final_out is None)
-        d, masked = x.shape[1], valid_rows is not None
-
-        def pair(y):
-            return y.half(), (y - y.half().float()).half()
-        acc = _products(ctx[0], ctx[1], *w["out_weight"], d, 3)
-        h = _residual(acc + p.out_bias, x, valid_rows, masked, 0)
-        f8 = w["ffn_in_weight"][0].shape[0]
-        hidden = _products(*pair(_norm(h, p.norm2_weight, p.norm2_bias)),
-                           *w["ffn_in_weight"], f8, 3) + ffn_in_bias
-        acc = _products(*pair(torch.nn.functional.gelu(hidden)), *w["ffn_out_weight"], d, 3)
-        y = _residual(acc + p.ffn_out_bias, h, valid_rows, masked, 1)
+        _, y = _after_attention_rows(ctx, x, p, w, ffn_in_bias, valid_rows)
         z = _norm(y, *norm)
         if out is not None:
             out.copy_(y)
