@@ -80,11 +80,13 @@ def test_refuses_unsupported_sizes(wmma_selected, d_model, heads, ffn):
 
 
 def test_tile_choice(wmma_selected):
-    """K > 128: the 4-warp 128x128 tiled variant where it fills the SMs; K <= 128: the persistent stream
-    variants when they fill the SMs; few rows: 32x32 tiles. Key blocks shrink past hd 128."""
+    """K > 128: the pipelined 4-warp 128x128 tiled variant where it fills the SMs; K <= 128:
+    the persistent stream variants when they fill the SMs; few rows: 32x32 tiles. Key blocks
+    shrink past hd 128."""
     big = choose_tiles(8192, 1024, 1024, 256, 132)
-    assert GEMM_TILES[big.qkv].name == "tiled 128x128 bk32 4w" and big.attention_block_n == 32
-    assert GEMM_TILES[big.out_proj].name == "tiled 128x128 bk32 4w"
+    assert GEMM_TILES[big.qkv].name == "tiled 128x128 bk32 4w pipelined"
+    assert big.attention_block_n == 32
+    assert GEMM_TILES[big.out_proj].name == "tiled 128x128 bk32 4w pipelined"
     small = choose_tiles(128, 128, 128, 32, 132)
     assert GEMM_TILES[small.out_proj].name == "tiled 32x32 bk64 4w"
     assert small.attention_block_n == 64
@@ -115,6 +117,7 @@ def test_tile_choice(wmma_selected):
         expected = [v.rows, v.cols, *warps, *([v.bk] if v.kind == "tiled" else []),
                     *v.stages, *v.ctas_per_sm]
         assert aliases[cases[name]].startswith(v.kind.title()) and args == expected, v
+        assert aliases[cases[name]].endswith(", true>") == v.pipelined, v
 
 
 def test_norm_tile_choice(wmma_selected):
@@ -443,12 +446,13 @@ def test_writes_into_out(wmma_selected):
 
 
 PLANS = [(True, False, True, 3), (True, True, True, 3), (False, False, True, None),
-         (False, False, False, 2)]
+         (False, False, False, 2), (False, False, True, 1)]
 
 
 @needs_gpu
 @pytest.mark.parametrize("fuse_qkv,fuse_ffn,fuse_norms,products", PLANS,
-                         ids=["fused-qkv", "fused-qkv-ffn", "default", "separate-norms-2-products"])
+                         ids=["fused-qkv", "fused-qkv-ffn", "default", "separate-norms-2-products",
+                              "one-product"])
 @pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
 def test_plans_pass(wmma_selected, number, fuse_qkv, fuse_ffn, fuse_norms, products):
     """Every combination of the fused kernels, norm epilogues and linear products keeps the

@@ -34,8 +34,8 @@ class WmmaBackend(Backend):
         # official shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
         self.fuse_ffn = fuse_ffn  # ffn_block where whole rows fit its tile
-        if linear_products not in (None, 2, 3):
-            raise ValueError(f"linear_products must be 2, 3 or None, not {linear_products}")
+        if linear_products not in (None, 1, 2, 3):
+            raise ValueError(f"linear_products must be 1, 2, 3 or None, not {linear_products}")
         # fp16 products of out_proj and the FFN; None: linear_products_for(d_model)
         self.linear_products = linear_products
         # LayerNorms in the residual GEMMs' epilogues where a tile holds whole rows (see Plan);

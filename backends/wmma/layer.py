@@ -29,7 +29,8 @@ class Plan:
     fuse_ffn: out_proj to the block's output (and the final norm) in one kernel (ffn_block,
     d_model and ffn_dim up to 128).
     linear_products: fp16 products of out_proj and the FFN: 3 (fp16x3: both operands split
-    into hi and lo), or 2 (activations split, weights rounded to fp16 once).
+    into hi and lo), 2 (activations split, weights rounded to fp16 once) or 1 (both rounded
+    to fp16; ffn_block keeps its own products).
     fuse_norms: LayerNorm in the epilogue of the separate residual GEMMs where their tile
     holds whole rows (d_model <= 128, K <= 128; tiles.norm_gemm_tile): out_proj writes norm2's
     (hi, lo) pair, ffn_out the next block's norm1 (hi; unless fuse_qkv) or the final norm
@@ -42,11 +43,12 @@ class Plan:
 
 
 def linear_products_for(d_model: int) -> int:
-    """fp16 products of out_proj and the FFN by default: 2 from d_model 512 on, where the
-    GEMMs are bound by the tensor cores (H200 shape 8: 3.18 ms against 3.71, error/allowed
-    0.60 against 0.53), 3 below, where they are bound by memory and the third product costs
-    little (shape 6: 20.3 ms against 21.6, but error/allowed 0.79 against 0.65)."""
-    return 2 if d_model >= 512 else 3
+    """fp16 products of out_proj and the FFN by default: 1 from d_model 512 on, where the
+    GEMMs are bound by the tensor cores (H200 shape 8, two products against three: 3.18 ms
+    against 3.71, error/allowed 0.60 against 0.53), 3 below, where they are bound by memory
+    and the third product costs little (shape 6: 20.3 ms against 21.6, but error/allowed
+    0.79 against 0.65)."""
+    return 1 if d_model >= 512 else 3
 
 
 def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dtype]]:
@@ -96,7 +98,7 @@ class WmmaLayer(BuiltLayer):
     @staticmethod
     def _weights(p, products: int) -> dict:
         """fp16 (hi, lo) parts of the weights; Q/K/V keeps hi only (one product), and so do
-        the other linears with two products."""
+        the other linears with one or two products."""
         def hi_only(w):
             return w.to(torch.float16).contiguous(), None
 
@@ -141,6 +143,10 @@ class WmmaLayer(BuiltLayer):
         last = len(layers) - 1
         src = x2
         normed = False  # rows[0] holds this block's norm1 (from the last ffn_out's epilogue)
+
+        def operand(pair):
+            """The fp16 parts of an activation the linears multiply (hi only: one product)."""
+            return pair if plan.linear_products > 1 else (pair[0], None)
         done = plan.fuse_ffn  # out2 written
         for i, (p, w) in enumerate(zip(layers, self.weights)):
             copy = res if src.dtype != torch.float32 else None  # fp16/bf16 input, first block
@@ -163,12 +169,12 @@ class WmmaLayer(BuiltLayer):
                 # norm2 into the context's own buffers: each CTA holds the rows it writes.
                 norm2 = (RowNorm(p.norm2_weight, p.norm2_bias, rows[0], rows[1])
                          if tiles.norm_out_proj else None)
-                linear(ext, rows, w["out"], p.out_bias, epilogue=RESIDUAL_UPDATE,
+                linear(ext, operand(rows), w["out"], p.out_bias, epilogue=RESIDUAL_UPDATE,
                        tile=tiles.out_proj, out=res, residual=src, valid_rows=valid_rows,
                        norm=norm2)
                 if norm2 is None:
                     norm_split(ext, res, p.norm2_weight, p.norm2_bias, rows)
-                linear(ext, rows, w["ffn_in"], p.ffn_in_bias, epilogue=GELU_PAIR,
+                linear(ext, operand(rows), w["ffn_in"], p.ffn_in_bias, epilogue=GELU_PAIR,
                        tile=tiles.ffn_in, out_pair=hidden)
                 after = None  # the norm in ffn_out's epilogue
                 if tiles.norm_ffn_out and i == last:
@@ -176,7 +182,8 @@ class WmmaLayer(BuiltLayer):
                 elif tiles.norm_ffn_out and not plan.fuse_qkv:
                     after = RowNorm(layers[i + 1].norm1_weight, layers[i + 1].norm1_bias,
                                     rows[0])
-                linear(ext, hidden, w["ffn_out"], p.ffn_out_bias, epilogue=RESIDUAL_SUM,
+                linear(ext, operand(hidden), w["ffn_out"], p.ffn_out_bias,
+                       epilogue=RESIDUAL_SUM,
                        tile=tiles.ffn_out if after is not None else plain_ffn_out,
                        out=None if after is not None and i == last else res, residual=res,
                        valid_rows=valid_rows, norm=after)

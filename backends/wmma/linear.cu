@@ -90,6 +90,50 @@ __device__ __forceinline__ void mma_step(FragC (&acc)[FM][FN], const __half* a, 
   }
 }
 
+// One 16-deep k slice of a warp's operand fragments, all held at once (the pipelined
+// tiled loop loads the next slice's set while the current one is multiplied).
+template <int FM, int FN, int PRODUCTS>
+struct FragSet {
+  FragA a_hi[FM], a_lo[PRODUCTS >= 2 ? FM : 1];
+  FragB b_hi[FN], b_lo[PRODUCTS == 3 ? FN : 1];
+};
+
+// f = the fragments of one k slice (arguments as mma_step's).
+template <int FM, int FN, int PRODUCTS>
+__device__ __forceinline__ void load_frag_set(FragSet<FM, FN, PRODUCTS>& f, const __half* a,
+                                              int a_part, int lda, const __half* w, int w_part,
+                                              int ldw) {
+#pragma unroll
+  for (int j = 0; j < FN; ++j) {
+    wmma::load_matrix_sync(f.b_hi[j], w + j * 16 * ldw, ldw);
+    if constexpr (PRODUCTS == 3) wmma::load_matrix_sync(f.b_lo[j], w + w_part + j * 16 * ldw, ldw);
+  }
+#pragma unroll
+  for (int i = 0; i < FM; ++i) {
+    wmma::load_matrix_sync(f.a_hi[i], a + i * 16 * lda, lda);
+    if constexpr (PRODUCTS >= 2) wmma::load_matrix_sync(f.a_lo[i], a + a_part + i * 16 * lda, lda);
+  }
+}
+
+// acc[i][j] += the products of one loaded k slice, in mma_step's order per accumulator.
+template <int FM, int FN, int PRODUCTS>
+__device__ __forceinline__ void mma_frag_set(FragC (&acc)[FM][FN],
+                                             const FragSet<FM, FN, PRODUCTS>& f) {
+#pragma unroll
+  for (int i = 0; i < FM; ++i) {
+    if constexpr (PRODUCTS >= 2) {
+#pragma unroll
+      for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], f.a_lo[i], f.b_hi[j], acc[i][j]);
+    }
+    if constexpr (PRODUCTS == 3) {
+#pragma unroll
+      for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], f.a_hi[i], f.b_lo[j], acc[i][j]);
+    }
+#pragma unroll
+    for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], f.a_hi[i], f.b_hi[j], acc[i][j]);
+  }
+}
+
 // Whether the epilogue may use 16-byte accesses: every output row starts 16-byte aligned.
 __device__ __forceinline__ bool vector_epilogue(const LinearParams& p) {
   const uintptr_t bits = reinterpret_cast<uintptr_t>(p.out_hi) |
@@ -491,7 +535,12 @@ struct Tiled {
 };
 
 // LinearParams; grid (M tiles, N tiles); block T::kThreads; dynamic shared T::kSmemBytes.
-template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES, int PRODUCTS, int MINB>
+// PIPELINED (one product): each warp loads the next k slice's fragments while it multiplies
+// the current one, across stage boundaries too (the wait and barrier come after the
+// second-to-last slice's products are issued); else, and with two or three products (whose
+// two fragment sets ptxas spills), each slice is loaded, then multiplied.
+template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES, int PRODUCTS, int MINB,
+          bool PIPELINED>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MINB)
 linear_tiled(LinearParams p, int epilogue) {
   using T = Tiled<BM, BN, WARPS_M, WARPS_N, BK, STAGES, PRODUCTS>;
@@ -507,22 +556,14 @@ linear_tiled(LinearParams p, int epilogue) {
   // clamped into range, so every address is valid) and byte counts (0: zero-fill) once.
   const int c = (threadIdx.x % T::kChunks) * 8;
   const int r0 = threadIdx.x / T::kChunks;
-  int64_t a_row[T::kAVecs];
-  int a_bytes[T::kAVecs];
-#pragma unroll
-  for (int q = 0; q < T::kAVecs; ++q) {
-    const int64_t row = m0 + r0 + q * T::kRowsPerPass;
-    a_bytes[q] = row < p.M ? 16 : 0;
-    a_row[q] = (row < p.M ? row : p.M - 1) * p.K;
-  }
-  int w_row[T::kWVecs];
-  int w_bytes[T::kWVecs];
-#pragma unroll
-  for (int q = 0; q < T::kWVecs; ++q) {
-    const int row = n0 + r0 + q * T::kRowsPerPass;
-    w_bytes[q] = row < p.N ? 16 : 0;
-    w_row[q] = row < p.N ? row : p.N - 1;
-  }
+  // The rows in range are a prefix of q: a_in of them (w_in for the weight); a row out of
+  // range copies from the first row (in range or clamped) with 0 bytes.
+  const int64_t a_first = m0 + r0 < p.M ? m0 + r0 : p.M - 1;
+  const int64_t a_left = p.M - (m0 + r0);
+  const int a_in = a_left <= 0 ? 0 : static_cast<int>((a_left - 1) / T::kRowsPerPass + 1);
+  const int w_first = n0 + r0 < p.N ? n0 + r0 : p.N - 1;
+  const int w_left = p.N - (n0 + r0);
+  const int w_in = w_left <= 0 ? 0 : (w_left - 1) / T::kRowsPerPass + 1;
   const int s_off = r0 * T::kLds + c;  // this thread's first shared vector in a part
 
   auto load_stage = [&](int stage, int k0) {
@@ -532,8 +573,9 @@ linear_tiled(LinearParams p, int epilogue) {
     __half* st = smem + stage * T::kStageHalves + s_off;
 #pragma unroll
     for (int q = 0; q < T::kAVecs; ++q) {
-      const int64_t off = a_row[q] + kk;
-      const int bytes = k_in ? a_bytes[q] : 0;
+      const bool in = k_in && q < a_in;
+      const int64_t off = (a_first + (in ? q * T::kRowsPerPass : 0)) * p.K + kk;
+      const int bytes = in ? 16 : 0;
       __half* dst = st + q * T::kRowsPerPass * T::kLds;
       cp_async16(dst, p.a_hi + off, bytes);
       if constexpr (T::kAParts == 2) cp_async16(dst + BM * T::kLds, p.a_lo + off, bytes);
@@ -541,8 +583,10 @@ linear_tiled(LinearParams p, int epilogue) {
     st += T::kAParts * BM * T::kLds;
 #pragma unroll
     for (int q = 0; q < T::kWVecs; ++q) {
-      const int64_t off = static_cast<int64_t>(w_row[q]) * p.K + kk;
-      const int bytes = k_in ? w_bytes[q] : 0;
+      const bool in = k_in && q < w_in;
+      const int64_t off =
+          static_cast<int64_t>(w_first + (in ? q * T::kRowsPerPass : 0)) * p.K + kk;
+      const int bytes = in ? 16 : 0;
       __half* dst = st + q * T::kRowsPerPass * T::kLds;
       cp_async16(dst, p.w_hi + off, bytes);
       if constexpr (T::kWParts == 2) cp_async16(dst + BN * T::kLds, p.w_lo + off, bytes);
@@ -563,22 +607,64 @@ linear_tiled(LinearParams p, int epilogue) {
     if (t < k_tiles) load_stage(t, t * BK);
     cp_async_commit();
   }
-  int read = 0, write = STAGES - 1;
   const int a_warp = wm * T::kFragsM * 16 * T::kLds;
   const int w_warp = T::kAParts * BM * T::kLds + wn * T::kFragsN * 16 * T::kLds;
-  for (int kt = 0; kt < k_tiles; ++kt) {
+  if constexpr (PIPELINED && PRODUCTS == 1) {
+    // Stage s holds tile t while t % STAGES == s. Before the loop: tile 0 visible, tile
+    // STAGES - 1 requested. In tile kt, after slice KS - 2's products are issued: wait for
+    // tile kt + 1, barrier (every warp has loaded its last fragments of tile kt's stage),
+    // request tile kt + STAGES into that stage; slice KS - 1 then loads tile kt + 1's first
+    // fragments. The fragment buffer of slice s is s % 2 (KS is even).
+    using Frags = FragSet<T::kFragsM, T::kFragsN, PRODUCTS>;
+    constexpr int KS = BK / 16;
+    static_assert(KS % 2 == 0, "an even number of k slices per stage");
+    auto load_frags = [&](Frags& f, int stage, int kk) {
+      const __half* st = smem + stage * T::kStageHalves;
+      load_frag_set(f, st + a_warp + kk, BM * T::kLds, T::kLds, st + w_warp + kk,
+                    BN * T::kLds, T::kLds);
+    };
     cp_async_wait<STAGES - 2>();
-    __syncthreads();  // tile kt visible to all; every warp is done with the stage read last
-    if (kt + STAGES - 1 < k_tiles) load_stage(write, (kt + STAGES - 1) * BK);
+    __syncthreads();
+    if (STAGES - 1 < k_tiles) load_stage(STAGES - 1, (STAGES - 1) * BK);
     cp_async_commit();
-    const __half* st = smem + read * T::kStageHalves;
+    Frags frags[2];
+    load_frags(frags[0], 0, 0);
+    int read = 0;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      const int next = read == STAGES - 1 ? 0 : read + 1;
 #pragma unroll
-    for (int kk = 0; kk < BK; kk += 16) {
-      mma_step<T::kFragsM, T::kFragsN, PRODUCTS>(acc, st + a_warp + kk, BM * T::kLds, T::kLds,
-                                                 st + w_warp + kk, BN * T::kLds, T::kLds);
+      for (int s = 0; s < KS; ++s) {
+        if (s + 1 < KS) {
+          load_frags(frags[(s + 1) % 2], read, (s + 1) * 16);
+        } else if (kt + 1 < k_tiles) {
+          load_frags(frags[0], next, 0);
+        }
+        mma_frag_set(acc, frags[s % 2]);
+        if (s == KS - 2) {
+          cp_async_wait<STAGES - 2>();
+          __syncthreads();
+          if (kt + STAGES < k_tiles) load_stage(read, (kt + STAGES) * BK);
+          cp_async_commit();
+        }
+      }
+      read = next;
     }
-    read = read == STAGES - 1 ? 0 : read + 1;
-    write = write == STAGES - 1 ? 0 : write + 1;
+  } else {
+    int read = 0, write = STAGES - 1;
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      cp_async_wait<STAGES - 2>();
+      __syncthreads();  // tile kt visible to all; every warp is done with the stage read last
+      if (kt + STAGES - 1 < k_tiles) load_stage(write, (kt + STAGES - 1) * BK);
+      cp_async_commit();
+      const __half* st = smem + read * T::kStageHalves;
+  #pragma unroll
+      for (int kk = 0; kk < BK; kk += 16) {
+        mma_step<T::kFragsM, T::kFragsN, PRODUCTS>(acc, st + a_warp + kk, BM * T::kLds, T::kLds,
+                                                   st + w_warp + kk, BN * T::kLds, T::kLds);
+      }
+      read = read == STAGES - 1 ? 0 : read + 1;
+      write = write == STAGES - 1 ? 0 : write + 1;
+    }
   }
   cp_async_wait<0>();
   __syncthreads();  // the operand stages become the warps' scratch
@@ -755,9 +841,10 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
 // product count (1, 2, 3) the stages and the CTAs per SM asked of __launch_bounds__.
 
 template <int BM_, int BN_, int WM_, int WN_, int BK_, int S1, int S2, int S3, int B1, int B2,
-          int B3>
+          int B3, bool PIPELINED_ = false>
 struct TiledVariant {
   static constexpr int BM = BM_, BN = BN_, WM = WM_, WN = WN_, BK = BK_;
+  static constexpr bool PIPELINED = PIPELINED_;
   static constexpr int stages(int products) { return products == 1 ? S1 : products == 2 ? S2 : S3; }
   static constexpr int blocks(int products) { return products == 1 ? B1 : products == 2 ? B2 : B3; }
 };
@@ -776,6 +863,9 @@ using T128x128w4 = TiledVariant<128, 128, 2, 2, 32, 4, 3, 2, 2, 2, 2>;
 using T128x128k64 = TiledVariant<128, 128, 4, 2, 64, 4, 3, 3, 1, 1, 1>;
 using T64x64 = TiledVariant<64, 64, 2, 2, 32, 3, 3, 3, 2, 2, 2>;
 using T32x32 = TiledVariant<32, 32, 2, 2, 64, 2, 2, 2, 2, 2, 2>;
+//                         BM   BN  warps  BK  stages p1/p2/p3  CTAs/SM p1/p2/p3  pipelined
+using T128x128w4p = TiledVariant<128, 128, 2, 2, 32, 4, 3, 2, 2, 2, 2, true>;
+using T128x128k64w4p = TiledVariant<128, 128, 2, 2, 64, 3, 2, 2, 2, 2, 1, true>;
 //                          BM   BN  warps  stages p1/p2/p3  CTAs/SM p1/p2/p3
 using S128x128 = StreamVariant<128, 128, 4, 4, 3, 2, 2, 1, 1, 1>;
 using S64x128 = StreamVariant<64, 128, 2, 4, 3, 2, 2, 2, 2, 1>;
@@ -830,7 +920,8 @@ LaunchResult launch_tiled(const LinearParams& p, Epilogue epilogue, cudaStream_t
     if (T::kSmemBytes > dev.smem_limit)
       return launch_tiled<Fallback, PRODUCTS>(p, epilogue, stream, dev, kFallbackName);
   }
-  auto kernel = linear_tiled<V::BM, V::BN, V::WM, V::WN, V::BK, S, PRODUCTS, V::blocks(PRODUCTS)>;
+  auto kernel = linear_tiled<V::BM, V::BN, V::WM, V::WN, V::BK, S, PRODUCTS, V::blocks(PRODUCTS),
+                             V::PIPELINED>;
   const cudaError_t err = allow_smem(reinterpret_cast<const void*>(kernel), T::kSmemBytes);
   if (err != cudaSuccess) return {err, name};
   const dim3 grid(static_cast<unsigned>((p.M + V::BM - 1) / V::BM),
@@ -923,6 +1014,12 @@ LaunchResult launch_tile(const LinearParams& p, GemmTile tile, Epilogue e, cudaS
       return launch_tiled<T64x64, PRODUCTS>(p, e, s, dev, "linear_tiled<64x64, 4 warps, bk32>");
     case GemmTile::kTiled32x32:
       return launch_tiled<T32x32, PRODUCTS>(p, e, s, dev, "linear_tiled<32x32, 4 warps, bk64>");
+    case GemmTile::kTiled128x128w4p:
+      return launch_tiled<T128x128w4p, PRODUCTS>(p, e, s, dev,
+                                             "linear_tiled<128x128, 4 warps, bk32, pipelined>");
+    case GemmTile::kTiled128x128k64w4p:
+      return launch_tiled<T128x128k64w4p, PRODUCTS>(
+          p, e, s, dev, "linear_tiled<128x128, 4 warps, bk64, pipelined>");
     case GemmTile::kStream128x128:
       return launch_stream<S128x128, PRODUCTS>(p, e, s, dev, "linear_stream<128x128, 16 warps>",
                                                norm);

@@ -11,7 +11,9 @@ class GemmVariant(NamedTuple):
     stages; any K. kind "stream" (K <= 128): a persistent CTA keeps a cols-wide weight slice
     (whole K) in shared memory and streams rows-high activation tiles through the stages.
     stages and ctas_per_sm (what __launch_bounds__ asks; shared memory may allow fewer) are
-    given for one, two and three products.
+    given for one, two and three products. pipelined (tiled, one product): each warp
+    loads the next k slice's fragments while it multiplies the current one, across stage
+    boundaries too (two and three products run the plain loop).
     """
     name: str
     kind: str
@@ -22,6 +24,7 @@ class GemmVariant(NamedTuple):
     bk: int | None
     stages: tuple[int, int, int]
     ctas_per_sm: tuple[int, int, int]
+    pipelined: bool = False
 
 
 # Index = the GemmTile value in common.cuh (the variants' template arguments in linear.cu).
@@ -37,10 +40,14 @@ GEMM_TILES = (
     GemmVariant("stream 64x128 8w", "stream", 64, 128, 8, (32, 32), None, (3, 2, 2), (2, 2, 1)),
     GemmVariant("stream 64x64 4w", "stream", 64, 64, 4, (32, 32), None, (2, 2, 2), (2, 2, 2)),
     GemmVariant("stream 32x128 4w", "stream", 32, 128, 4, (32, 32), None, (3, 2, 2), (2, 2, 2)),
+    GemmVariant("tiled 128x128 bk32 4w pipelined", "tiled", 128, 128, 4, (64, 64), 32,
+                (4, 3, 2), (2, 2, 2), True),
+    GemmVariant("tiled 128x128 bk64 4w pipelined", "tiled", 128, 128, 4, (64, 64), 64,
+                (3, 2, 2), (2, 2, 1), True),
 )
 TILED_128x128, TILED_128x256, TILED_128x128_W4, TILED_128x128_BK64 = 0, 1, 2, 3
 TILED_64x64, TILED_32x32, STREAM_128x128, STREAM_64x128, STREAM_64x64 = 4, 5, 6, 7, 8
-STREAM_32x128 = 9
+STREAM_32x128, TILED_128x128_W4_PIPELINED, TILED_128x128_BK64_PIPELINED = 9, 10, 11
 STREAM_MAX_K = 128  # the stream variants keep K whole in one shared-memory stage
 SCRATCH_BYTES = 16 * 20 * 4  # one warp's epilogue scratch (kScratchBytes in linear.cu)
 
@@ -73,7 +80,7 @@ def gemm_tile(rows: int, n: int, k: int, multiprocessors: int) -> int:
     tiles, else the 64x64 stream kernel when its tiles fill the SMs. Larger K: the largest
     tiled variant whose grid gives every SM a CTA: 128x128 of 4 warps (64x64 each), which
     beat 128x256 and the 8-warp 128x128 variants on the H200 (M 8192, K 1024: 261–275 TFLOP/s
-    against 216–259), else 64x64. Otherwise (few rows) 32x32 tiles.
+    against 216–259), in its pipelined form, else 64x64. Otherwise (few rows) 32x32 tiles.
     """
     def tiles(bm: int, bn: int) -> int:
         return -(-rows // bm) * -(-n // bn)
@@ -85,7 +92,7 @@ def gemm_tile(rows: int, n: int, k: int, multiprocessors: int) -> int:
             return STREAM_64x64
     else:
         if tiles(128, 128) >= multiprocessors:
-            return TILED_128x128_W4
+            return TILED_128x128_W4_PIPELINED
         if tiles(64, 64) >= multiprocessors:
             return TILED_64x64
     return TILED_32x32
