@@ -173,7 +173,7 @@ class WmmaLayer(BuiltLayer):
                        tile=tiles.out_proj, out=res, residual=src, valid_rows=valid_rows,
                        norm=norm2)
                 if norm2 is None:
-                    norm_split(ext, res, p.norm2_weight, p.norm2_bias, rows)
+                    norm_split(ext, res, p.norm2_weight, p.norm2_bias, operand(rows))
                 linear(ext, operand(rows), w["ffn_in"], p.ffn_in_bias, epilogue=GELU_PAIR,
                        tile=tiles.ffn_in, out_pair=hidden)
                 after = None  # the norm in ffn_out's epilogue
