@@ -80,13 +80,16 @@ def test_refuses_unsupported_sizes(wmma_selected, d_model, heads, ffn):
 
 
 def test_tile_choice(wmma_selected):
-    """K > 128: the pipelined 4-warp 128x128 tiled variant where it fills the SMs; K <= 128:
-    the persistent stream variants when they fill the SMs; few rows: 32x32 tiles. Key blocks
-    shrink past hd 128."""
-    big = choose_tiles(8192, 1024, 1024, 256, 132)
-    assert GEMM_TILES[big.qkv].name == "tiled 128x128 bk32 4w pipelined"
+    """K > 128: the 4-warp 128x128 tiled variant where it fills the SMs (BK 64 pipelined with
+    one or two products, BK 32 plain with three); K <= 128: the persistent stream variants
+    when they fill the SMs; few rows: 32x32 tiles. Key blocks shrink past hd 128."""
+    big = choose_tiles(8192, 1024, 1024, 256, 132, products=1)
+    assert GEMM_TILES[big.qkv].name == "tiled 128x128 bk64 4w pipelined"
     assert big.attention_block_n == 32
-    assert GEMM_TILES[big.out_proj].name == "tiled 128x128 bk32 4w pipelined"
+    assert GEMM_TILES[big.out_proj].name == "tiled 128x128 bk64 4w pipelined"
+    three = choose_tiles(8192, 1024, 1024, 256, 132, products=3)
+    assert GEMM_TILES[three.qkv].name == "tiled 128x128 bk64 4w pipelined"  # one product
+    assert GEMM_TILES[three.out_proj].name == "tiled 128x128 bk32 4w"
     small = choose_tiles(128, 128, 128, 32, 132)
     assert GEMM_TILES[small.out_proj].name == "tiled 32x32 bk64 4w"
     assert small.attention_block_n == 64

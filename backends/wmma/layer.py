@@ -135,7 +135,7 @@ class WmmaLayer(BuiltLayer):
                              products=plan.linear_products, smem_limit=self.smem_limit)
         if tiles.norm_ffn_out and plan.fuse_qkv:  # ffn_out norms only the final rows
             plain_ffn_out = gemm_tile(x2.shape[0], cfg.d_model, cfg.ffn_dim,
-                                      self.multiprocessors)
+                                      self.multiprocessors, plan.linear_products)
         else:
             plain_ffn_out = tiles.ffn_out
         final = (self.params.final_weight, self.params.final_bias)

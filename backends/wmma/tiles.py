@@ -73,14 +73,16 @@ def pad16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def gemm_tile(rows: int, n: int, k: int, multiprocessors: int) -> int:
-    """The GEMM variant for out[rows, n] = a[rows, k] @ w[n, k]^T.
+def gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int = 1) -> int:
+    """The GEMM variant for out[rows, n] = a[rows, k] @ w[n, k]^T with products fp16 products.
 
     K <= 128: the persistent 128x128 stream kernel when each SM gets at least two of its
     tiles, else the 64x64 stream kernel when its tiles fill the SMs. Larger K: the largest
     tiled variant whose grid gives every SM a CTA: 128x128 of 4 warps (64x64 each), which
     beat 128x256 and the 8-warp 128x128 variants on the H200 (M 8192, K 1024: 261–275 TFLOP/s
-    against 216–259), in its pipelined form, else 64x64. Otherwise (few rows) 32x32 tiles.
+    against 216–259); with one or two products its BK 64 pipelined form (one product, N 3072:
+    276 TFLOP/s against 265 plain; two products, N 1024: 254 against 222), with three the
+    plain BK 32 one; else 64x64. Otherwise (few rows) 32x32 tiles.
     """
     def tiles(bm: int, bn: int) -> int:
         return -(-rows // bm) * -(-n // bn)
@@ -92,7 +94,7 @@ def gemm_tile(rows: int, n: int, k: int, multiprocessors: int) -> int:
             return STREAM_64x64
     else:
         if tiles(128, 128) >= multiprocessors:
-            return TILED_128x128_W4_PIPELINED
+            return TILED_128x128_BK64_PIPELINED if products <= 2 else TILED_128x128_W4
         if tiles(64, 64) >= multiprocessors:
             return TILED_64x64
     return TILED_32x32
@@ -145,8 +147,8 @@ def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
     blocks of 64, or 32 above head dim 128 so that one block's shared memory stays near
     150 KB. fuse_norms: out_proj and ffn_out (products fp16 products) take norm_gemm_tile
     where it applies, and their norm flags are set."""
-    def gemm(n: int, k: int) -> int:
-        return gemm_tile(rows, n, k, multiprocessors)
+    def gemm(n: int, k: int, count: int = products) -> int:
+        return gemm_tile(rows, n, k, multiprocessors, count)
 
     def fused(k: int) -> int | None:
         if not fuse_norms:
@@ -154,7 +156,7 @@ def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
         return norm_gemm_tile(rows, d_model, k, multiprocessors, products, smem_limit)
 
     out_proj, ffn_out = fused(d_model), fused(ffn_dim)
-    return Tiles(gemm(3 * d_model, d_model),
+    return Tiles(gemm(3 * d_model, d_model, 1),
                  gemm(d_model, d_model) if out_proj is None else out_proj,
                  gemm(ffn_dim, d_model),
                  gemm(d_model, ffn_dim) if ffn_out is None else ffn_out,
