@@ -8,7 +8,7 @@
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
 #   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
-#   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels
+#   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels, ceiling
 #   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
 #   bash bench/gpu_run.sh cupy        # cupy kernel tests, an option on/off, attention and GEMM sweeps, GPU time per kernel
@@ -69,7 +69,8 @@ if [[ $stage == study ]]; then
 fi
 if [[ $stage == kernels ]]; then
     # The wmma kernels on their own: kernel tests, every GEMM tile on odd sizes (checked) and
-    # on the official shapes' GEMMs (timed), every attention kernel at shapes 13 and 14.
+    # on the official shapes' GEMMs (timed), every attention kernel at shapes 13 and 14, and
+    # the device's wmma ceiling (register-resident products only).
     log="$OUT/kernels.log"
     python3 -m pytest conformance/test_wmma.py --backend wmma -q -p no:cacheprovider \
         2>&1 | tail -15 | tee -a "$log"
@@ -81,6 +82,7 @@ if [[ $stage == kernels ]]; then
         --out "$OUT/attention-13.json" 2>&1 | tee -a "$log"
     python3 bench/wmma_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64 \
         --rounds 5 --out "$OUT/attention-14.json" 2>&1 | tee -a "$log"
+    python3 bench/wmma_sweep.py peak --out "$OUT/peak.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cutile ]]; then
     # The cutile kernels on their own: kernel tests, then each GEMM, attention, LayerNorm and

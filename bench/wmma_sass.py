@@ -25,7 +25,7 @@ from sass import kernels  # noqa: E402
 from layerbench.backends.wmma import build  # noqa: E402
 
 # Sources whose every kernel multiplies on the tensor cores (norm.cu has none).
-TENSOR_CORE_SOURCES = ("linear.cu", "attention.cu", "block.cu")
+TENSOR_CORE_SOURCES = ("linear.cu", "attention.cu", "block.cu", "peak.cu")
 
 
 def short_name(mangled: str) -> str:

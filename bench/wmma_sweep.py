@@ -7,6 +7,7 @@ on the same inputs, each output checked, and the whole layer under each linear p
     python bench/wmma_sweep.py attention --batch 1 --seq-len 16384 --heads 16 --head-dim 64
     python bench/wmma_sweep.py precision --shapes 6,8 --products 2,3
     python bench/wmma_sweep.py plans --shapes 2,1,6,13
+    python bench/wmma_sweep.py peak                      # the device's wmma ceiling
 
 "gemm" times each tile (alternating rounds, CUDA events, median) and reports TFLOP/s counting
 every fp16 product. A GEMM case is MxNxK:products:epilogue (epilogues 0 half, 1 GELU pair,
@@ -15,7 +16,9 @@ of any tile, into NaN-filled outputs, against a float64 product of the same fp16
 "attention" times each attention kernel and compares it with fp32 attention of one sequence.
 "precision" builds the layer with each count of linear products and prints the contract's
 worst error/allowed ratio and the median forward time; "plans" does the same for LayerNorms
-in the GEMM epilogues against separate norm kernels (timed in alternating rounds).
+in the GEMM epilogues against separate norm kernels (timed in alternating rounds). "peak"
+times register-resident wmma products alone (no memory traffic) at several CTAs per SM and
+warps per CTA: the ceiling the GEMM and attention kernels are measured against.
 """
 from __future__ import annotations
 
@@ -218,6 +221,32 @@ def sweep_attention(batch, seq_len, heads, head_dim, causal, rounds):
         rounds=rounds, device=device)
 
 
+PEAK_ITERS = 4096  # rounds of the peak kernel's loop (each: mma_peak_chains() products)
+PEAK_CONFIGS = ((1, 128), (2, 128), (4, 128), (1, 256), (2, 256), (4, 256), (8, 256))
+
+
+def peak(rounds):
+    """TFLOP/s of the register-resident wmma kernel per (CTAs per SM, threads per CTA)."""
+    device = torch.device("cuda")
+    ext = build.load(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    flop_per_warp = PEAK_ITERS * ext.mma_peak_chains() * 2 * 16 * 16 * 16
+    runs, rows = [], []
+    for per_sm, threads in PEAK_CONFIGS:
+        blocks = sms * per_sm
+        out = torch.empty(blocks * threads, device=device)
+        runs.append(lambda out=out, b=blocks, t=threads: ext.mma_peak(out, b, t, PEAK_ITERS))
+    medians = alternating_medians_ms(runs, device, rounds=rounds, max_seconds=10.0)
+    for (per_sm, threads), ms in zip(PEAK_CONFIGS, medians):
+        warps = sms * per_sm * threads // 32
+        row = {"ctas_per_sm": per_sm, "threads": threads, "warps_per_sm": per_sm * threads // 32,
+               "ms": ms, "tflops": warps * flop_per_warp / ms / 1e9}
+        rows.append(row)
+        print(f"peak {per_sm} CTAs/SM x {threads:4d} threads ({row['warps_per_sm']:2d} warps/SM) "
+              f"{ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s", flush=True)
+    return rows
+
+
 def precision(shapes, products_list, rounds, padding):
     """Worst error/allowed and median ms of the layer under each count of linear products."""
     device = torch.device("cuda")
@@ -256,7 +285,8 @@ def main() -> int:
     """Run one study; JSON rows to --out."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("study", choices=("gemm", "edges", "attention", "precision", "plans"))
+    parser.add_argument("study", choices=("gemm", "edges", "attention", "precision", "plans",
+                                          "peak"))
     parser.add_argument("--cases", default=",".join(GEMM_CASES), help="gemm: MxNxK:products:"
                         "epilogue, comma-separated")
     parser.add_argument("--tiles", default=None, help="gemm: tile indices (default all)")
@@ -283,6 +313,8 @@ def main() -> int:
                                not args.full, args.rounds)
     elif args.study == "plans":
         rows = plans(args.shapes, args.rounds, args.padding)
+    elif args.study == "peak":
+        rows = peak(args.rounds)
     else:
         rows = precision(args.shapes, [int(p) for p in args.products.split(",")], args.rounds,
                          args.padding)

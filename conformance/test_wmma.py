@@ -386,6 +386,23 @@ def test_attention_layout_probe(wmma_selected):
     assert name.startswith("flash_attention_kernel<64,"), name
 
 
+@needs_gpu
+def test_mma_peak_computes_its_products(wmma_selected):
+    """The ceiling kernel does every product it is timed for: per warp, its threads' sums add
+    up to chains x iters x the sum of the 16x16 product of its fixed tile (float64)."""
+    device = torch.device("cuda")
+    ext = build.load(device)
+    blocks, threads, iters = 3, 64, 5
+    out = torch.full((blocks * threads,), math.nan, device=device)
+    ext.mma_peak(out, blocks, threads, iters)
+    tile = torch.tensor([(e % 7) * 1e-3 for e in range(256)]).half().double()
+    a, b = tile.view(16, 16), tile.view(16, 16).T  # matrix_a row-major, matrix_b col-major
+    expected = ext.mma_peak_chains() * iters * (a @ b).sum().item()
+    per_warp = out.view(-1, 32).double().sum(1)
+    assert torch.allclose(per_warp, torch.full_like(per_warp, expected), rtol=1e-4), \
+        (per_warp.tolist(), expected)
+
+
 LAUNCH_ERROR_SCRIPT = """
 import torch
 from layerbench.backends.wmma import build

@@ -13,7 +13,7 @@ import torch
 from layerbench.common.errors import Unsupported
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("ops.cpp", "norm.cu", "linear.cu", "attention.cu", "block.cu")  # compiled and linked
+SOURCES = ("ops.cpp", "norm.cu", "linear.cu", "attention.cu", "block.cu", "peak.cu")  # compiled and linked
 HEADERS = ("common.cuh",)
 ARCHES = ("80", "90")  # compute capabilities the CPU test compiles for
 CACHE_ENV = "LAYERBENCH_WMMA_CACHE"

@@ -177,6 +177,11 @@ const char* attention_variant_name(int variant);
 AttentionInstanceInfo attention_instance(int variant, int head_pad);
 LaunchResult launch_flash_attention(const AttentionParams& p, int variant, cudaStream_t stream);
 LaunchResult launch_attention_layout_probe(int* mismatches, cudaStream_t stream);
+// peak.cu: blocks x threads threads, each warp running iters rounds of kPeakChains
+// register-resident 16x16x16 products; out [blocks * threads] fp32.
+constexpr int kPeakChains = 8;
+LaunchResult launch_mma_peak(float* out, int blocks, int threads, int iters,
+                             cudaStream_t stream);
 LaunchResult launch_norm_qkv(const NormQkvParams& p, cudaStream_t stream);
 LaunchResult launch_ffn_block(const FfnBlockParams& p, cudaStream_t stream);
 int ffn_block_smem_bytes(int d_model, int ffn_dim);      // dynamic shared memory of one block

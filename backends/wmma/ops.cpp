@@ -307,6 +307,20 @@ void ffn_block(const Tensor& ctx_hi, const Tensor& ctx_lo, const Tensor& residua
   check_launch(lbw::launch_ffn_block(p, current_stream()));
 }
 
+// The wmma ceiling kernel (peak.cu) into out (fp32, at least blocks * threads elements).
+void mma_peak(const Tensor& out, int64_t blocks, int64_t threads, int64_t iters) {
+  check(out, at::kFloat, "out");
+  TORCH_CHECK(blocks >= 1 && blocks <= 65535 * 64, "blocks must be in 1..4194240, got ", blocks);
+  TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0,
+              "threads must be a multiple of 32 in 32..1024, got ", threads);
+  TORCH_CHECK(iters >= 1 && iters <= (1 << 30), "iters must be in 1..2^30, got ", iters);
+  TORCH_CHECK(out.numel() >= blocks * threads, "out must hold blocks * threads elements");
+  const c10::cuda::CUDAGuard guard(out.device());
+  check_launch(lbw::launch_mma_peak(out.data_ptr<float>(), static_cast<int>(blocks),
+                                    static_cast<int>(threads), static_cast<int>(iters),
+                                    current_stream()));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -333,4 +347,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out_proj, residual, norm2, FFN, residual (and the final norm) for whole rows");
   m.def("ffn_block_smem_bytes", &lbw::ffn_block_smem_bytes,
         "dynamic shared memory of one ffn_block block");
+  m.def("mma_peak", &mma_peak, "register-resident wmma products only: the device's ceiling");
+  m.def("mma_peak_chains", []() { return lbw::kPeakChains; },
+        "independent accumulators per warp in mma_peak");
 }
