@@ -153,9 +153,9 @@ struct FfnBlockParams {
 enum class GemmTile : int {
   kTiled128x128 = 0, kTiled128x256 = 1, kTiled128x128w4 = 2, kTiled128x128k64 = 3,
   kTiled64x64 = 4, kTiled32x32 = 5, kStream128x128 = 6, kStream64x128 = 7, kStream64x64 = 8,
-  kStream32x128 = 9, kTiled128x128w4p = 10, kTiled128x128k64w4p = 11
+  kStream32x128 = 9, kTiled128x128k64w4p = 10
 };
-constexpr int kGemmTiles = 12;  // number of GemmTile values
+constexpr int kGemmTiles = 11;  // number of GemmTile values
 
 LaunchResult launch_norm_split(const NormSplitParams& p, cudaStream_t stream);
 LaunchResult launch_norm_out(const NormOutParams& p, cudaStream_t stream);

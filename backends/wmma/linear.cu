@@ -864,7 +864,6 @@ using T128x128k64 = TiledVariant<128, 128, 4, 2, 64, 4, 3, 3, 1, 1, 1>;
 using T64x64 = TiledVariant<64, 64, 2, 2, 32, 3, 3, 3, 2, 2, 2>;
 using T32x32 = TiledVariant<32, 32, 2, 2, 64, 2, 2, 2, 2, 2, 2>;
 //                         BM   BN  warps  BK  stages p1/p2/p3  CTAs/SM p1/p2/p3  pipelined
-using T128x128w4p = TiledVariant<128, 128, 2, 2, 32, 4, 3, 2, 2, 2, 2, true>;
 using T128x128k64w4p = TiledVariant<128, 128, 2, 2, 64, 3, 2, 2, 2, 2, 1, true>;
 //                          BM   BN  warps  stages p1/p2/p3  CTAs/SM p1/p2/p3
 using S128x128 = StreamVariant<128, 128, 4, 4, 3, 2, 2, 1, 1, 1>;
@@ -1014,9 +1013,6 @@ LaunchResult launch_tile(const LinearParams& p, GemmTile tile, Epilogue e, cudaS
       return launch_tiled<T64x64, PRODUCTS>(p, e, s, dev, "linear_tiled<64x64, 4 warps, bk32>");
     case GemmTile::kTiled32x32:
       return launch_tiled<T32x32, PRODUCTS>(p, e, s, dev, "linear_tiled<32x32, 4 warps, bk64>");
-    case GemmTile::kTiled128x128w4p:
-      return launch_tiled<T128x128w4p, PRODUCTS>(p, e, s, dev,
-                                             "linear_tiled<128x128, 4 warps, bk32, pipelined>");
     case GemmTile::kTiled128x128k64w4p:
       return launch_tiled<T128x128k64w4p, PRODUCTS>(
           p, e, s, dev, "linear_tiled<128x128, 4 warps, bk64, pipelined>");

@@ -40,14 +40,12 @@ GEMM_TILES = (
     GemmVariant("stream 64x128 8w", "stream", 64, 128, 8, (32, 32), None, (3, 2, 2), (2, 2, 1)),
     GemmVariant("stream 64x64 4w", "stream", 64, 64, 4, (32, 32), None, (2, 2, 2), (2, 2, 2)),
     GemmVariant("stream 32x128 4w", "stream", 32, 128, 4, (32, 32), None, (3, 2, 2), (2, 2, 2)),
-    GemmVariant("tiled 128x128 bk32 4w pipelined", "tiled", 128, 128, 4, (64, 64), 32,
-                (4, 3, 2), (2, 2, 2), True),
     GemmVariant("tiled 128x128 bk64 4w pipelined", "tiled", 128, 128, 4, (64, 64), 64,
                 (3, 2, 2), (2, 2, 1), True),
 )
 TILED_128x128, TILED_128x256, TILED_128x128_W4, TILED_128x128_BK64 = 0, 1, 2, 3
 TILED_64x64, TILED_32x32, STREAM_128x128, STREAM_64x128, STREAM_64x64 = 4, 5, 6, 7, 8
-STREAM_32x128, TILED_128x128_W4_PIPELINED, TILED_128x128_BK64_PIPELINED = 9, 10, 11
+STREAM_32x128, TILED_128x128_BK64_PIPELINED = 9, 10
 STREAM_MAX_K = 128  # the stream variants keep K whole in one shared-memory stage
 SCRATCH_BYTES = 16 * 20 * 4  # one warp's epilogue scratch (kScratchBytes in linear.cu)
 
