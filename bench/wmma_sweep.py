@@ -41,9 +41,10 @@ from layerbench.common.timing import alternating_medians_ms
 # (M, N, K, products, epilogue) of the linears of the official shapes.
 GEMM_CASES = (
     "8192x3072x1024:1:0",     # shape 8 Q/K/V
-    "8192x1024x1024:3:2",     # shape 8 out_proj
-    "8192x1024x1024:3:1",     # shape 8 ffn_in
-    "8192x1024x1024:2:3",     # shape 8 ffn_out, two products
+    "8192x1024x1024:1:2",     # shape 8 out_proj (one product from d_model 512)
+    "8192x1024x1024:1:1",     # shape 8 ffn_in
+    "8192x1024x1024:1:0",     # the same GEMM with Q/K/V's fp16 epilogue: grid or epilogue?
+    "8192x1024x1024:2:3",     # shape 8 ffn_out with two products
     "1280000x384x128:1:0",    # shape 6 Q/K/V
     "1280000x128x128:3:1",    # shape 6 ffn_in
     "1280000x128x128:3:3",    # shape 6 ffn_out
