@@ -142,11 +142,11 @@ class WmmaLayer(BuiltLayer):
         layers = self.params.layers
         last = len(layers) - 1
         src = x2
-        normed = False  # rows[0] holds this block's norm1 (from the last ffn_out's epilogue)
 
         def operand(pair):
             """The fp16 parts of an activation the linears multiply (hi only: one product)."""
             return pair if plan.linear_products > 1 else (pair[0], None)
+        normed = False  # rows[0] holds this block's norm1 (from the last ffn_out's epilogue)
         done = plan.fuse_ffn  # out2 written
         for i, (p, w) in enumerate(zip(layers, self.weights)):
             copy = res if src.dtype != torch.float32 else None  # fp16/bf16 input, first block

@@ -7,8 +7,10 @@
 //
 // - linear_tiled (any K): one BM x BN output tile per CTA; operand tiles BK deep stream
 //   through STAGES shared-memory stages filled by 16-byte cp.async, one barrier per K step
-//   (wait, barrier, refill the stage read last step, compute). Each thread's copy addresses
-//   and row validity are computed once; out-of-range rows and the K tail are zero-filled.
+//   (wait, barrier, refill the stage read last step, compute); the pipelined variant (one
+//   product) loads the next k slice's fragments under the current slice's products. Each
+//   thread's first copy row and its count of rows in range are computed once; out-of-range
+//   rows and the K tail are zero-filled.
 // - linear_stream (K <= 128): a persistent CTA keeps a BN-column slice of the weight (whole K)
 //   in shared memory and streams BM-row activation tiles through a ring of STAGES tiles, so
 //   the next tiles load while the current one is multiplied and written out.
@@ -552,8 +554,7 @@ linear_tiled(LinearParams p, int epilogue) {
   const int warp = threadIdx.x / 32;
   const int wm = warp / WARPS_N, wn = warp % WARPS_N;
 
-  // This thread copies column chunk c of rows r0 + q * kRowsPerPass: row offsets (rows
-  // clamped into range, so every address is valid) and byte counts (0: zero-fill) once.
+  // This thread copies column chunk c of rows r0 + q * kRowsPerPass.
   const int c = (threadIdx.x % T::kChunks) * 8;
   const int r0 = threadIdx.x / T::kChunks;
   // The rows in range are a prefix of q: a_in of them (w_in for the weight); a row out of
@@ -657,7 +658,7 @@ linear_tiled(LinearParams p, int epilogue) {
       if (kt + STAGES - 1 < k_tiles) load_stage(write, (kt + STAGES - 1) * BK);
       cp_async_commit();
       const __half* st = smem + read * T::kStageHalves;
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < BK; kk += 16) {
         mma_step<T::kFragsM, T::kFragsN, PRODUCTS>(acc, st + a_warp + kk, BM * T::kLds, T::kLds,
                                                    st + w_warp + kk, BN * T::kLds, T::kLds);
