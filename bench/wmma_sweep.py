@@ -7,6 +7,7 @@ on the same inputs, each output checked, and the whole layer under each linear p
     python bench/wmma_sweep.py attention --batch 1 --seq-len 16384 --heads 16 --head-dim 64
     python bench/wmma_sweep.py precision --shapes 6,8 --products 2,3
     python bench/wmma_sweep.py plans --shapes 2,1,6,13
+    python bench/wmma_sweep.py plans --plan ffn --shapes 1,2,5,13   # ffn_block on against off
     python bench/wmma_sweep.py peak                      # the device's wmma ceiling
 
 "gemm" times each tile (alternating rounds, CUDA events, median) and reports TFLOP/s counting
@@ -16,7 +17,8 @@ of any tile, into NaN-filled outputs, against a float64 product of the same fp16
 "attention" times each attention kernel and compares it with fp32 attention of one sequence.
 "precision" builds the layer with each count of linear products and prints the contract's
 worst error/allowed ratio and the median forward time; "plans" does the same for LayerNorms
-in the GEMM epilogues against separate norm kernels (timed in alternating rounds). "peak"
+in the GEMM epilogues against separate norm kernels (--plan ffn: the ffn_block kernel on
+every call against never), timed in alternating rounds. "peak"
 times register-resident wmma products alone (no memory traffic) at several CTAs per SM and
 warps per CTA: the ceiling the GEMM and attention kernels are measured against.
 """
@@ -273,13 +275,20 @@ def precision(shapes, products_list, rounds, padding):
     return rows
 
 
-def plans(shapes, rounds, padding):
-    """The layer with LayerNorms in the GEMM epilogues against separate norm kernels: median
-    ms of each (alternating rounds) and both error/allowed ratios."""
+PLAN_OPTIONS = {"norms": "fuse_norms", "ffn": "fuse_ffn"}
+
+
+def plans(shapes, rounds, padding, plan="norms"):
+    """The layer with one plan option (norms: LayerNorms in the GEMM epilogues; ffn: the
+    ffn_block kernel) on against off: median ms of each (alternating rounds) and both
+    error/allowed ratios."""
     device = torch.device("cuda")
+    option = PLAN_OPTIONS[plan]
+    fixed = {"fuse_ffn": False} if plan == "norms" else {}  # norms: the separate GEMMs
     return runner.compare_plans(
-        shapes, lambda fuse, cfg, sd: WmmaBackend(fuse_norms=fuse).build(cfg, sd, device=device),
-        padding=padding, rounds=rounds, device=device, label="norms fused")
+        shapes, lambda on, cfg, sd: WmmaBackend(**{option: on}, **fixed).build(
+            cfg, sd, device=device),
+        padding=padding, rounds=rounds, device=device, label=f"{option}")
 
 
 def main() -> int:
@@ -298,6 +307,8 @@ def main() -> int:
     parser.add_argument("--full", action="store_true", help="attention: non-causal")
     parser.add_argument("--shapes", default="6,8")
     parser.add_argument("--products", default="2,3")
+    parser.add_argument("--plan", choices=sorted(PLAN_OPTIONS), default="norms",
+                        help="plans: the option compared on against off")
     parser.add_argument("--padding", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--out", default=None)
@@ -313,7 +324,7 @@ def main() -> int:
         rows = sweep_attention(args.batch, args.seq_len, args.heads, args.head_dim,
                                not args.full, args.rounds)
     elif args.study == "plans":
-        rows = plans(args.shapes, args.rounds, args.padding)
+        rows = plans(args.shapes, args.rounds, args.padding, args.plan)
     elif args.study == "peak":
         rows = peak(args.rounds)
     else:

@@ -300,8 +300,8 @@ def test_fused_norms_match_separate(wmma_selected, number, dtype):
     expected = reference_forward(model.to("cuda"), x.float(), mask)
     outs = []
     for fuse in (True, False):
-        layer = WmmaBackend(fuse_norms=fuse).build(cfg, model.state_dict(), device="cuda",
-                                                   dtype=dtype)
+        layer = WmmaBackend(fuse_norms=fuse, fuse_ffn=False).build(
+            cfg, model.state_dict(), device="cuda", dtype=dtype)
         assert layer.plan.fuse_norms == fuse
         tiles = choose_tiles(cfg.batch_size * cfg.seq_len, cfg.d_model, cfg.ffn_dim,
                              cfg.head_dim, layer.multiprocessors, fuse_norms=fuse,
@@ -465,14 +465,16 @@ def test_writes_into_out(wmma_selected):
     assert report.passed, report.summary()
 
 
-PLANS = [(True, False, True, 3), (True, True, True, 3), (False, False, True, None),
-         (False, False, False, 2), (False, False, True, 1)]
+PLANS = [(True, False, True, 3), (True, True, True, 2), (False, False, True, None),
+         (False, False, False, 2), (False, False, True, 1), (False, True, True, None),
+         (False, True, True, 1), (False, True, True, 3)]
 
 
 @needs_gpu
 @pytest.mark.parametrize("fuse_qkv,fuse_ffn,fuse_norms,products", PLANS,
                          ids=["fused-qkv", "fused-qkv-ffn", "default", "separate-norms-2-products",
-                              "one-product"])
+                              "one-product", "fused-ffn", "fused-ffn-one-product",
+                              "fused-ffn-three-products"])
 @pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
 def test_plans_pass(wmma_selected, number, fuse_qkv, fuse_ffn, fuse_norms, products):
     """Every combination of the fused kernels, norm epilogues and linear products keeps the
@@ -483,7 +485,36 @@ def test_plans_pass(wmma_selected, number, fuse_qkv, fuse_ffn, fuse_norms, produ
     _, x, mask, expected = _layer_and_reference(cfg)
     layer = WmmaBackend(fuse_qkv, fuse_ffn, products, fuse_norms).build(
         cfg, _layer_and_reference.model.state_dict(), device="cuda")
-    assert layer.plan.fuse_ffn == (fuse_ffn and cfg.d_model <= 128)
+    # ffn_block computes one or two products; with three the separate kernels run.
+    assert layer.plan.fuse_ffn == (fuse_ffn and cfg.d_model <= 128
+                                   and layer.plan.linear_products <= 2)
     with torch.no_grad():
         report = compare(layer(x, mask), expected)
+    assert report.passed, report.summary()
+
+
+@needs_gpu
+@pytest.mark.parametrize("products", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("cfg", [LayerConfig(3, 37, 40, 5, 24, 2), LayerConfig(2, 70, 64, 2, 96, 3),
+                                 LayerConfig(1, 130, 128, 4, 128, 1),
+                                 LayerConfig(5, 29, 128, 8, 72, 2, causal=False)],
+                         ids=["d40-f24", "d64-f96", "one-block-130-rows", "full-f72"])
+def test_ffn_block_widths_and_rows(wmma_selected, cfg, dtype, products):
+    """ffn_block on widths that are not multiples of 16, row counts that are not multiples of
+    its 64-row blocks, non-causal attention and fp16 input keeps the contract, and writes
+    every output element (out starts as NaN)."""
+    from layerbench.common.inputs import make_inputs
+    from layerbench.reference import make_reference, reference_forward
+
+    model = make_reference(cfg, seed=11, randomize_norms=True)
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=12, device="cuda", dtype=dtype)
+    layer = WmmaBackend(fuse_ffn=True, linear_products=products).build(
+        cfg, model.state_dict(), device="cuda", dtype=dtype)
+    assert layer.plan.fuse_ffn
+    expected = reference_forward(model.to("cuda"), x.float(), mask)
+    out = torch.full_like(x, math.nan)
+    with torch.no_grad():
+        layer(x, mask, out=out)
+    report = compare(out, expected)
     assert report.passed, report.summary()

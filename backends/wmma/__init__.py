@@ -28,12 +28,14 @@ class WmmaBackend(Backend):
               "shared memory",
     )
 
-    def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool = False,
+    def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool | None = None,
                  linear_products: int | None = None, fuse_norms: bool = True):
-        # The fused kernels are off by default: on an H200 the separate kernels run every
-        # official shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
+        # norm_qkv is off by default: on an H200 the separate kernels run every official
+        # shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
-        self.fuse_ffn = fuse_ffn  # ffn_block where whole rows fit its tile
+        # ffn_block where whole rows fit its tile: True always, None (the default) on calls
+        # whose rows it runs faster (layer.ffn_block_pays), False never
+        self.fuse_ffn = fuse_ffn
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"linear_products must be 1, 2, 3 or None, not {linear_products}")
         # fp16 products of out_proj and the FFN; None: linear_products_for(d_model)
@@ -74,10 +76,10 @@ class WmmaBackend(Backend):
         if limit is not None and need > limit:
             raise Unsupported(f"wmma: attention needs {need} bytes of shared memory per block, "
                               f"the device allows {limit}")
-        fuse_ffn = (self.fuse_ffn and block.fits(config.d_model, config.ffn_dim)
+        products = self.linear_products or linear_products_for(config.d_model)
+        fuse_ffn = (self.fuse_ffn is not False and block.fits(config.d_model, config.ffn_dim, products)
                     and (limit is None
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
         plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
-                    self.linear_products or linear_products_for(config.d_model),
-                    self.fuse_norms)
+                    products, self.fuse_norms, ffn_auto=self.fuse_ffn is None)
         return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

@@ -1,7 +1,8 @@
 // The narrow block (whole rows in one tile): norm_qkv fuses norm1 into the Q/K/V GEMM's
 // prologue; ffn_block runs everything from the attention context to the block's output rows
-// in one kernel. Products through nvcuda::wmma (fp16 operands, fp32 accumulators); ffn_block
-// uses three products per tile step (fp16x3). Epilogues go through a shared fp32 tile.
+// (and their next LayerNorm) in one kernel. Products through nvcuda::wmma (fp16 operands,
+// fp32 accumulators); ffn_block takes one or two products per step. Epilogues go through a
+// shared fp32 tile.
 #include <mma.h>
 
 #include "common.cuh"
@@ -11,11 +12,15 @@ namespace {
 
 using namespace nvcuda;
 
-constexpr int kThreads = 128;          // 4 warps, 2 x 2 over the output tile
+constexpr int kThreads = 128;          // norm_qkv: 4 warps, 2 x 2 over the output tile
 constexpr int kQkvRows = 32;           // norm_qkv: rows per block
 constexpr int kQkvCols = 64;           // norm_qkv: output columns per block
-constexpr int kFfnRows = 32;           // ffn_block: rows per block
+constexpr int kFfnRows = 64;           // ffn_block: rows per block
+constexpr int kFfnColumnSplit = 4;     // ffn_block: warps sharing a 16-row group's columns
+constexpr int kFfnWarps = kFfnRows / 16 * kFfnColumnSplit;
 constexpr int kMaxFfnWidth = 128;      // ffn_block: widest d_model / ffn_dim
+constexpr int kFfnFrags = kMaxFfnWidth / 16 / kFfnColumnSplit;  // fragments of one warp
+constexpr int kRowValues = kMaxFfnWidth / 32;     // a lane's values of one row
 
 __host__ __device__ inline int pad_to(int n, int m) { return (n + m - 1) / m * m; }
 
@@ -107,184 +112,234 @@ __global__ void __launch_bounds__(kThreads) norm_qkv_kernel(NormQkvParams p) {
   }
 }
 
-// ffn_block shared memory (offsets in bytes): A pair [32][Dp + 8] (context, then norm2's
-// rows), H pair [32][Fp + 8] (hidden rows), X [32][Dp + 4] fp32 (residual rows), C [32][Wp +
-// 4] fp32 (accumulator tile), two weight buffers of two parts [Wp][Wp + 8]. Dp, Fp: d_model,
-// ffn_dim rounded up to 32; Wp = max(Dp, Fp).
+// ffn_block shared memory (offsets in bytes): the operand pair P [64][Wp + 8] fp16 hi, then
+// lo (the context, norm2's rows, then the hidden rows), the accumulator tile C [64][Wp + 4]
+// fp32, the residual rows X [64][Wp + 4] fp32 and two weight slots [Wp][Wp + 8] fp16. Dp, Fp:
+// d_model, ffn_dim rounded up to 16; Wp = max(Dp, Fp).
 struct FfnLayout {
-  int dp, fp, wp, lda, ldh, ldx, ldc, ldw;
-  int a_hi, a_lo, h_hi, h_lo, x, c, w0_hi, w0_lo, w1_hi, w1_lo, bytes;
+  int dp, fp, wp, ldp, ldc, ldw, p_hi, p_lo, c, x, w0, w1, bytes;
 };
 
 __host__ __device__ inline FfnLayout ffn_layout(int d, int f) {
   FfnLayout l;
-  l.dp = pad_to(d, 32);
-  l.fp = pad_to(f, 32);
+  l.dp = pad_to(d, 16);
+  l.fp = pad_to(f, 16);
   l.wp = l.dp > l.fp ? l.dp : l.fp;
-  l.lda = l.dp + 8;
-  l.ldh = l.fp + 8;
-  l.ldx = l.dp + 4;
+  l.ldp = l.wp + 8;
   l.ldc = l.wp + 4;
   l.ldw = l.wp + 8;
-  l.a_hi = 0;
-  l.a_lo = l.a_hi + kFfnRows * l.lda * 2;
-  l.h_hi = l.a_lo + kFfnRows * l.lda * 2;
-  l.h_lo = l.h_hi + kFfnRows * l.ldh * 2;
-  l.x = l.h_lo + kFfnRows * l.ldh * 2;
-  l.c = l.x + kFfnRows * l.ldx * 4;
-  l.w0_hi = l.c + kFfnRows * l.ldc * 4;
-  l.w0_lo = l.w0_hi + l.wp * l.ldw * 2;
-  l.w1_hi = l.w0_lo + l.wp * l.ldw * 2;
-  l.w1_lo = l.w1_hi + l.wp * l.ldw * 2;
-  l.bytes = l.w1_lo + l.wp * l.ldw * 2;
+  l.p_hi = 0;
+  l.p_lo = l.p_hi + kFfnRows * l.ldp * 2;
+  l.c = l.p_lo + kFfnRows * l.ldp * 2;
+  l.x = l.c + kFfnRows * l.ldc * 4;
+  l.w0 = l.x + kFfnRows * l.ldc * 4;
+  l.w1 = l.w0 + l.wp * l.ldw * 2;
+  l.bytes = l.w1 + l.wp * l.ldw * 2;
   return l;
 }
 
-// c [32][n_pad] = a [32][k_pad] @ w [n_pad][k_pad]^T with three fp16 products per step
-// (lo*hi + hi*lo + hi*hi); 4 warps, each 16 rows x n_pad / 2 columns (n_pad a multiple of
-// 32, at most 128).
-__device__ __forceinline__ void gemm3(const __half* a_hi, const __half* a_lo, int lda,
-                                      const __half* w_hi, const __half* w_lo, int ldw,
-                                      int k_pad, int n_pad, float* c, int ldc) {
-  constexpr int kMaxFrags = kMaxFfnWidth / 32;
+using FfnAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+// c [64][n_frags * 16] = a [64][k_pad] @ w [n][k_pad]^T: warp w multiplies rows 16 (w / 4)
+// by the column fragments w % 4, w % 4 + 4, ...; PRODUCTS 2 adds a_lo @ w^T first.
+template <int PRODUCTS>
+__device__ __forceinline__ void ffn_gemm(const __half* a_hi, const __half* a_lo, int lda,
+                                         const __half* w, int ldw, int k_pad, int n_frags,
+                                         float* c, int ldc) {
   const int warp = threadIdx.x / 32;
-  const int wm = warp / 2, wn = warp % 2;
-  const int cols = n_pad / 2, frags = cols / 16;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[kMaxFrags];
+  const int rows = (warp / kFfnColumnSplit) * 16, first = warp % kFfnColumnSplit;
+  FfnAcc acc[kFfnFrags];
 #pragma unroll
-  for (int j = 0; j < kMaxFrags; ++j) wmma::fill_fragment(acc[j], 0.f);
+  for (int j = 0; j < kFfnFrags; ++j) wmma::fill_fragment(acc[j], 0.f);
   for (int k = 0; k < k_pad; k += 16) {
     wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> ah, al;
-    wmma::load_matrix_sync(ah, a_hi + (wm * 16) * lda + k, lda);
-    wmma::load_matrix_sync(al, a_lo + (wm * 16) * lda + k, lda);
+    wmma::load_matrix_sync(ah, a_hi + rows * lda + k, lda);
+    if (PRODUCTS == 2) wmma::load_matrix_sync(al, a_lo + rows * lda + k, lda);
 #pragma unroll
-    for (int j = 0; j < kMaxFrags; ++j) {
-      if (j >= frags) break;
-      const int n = wn * cols + j * 16;
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> bh, bl;
-      wmma::load_matrix_sync(bh, w_hi + n * ldw + k, ldw);
-      wmma::load_matrix_sync(bl, w_lo + n * ldw + k, ldw);
-      wmma::mma_sync(acc[j], al, bh, acc[j]);
-      wmma::mma_sync(acc[j], ah, bl, acc[j]);
-      wmma::mma_sync(acc[j], ah, bh, acc[j]);
+    for (int j = 0; j < kFfnFrags; ++j) {
+      const int frag = first + kFfnColumnSplit * j;
+      if (frag >= n_frags) break;
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+      wmma::load_matrix_sync(b, w + frag * 16 * ldw + k, ldw);
+      if (PRODUCTS == 2) wmma::mma_sync(acc[j], al, b, acc[j]);
+      wmma::mma_sync(acc[j], ah, b, acc[j]);
     }
   }
 #pragma unroll
-  for (int j = 0; j < kMaxFrags; ++j) {
-    if (j >= frags) break;
-    wmma::store_matrix_sync(c + (wm * 16) * ldc + wn * cols + j * 16, acc[j], ldc,
-                            wmma::mem_row_major);
+  for (int j = 0; j < kFfnFrags; ++j) {
+    const int frag = first + kFfnColumnSplit * j;
+    if (frag >= n_frags) break;
+    wmma::store_matrix_sync(c + rows * ldc + frag * 16, acc[j], ldc, wmma::mem_row_major);
   }
 }
 
-// LayerNorm of the rows of x [32][ld] (first d columns) for the calling warp's rows; each
-// result y goes to put(r, c, y) (columns d..d_pad get put(r, c, 0)).
-template <typename Put>
-__device__ __forceinline__ void norm_rows(const float* x, int ld, int d, int d_pad,
-                                          const float* w, const float* b, float eps, Put put) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int r = warp; r < kFfnRows; r += kThreads / 32) {
-    const float2 stats = row_stats(x + r * ld, d, eps, lane);
-    for (int c = lane; c < d_pad; c += 32) {
-      put(r, c, c < d ? (x[r * ld + c] - stats.x) * stats.y * w[c] + b[c] : 0.f);
-    }
+// A lane's entries lane + 32 i of the vector src [n] (0 past n).
+__device__ __forceinline__ void lane_values(const float* src, int n, int lane,
+                                            float (&dst)[kRowValues]) {
+#pragma unroll
+  for (int i = 0; i < kRowValues; ++i) {
+    const int c = lane + 32 * i;
+    dst[i] = src != nullptr && c < n ? src[c] : 0.f;
   }
 }
 
-// FfnBlockParams; grid (row blocks of 32); block 128 threads; dynamic shared
-// ffn_layout(D, F).bytes (about 200 KB at width 128: one block per SM, hence the register
-// bound of one block). T: the output type with the final norm (float without it).
-template <typename T, bool FINAL>
-__global__ void __launch_bounds__(kThreads, 1) ffn_block_kernel(FfnBlockParams p) {
+// (mean, 1 / std) of a row whose lane holds v[i] at column lane + 32 i (columns >= d: 0).
+__device__ __forceinline__ float2 row_stats_of(const float (&v)[kRowValues], int d, float eps,
+                                               int lane) {
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kRowValues; ++i) sum += v[i];
+  const float mean = warp_sum(sum) / d;
+  float sq = 0.f;
+#pragma unroll
+  for (int i = 0; i < kRowValues; ++i) {
+    const float dev = lane + 32 * i < d ? v[i] - mean : 0.f;
+    sq += dev * dev;
+  }
+  return make_float2(mean, 1.f / sqrtf(warp_sum(sq) / d + eps));
+}
+
+// An operand element: its fp16 (hi, lo) pair with two products, hi alone with one.
+template <int PRODUCTS>
+__device__ __forceinline__ void put_operand(__half* hi, __half* lo, int i, float v) {
+  if (PRODUCTS == 2) {
+    split_half(v, hi[i], lo[i]);
+  } else {
+    hi[i] = __float2half_rn(v);
+  }
+}
+
+__device__ __forceinline__ void store_as(void* out, DType type, int64_t i, float v) {
+  switch (type) {
+    case DType::kFloat32: store_from_float(static_cast<float*>(out), i, v); break;
+    case DType::kFloat16: store_from_float(static_cast<__half*>(out), i, v); break;
+    case DType::kBFloat16: store_from_float(static_cast<__nv_bfloat16*>(out), i, v); break;
+  }
+}
+
+// FfnBlockParams; grid (row blocks of 64); block 512 threads; dynamic shared
+// ffn_layout(D, F).bytes (168 KB at width 128: one block per SM). Each row's epilogue and
+// LayerNorm run on one warp, a lane holding columns lane + 32 i; a warp's rows unrolled.
+template <int PRODUCTS>
+__global__ void __launch_bounds__(kFfnWarps * 32, 1) ffn_block_kernel(FfnBlockParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const FfnLayout L = ffn_layout(p.D, p.F);
-  __half* a_hi = reinterpret_cast<__half*>(smem + L.a_hi);
-  __half* a_lo = reinterpret_cast<__half*>(smem + L.a_lo);
-  __half* h_hi = reinterpret_cast<__half*>(smem + L.h_hi);
-  __half* h_lo = reinterpret_cast<__half*>(smem + L.h_lo);
-  float* x_s = reinterpret_cast<float*>(smem + L.x);
+  __half* p_hi = reinterpret_cast<__half*>(smem + L.p_hi);
+  __half* p_lo = reinterpret_cast<__half*>(smem + L.p_lo);
   float* c_s = reinterpret_cast<float*>(smem + L.c);
-  __half* w0_hi = reinterpret_cast<__half*>(smem + L.w0_hi);
-  __half* w0_lo = reinterpret_cast<__half*>(smem + L.w0_lo);
-  __half* w1_hi = reinterpret_cast<__half*>(smem + L.w1_hi);
-  __half* w1_lo = reinterpret_cast<__half*>(smem + L.w1_lo);
+  float* x_s = reinterpret_cast<float*>(smem + L.x);
+  __half* w0 = reinterpret_cast<__half*>(smem + L.w0);
+  __half* w1 = reinterpret_cast<__half*>(smem + L.w1);
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kFfnRows;
   const int64_t rows_left = p.M - m0;
   const int D = p.D, F = p.F;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  // Group 0: the context rows and out_proj's weight; group 1: ffn_in's weight.
-  copy_tile_async(a_hi, L.lda, p.ctx_hi + m0 * D, D, kFfnRows, L.dp, rows_left, D);
-  copy_tile_async(a_lo, L.lda, p.ctx_lo + m0 * D, D, kFfnRows, L.dp, rows_left, D);
-  copy_tile_async(w0_hi, L.ldw, p.wo_hi, D, L.dp, L.dp, D, D);
-  copy_tile_async(w0_lo, L.ldw, p.wo_lo, D, L.dp, L.dp, D, D);
+  // Group 0: the context and residual rows and out_proj's weight; group 1: ffn_in's weight.
+  copy_tile_async(p_hi, L.ldp, p.ctx_hi + m0 * D, D, kFfnRows, L.dp, rows_left, D);
+  if (PRODUCTS == 2) copy_tile_async(p_lo, L.ldp, p.ctx_lo + m0 * D, D, kFfnRows, L.dp,
+                                     rows_left, D);
+  copy_tile_async(x_s, L.ldc, p.residual + m0 * D, D, kFfnRows, L.dp, rows_left, D);
+  copy_tile_async(w0, L.ldw, p.wo, D, L.dp, L.dp, D, D);
   cp_async_commit();
-  copy_tile_async(w1_hi, L.ldw, p.wi_hi, D, L.fp, L.dp, F, D);
-  copy_tile_async(w1_lo, L.ldw, p.wi_lo, D, L.fp, L.dp, F, D);
+  copy_tile_async(w1, L.ldw, p.wi, D, L.fp, L.dp, F, D);
   cp_async_commit();
 
-  // out_proj, then x = residual + (valid ? attention + bias : 0).
+  // While the copies land: the vectors at this lane's columns, and bit j of valid_bits for
+  // the warp's row warp + kFfnWarps j (rows past M invalid).
+  float bo[kRowValues], n2_w[kRowValues], n2_b[kRowValues], bi[kRowValues], bf[kRowValues],
+      norm_w[kRowValues], norm_b[kRowValues];
+  lane_values(p.bo, D, lane, bo);
+  lane_values(p.n2_w, D, lane, n2_w);
+  lane_values(p.n2_b, D, lane, n2_b);
+  lane_values(p.bi, F, lane, bi);
+  lane_values(p.bf, D, lane, bf);
+  lane_values(p.norm_w, D, lane, norm_w);
+  lane_values(p.norm_b, D, lane, norm_b);
+  constexpr int kRowsPerWarp = kFfnRows / kFfnWarps;
+  const int my_row = warp + kFfnWarps * lane;
+  const unsigned valid_bits = __ballot_sync(
+      kFullMask, lane < kRowsPerWarp && my_row < rows_left &&
+                     (p.valid == nullptr || p.valid[m0 + my_row] != 0));
   cp_async_wait<1>();
   __syncthreads();
-  gemm3(a_hi, a_lo, L.lda, w0_hi, w0_lo, L.ldw, L.dp, L.dp, c_s, L.ldc);
+
+  // out_proj; then ffn_out's weight into the slot out_proj is done with.
+  ffn_gemm<PRODUCTS>(p_hi, p_lo, L.ldp, w0, L.ldw, L.dp, L.dp / 16, c_s, L.ldc);
   __syncthreads();
-  // Group 2: ffn_out's weight into the buffer out_proj is done with.
-  copy_tile_async(w0_hi, L.ldw, p.wf_hi, F, L.dp, L.fp, D, F);
-  copy_tile_async(w0_lo, L.ldw, p.wf_lo, F, L.dp, L.fp, D, F);
+  copy_tile_async(w0, L.ldw, p.wf, F, L.dp, L.fp, D, F);
   cp_async_commit();
-  for (int e = threadIdx.x; e < kFfnRows * L.dp; e += kThreads) {
-    const int r = e / L.dp, c = e % L.dp;
-    float x = 0.f;
-    if (r < rows_left && c < D) {
-      const int64_t row = m0 + r;
-      const bool valid = p.valid == nullptr || p.valid[row] != 0;
-      x = p.residual[row * D + c] + (valid ? c_s[r * L.ldc + c] + p.bo[c] : 0.f);
+
+  // x = residual + (valid ? attention + bias : 0), kept in X; norm2 of x into P.
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; ++j) {
+    const int r = warp + kFfnWarps * j;
+    const bool valid = (valid_bits >> j) & 1u;
+    float v[kRowValues];
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i) {
+      const int c = lane + 32 * i;
+      v[i] = 0.f;
+      if (c < D) {
+        v[i] = x_s[r * L.ldc + c] + (valid ? c_s[r * L.ldc + c] + bo[i] : 0.f);
+        x_s[r * L.ldc + c] = v[i];
+      }
     }
-    x_s[r * L.ldx + c] = x;
+    const float2 st = row_stats_of(v, D, p.eps, lane);
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i) {
+      const int c = lane + 32 * i;
+      if (c >= L.dp) continue;
+      const float y = c < D ? (v[i] - st.x) * st.y * n2_w[i] + n2_b[i] : 0.f;
+      put_operand<PRODUCTS>(p_hi, p_lo, r * L.ldp + c, y);
+    }
   }
-  __syncthreads();
-
-  // norm2 into the A pair (the context is no longer needed).
-  norm_rows(x_s, L.ldx, D, L.dp, p.n2_w, p.n2_b, p.eps, [&](int r, int c, float y) {
-    split_half(y, a_hi[r * L.lda + c], a_lo[r * L.lda + c]);
-  });
   cp_async_wait<1>();
   __syncthreads();
 
-  // ffn_in + bias + GELU into the H pair.
-  gemm3(a_hi, a_lo, L.lda, w1_hi, w1_lo, L.ldw, L.dp, L.fp, c_s, L.ldc);
+  // ffn_in, then bias and GELU into P (the hidden rows).
+  ffn_gemm<PRODUCTS>(p_hi, p_lo, L.ldp, w1, L.ldw, L.dp, L.fp / 16, c_s, L.ldc);
   __syncthreads();
-  for (int e = threadIdx.x; e < kFfnRows * L.fp; e += kThreads) {
-    const int r = e / L.fp, c = e % L.fp;
-    const float h = c < F ? gelu(c_s[r * L.ldc + c] + p.bi[c]) : 0.f;
-    split_half(h, h_hi[r * L.ldh + c], h_lo[r * L.ldh + c]);
+#pragma unroll
+  for (int r = warp; r < kFfnRows; r += kFfnWarps) {
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i) {
+      const int c = lane + 32 * i;
+      if (c >= L.fp) continue;
+      const float h = c < F ? gelu(c_s[r * L.ldc + c] + bi[i]) : 0.f;
+      put_operand<PRODUCTS>(p_hi, p_lo, r * L.ldp + c, h);
+    }
   }
   cp_async_wait<0>();
   __syncthreads();
 
-  // ffn_out + bias + residual; invalid rows 0; then the final norm or the fp32 rows out.
-  gemm3(h_hi, h_lo, L.ldh, w0_hi, w0_lo, L.ldw, L.fp, L.dp, c_s, L.ldc);
+  // ffn_out; y = valid ? x + ffn + bias : 0 to out_rows; then the rows' norm.
+  ffn_gemm<PRODUCTS>(p_hi, p_lo, L.ldp, w0, L.ldw, L.fp, L.dp / 16, c_s, L.ldc);
   __syncthreads();
-  for (int e = threadIdx.x; e < kFfnRows * L.dp; e += kThreads) {
-    const int r = e / L.dp, c = e % L.dp;
-    if (r >= rows_left || c >= D) continue;
+#pragma unroll
+  for (int j = 0; j < kRowsPerWarp; ++j) {
+    const int r = warp + kFfnWarps * j;
+    if (r >= rows_left) break;
     const int64_t row = m0 + r;
-    const bool valid = p.valid == nullptr || p.valid[row] != 0;
-    const float y = valid ? x_s[r * L.ldx + c] + c_s[r * L.ldc + c] + p.bf[c] : 0.f;
-    if (FINAL) {
-      x_s[r * L.ldx + c] = y;
-    } else {
-      static_cast<float*>(p.out)[row * D + c] = y;
+    const bool valid = (valid_bits >> j) & 1u;
+    float v[kRowValues];
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i) {
+      const int c = lane + 32 * i;
+      v[i] = 0.f;
+      if (c < D && valid) v[i] = x_s[r * L.ldc + c] + c_s[r * L.ldc + c] + bf[i];
+      if (c < D && p.out_rows != nullptr) p.out_rows[row * D + c] = v[i];
     }
-  }
-  if (FINAL) {
-    __syncthreads();
-    T* out = static_cast<T*>(p.out);
-    norm_rows(x_s, L.ldx, D, D, p.fn_w, p.fn_b, p.eps, [&](int r, int c, float y) {
-      if (r >= rows_left) return;
-      const int64_t row = m0 + r;
-      const bool valid = p.valid == nullptr || p.valid[row] != 0;
-      store_from_float(out, row * D + c, valid ? y : 0.f);
-    });
+    if (p.norm_w == nullptr) continue;
+    const float2 st = row_stats_of(v, D, p.eps, lane);
+    const bool zero = p.zero_invalid && !valid;
+#pragma unroll
+    for (int i = 0; i < kRowValues; ++i) {
+      const int c = lane + 32 * i;
+      if (c >= D) continue;
+      const float y = zero ? 0.f : (v[i] - st.x) * st.y * norm_w[i] + norm_b[i];
+      store_as(p.normed, p.normed_type, row * D + c, y);
+    }
   }
 }
 
@@ -305,13 +360,13 @@ LaunchResult launch_qkv(const NormQkvParams& p, cudaStream_t stream, const char*
   return {cudaGetLastError(), name};
 }
 
-template <typename T, bool FINAL>
+template <int PRODUCTS>
 LaunchResult launch_ffn(const FfnBlockParams& p, cudaStream_t stream, const char* name) {
   const int bytes = ffn_layout(p.D, p.F).bytes;
-  cudaError_t err = allow_shared(ffn_block_kernel<T, FINAL>, bytes);
+  cudaError_t err = allow_shared(ffn_block_kernel<PRODUCTS>, bytes);
   if (err != cudaSuccess) return {err, name};
   const dim3 grid(static_cast<unsigned>((p.M + kFfnRows - 1) / kFfnRows));
-  ffn_block_kernel<T, FINAL><<<grid, kThreads, bytes, stream>>>(p);
+  ffn_block_kernel<PRODUCTS><<<grid, kFfnWarps * 32, bytes, stream>>>(p);
   return {cudaGetLastError(), name};
 }
 
@@ -328,16 +383,8 @@ LaunchResult launch_norm_qkv(const NormQkvParams& p, cudaStream_t stream) {
 }
 
 LaunchResult launch_ffn_block(const FfnBlockParams& p, cudaStream_t stream) {
-  if (p.fn_w == nullptr) return launch_ffn<float, false>(p, stream, "ffn_block_kernel");
-  switch (p.out_type) {
-    case DType::kFloat32:
-      return launch_ffn<float, true>(p, stream, "ffn_block_kernel<float, final>");
-    case DType::kFloat16:
-      return launch_ffn<__half, true>(p, stream, "ffn_block_kernel<half, final>");
-    case DType::kBFloat16:
-      return launch_ffn<__nv_bfloat16, true>(p, stream, "ffn_block_kernel<bfloat16, final>");
-  }
-  return {cudaErrorInvalidValue, "ffn_block_kernel (unknown output type)"};
+  if (p.ctx_lo == nullptr) return launch_ffn<1>(p, stream, "ffn_block_kernel<1>");
+  return launch_ffn<2>(p, stream, "ffn_block_kernel<2>");
 }
 
 int ffn_block_smem_bytes(int d_model, int ffn_dim) { return ffn_layout(d_model, ffn_dim).bytes; }

@@ -117,30 +117,31 @@ struct NormQkvParams {
   float eps;
 };
 
-// ffn_block: from the attention context to the block's output rows for 32 whole rows
+// ffn_block: from the attention context to the block's output rows for 64 whole rows
 // (d_model and ffn_dim up to 128): out_proj + bias, invalid rows zeroed, residual; norm2;
-// ffn_in + bias + exact GELU; ffn_out + bias + residual, invalid rows zeroed; optionally the
-// final LayerNorm. Every product fp16x3; the hidden rows stay in shared memory.
+// ffn_in + bias + exact GELU; ffn_out + bias + residual, invalid rows zeroed; then,
+// optionally, a LayerNorm of the output rows (the final norm, or the next block's norm1).
+// One fp16 product per step (ctx_lo null), or two (activations split, weights rounded once);
+// the hidden rows stay in shared memory.
 struct FfnBlockParams {
   const __half* ctx_hi;   // [M, D] fp16 high part of the attention context
-  const __half* ctx_lo;   // [M, D] fp16 low part
-  const float* residual;  // [M, D] fp32 block input rows (may alias out when not final)
+  const __half* ctx_lo;   // [M, D] fp16 low part, or null (one product)
+  const float* residual;  // [M, D] fp32 block input rows (may alias out_rows)
   const uint8_t* valid;   // [M] uint8 (nonzero = valid token), or null (all valid)
-  const __half* wo_hi;    // [D, D] fp16 parts of out_proj's weight
-  const __half* wo_lo;
+  const __half* wo;       // [D, D] fp16 out_proj weight
   const float* bo;        // [D] fp32
   const float* n2_w;      // [D] fp32 norm2 weight
   const float* n2_b;      // [D] fp32 norm2 bias
-  const __half* wi_hi;    // [F, D] fp16 parts of ffn_in's weight
-  const __half* wi_lo;
+  const __half* wi;       // [F, D] fp16 ffn_in weight
   const float* bi;        // [F] fp32
-  const __half* wf_hi;    // [D, F] fp16 parts of ffn_out's weight
-  const __half* wf_lo;
+  const __half* wf;       // [D, F] fp16 ffn_out weight
   const float* bf;        // [D] fp32
-  const float* fn_w;      // [D] fp32 final norm weight, or null (no final norm)
-  const float* fn_b;      // [D] fp32 final norm bias, or null
-  void* out;              // [M, D]: fp32 block output, or (final norm) rows in out_type
-  DType out_type;
+  float* out_rows;        // [M, D] fp32 block output rows, or null
+  const float* norm_w;    // [D] fp32 weight of the output rows' norm, or null (no norm)
+  const float* norm_b;    // [D] fp32 its bias
+  void* normed;           // [M, D] the normed output rows in normed_type
+  DType normed_type;
+  bool zero_invalid;      // invalid rows of normed are 0 (the final norm)
   int64_t M;
   int D;                  // multiples of 8, at most 128
   int F;
@@ -252,15 +253,26 @@ __device__ __forceinline__ float2 row_stats(const T* x, int cols, float eps, int
   return make_float2(mean, 1.f / sqrtf(warp_sum(sq) / cols + eps));
 }
 
-// Copy a rows x cols tile of src (row stride ld_src halves, valid_rows x valid_cols of it
+// Copy a rows x cols tile of src (row stride ld_src elements, valid_rows x valid_cols of it
 // real) into dst (row stride ld_dst) by 16-byte cp.async; the rest is zero-filled. cols and
-// valid_cols are multiples of 8.
-__device__ __forceinline__ void copy_tile_async(__half* dst, int ld_dst, const __half* src,
+// valid_cols are multiples of 16 bytes' worth of T.
+template <typename T>
+__device__ __forceinline__ void copy_tile_async(T* dst, int ld_dst, const T* src,
                                                 int64_t ld_src, int rows, int cols,
                                                 int64_t valid_rows, int valid_cols) {
-  const int vecs = cols / 8;
-  for (int v = threadIdx.x; v < rows * vecs; v += blockDim.x) {
-    const int r = v / vecs, c = (v % vecs) * 8;
+  constexpr int kPerVec = 16 / sizeof(T);
+  const int vecs = cols / kPerVec;
+  // Piece v = r * vecs + q; the thread's (r, q) advance by blockDim.x pieces without a
+  // division per piece.
+  const int step_r = blockDim.x / vecs, step_q = blockDim.x % vecs;
+  int r = threadIdx.x / vecs, q = threadIdx.x % vecs;
+  for (; r < rows; r += step_r, q += step_q) {
+    if (q >= vecs) {
+      q -= vecs;
+      ++r;
+      if (r >= rows) break;
+    }
+    const int c = q * kPerVec;
     const bool ok = r < valid_rows && c < valid_cols;
     cp_async16(dst + r * ld_dst + c, ok ? src + r * ld_src + c : src, ok ? 16 : 0);
   }

@@ -26,11 +26,12 @@ class Plan:
     """Which fused kernels run a block; the rest runs as separate LayerNorm and GEMM kernels.
 
     fuse_qkv: norm1 in the Q/K/V GEMM's prologue (norm_qkv, d_model up to 256).
-    fuse_ffn: out_proj to the block's output (and the final norm) in one kernel (ffn_block,
-    d_model and ffn_dim up to 128).
+    fuse_ffn: out_proj to the block's output rows and their next norm (the next block's
+    norm1, or the final norm) in one kernel (ffn_block: d_model and ffn_dim up to 128, one or
+    two products); with ffn_auto only on calls whose rows it runs faster (ffn_block_pays).
     linear_products: fp16 products of out_proj and the FFN: 3 (fp16x3: both operands split
     into hi and lo), 2 (activations split, weights rounded to fp16 once) or 1 (both rounded
-    to fp16; ffn_block keeps its own products).
+    to fp16).
     fuse_norms: LayerNorm in the epilogue of the separate residual GEMMs where their tile
     holds whole rows (d_model <= 128, K <= 128; tiles.norm_gemm_tile): out_proj writes norm2's
     (hi, lo) pair, ffn_out the next block's norm1 (hi; unless fuse_qkv) or the final norm
@@ -40,15 +41,30 @@ class Plan:
     fuse_ffn: bool
     linear_products: int = 3
     fuse_norms: bool = True
+    ffn_auto: bool = False
+
+    def runs_ffn_block(self, rows: int, multiprocessors: int) -> bool:
+        """Whether a call of this many rows runs ffn_block."""
+        return self.fuse_ffn and (not self.ffn_auto or ffn_block_pays(rows, multiprocessors))
+
+
+def ffn_block_pays(rows: int, multiprocessors: int) -> bool:
+    """Whether ffn_block beats the separate kernels: from half a wave to four waves of its
+    64-row blocks (one an SM). H200, d_model 128, against the separate kernels: 8192 rows
+    (128 blocks) 0.195 ms against 0.254 (shape 1), 16384 rows 0.326 against 0.364 (shape 5);
+    slower at 2048 rows (32 blocks: shape 4 0.147 against 0.138) and at 65536 rows (1024
+    blocks: shape 13 1.514 against 1.475)."""
+    blocks = -(-rows // 64)
+    return multiprocessors <= 2 * blocks and blocks <= 4 * multiprocessors
 
 
 def linear_products_for(d_model: int) -> int:
     """fp16 products of out_proj and the FFN by default: 1 from d_model 512 on, where the
     GEMMs are bound by the tensor cores (H200 shape 8, two products against three: 3.18 ms
-    against 3.71, error/allowed 0.60 against 0.53), 3 below, where they are bound by memory
-    and the third product costs little (shape 6: 20.3 ms against 21.6, but error/allowed
-    0.79 against 0.65)."""
-    return 1 if d_model >= 512 else 3
+    against 3.71, error/allowed 0.60 against 0.53), 2 below (H200, against three: shape 1
+    0.248 ms against 0.271, shape 13 1.471 against 1.582, shape 6 18.07 against 19.25, at
+    error/allowed up to 0.79 against 0.65; one product fails shape 6 at 1.04)."""
+    return 1 if d_model >= 512 else 2
 
 
 def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dtype]]:
@@ -57,7 +73,7 @@ def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dt
     d, f = config.d_model, config.ffn_dim
     buffers = {"residual": (d, torch.float32), "qkv": (3 * d, torch.float16),
                "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16)}
-    if plan is None or not plan.fuse_ffn:
+    if plan is None or not plan.fuse_ffn or plan.ffn_auto:
         buffers.update(hidden_hi=(f, torch.float16), hidden_lo=(f, torch.float16))
     return buffers
 
@@ -79,9 +95,9 @@ def weight_bytes(config) -> int:
 class WmmaLayer(BuiltLayer):
     """Per block: norm1 and Q/K/V (one fp16 product; fused: norm_qkv), attention, then
     out_proj (+ residual), norm2, ffn_in (+ GELU), ffn_out (+ residual) (fused: ffn_block,
-    which also applies the final norm); the final norm into the output. With fuse_norms,
-    norm2, the next block's norm1 and the final norm run in the residual GEMMs' epilogues
-    where their tiles hold whole rows."""
+    which also applies the next block's norm1 or the final norm); the final norm into the
+    output. With fuse_norms, norm2, the next block's norm1 and the final norm run in the
+    residual GEMMs' epilogues where their tiles hold whole rows."""
 
     def __init__(self, backend, config, state_dict, device, dtype, ext, plan: Plan):
         super().__init__(backend, config, device, dtype)
@@ -129,9 +145,9 @@ class WmmaLayer(BuiltLayer):
         res, qkv = work["residual"], work["qkv"]
         rows = (work["rows_hi"], work["rows_lo"])  # normed rows, then the context
         valid_rows = None if valid is None else valid.reshape(-1)
+        fused = plan.runs_ffn_block(x2.shape[0], self.multiprocessors)
         tiles = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
-                             self.multiprocessors,
-                             fuse_norms=plan.fuse_norms and not plan.fuse_ffn,
+                             self.multiprocessors, fuse_norms=plan.fuse_norms and not fused,
                              products=plan.linear_products, smem_limit=self.smem_limit)
         if tiles.norm_ffn_out and plan.fuse_qkv:  # ffn_out norms only the final rows
             plain_ffn_out = gemm_tile(x2.shape[0], cfg.d_model, cfg.ffn_dim,
@@ -147,7 +163,7 @@ class WmmaLayer(BuiltLayer):
             """The fp16 parts of an activation the linears multiply (hi only: one product)."""
             return pair if plan.linear_products > 1 else (pair[0], None)
         normed = False  # rows[0] holds this block's norm1 (from the last ffn_out's epilogue)
-        done = plan.fuse_ffn  # out2 written
+        done = fused  # out2 written
         for i, (p, w) in enumerate(zip(layers, self.weights)):
             copy = res if src.dtype != torch.float32 else None  # fp16/bf16 input, first block
             if plan.fuse_qkv:
@@ -161,9 +177,16 @@ class WmmaLayer(BuiltLayer):
             src = src if copy is None else res
             attention(ext, qkv, rows, valid, batch=batch, seq_len=s, num_heads=cfg.num_heads,
                       causal=cfg.causal, block_n=tiles.attention_block_n)
-            if plan.fuse_ffn:
-                ffn_block(ext, rows, src, out2 if i == last else res, valid_rows, p, w,
-                          final if i == last else None)
+            if fused:
+                if i == last:
+                    after = RowNorm(*final, out2, zero_invalid=True)
+                else:  # the next block's norm1 into rows[0], unless norm_qkv runs it
+                    after = (None if plan.fuse_qkv else
+                             RowNorm(layers[i + 1].norm1_weight, layers[i + 1].norm1_bias,
+                                     rows[0]))
+                ffn_block(ext, operand(rows), src, None if i == last else res, valid_rows, p,
+                          w, after)
+                normed = after is not None and i < last
             else:
                 hidden = (work["hidden_hi"], work["hidden_lo"])
                 # norm2 into the context's own buffers: each CTA holds the rows it writes.

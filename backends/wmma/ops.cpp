@@ -263,47 +263,56 @@ void norm_qkv(const Tensor& x, const Tensor& norm_w, const Tensor& norm_b, const
 
 const __half* half_ptr(const Tensor& t) { return reinterpret_cast<const __half*>(t.data_ptr()); }
 
-// out = the block's output rows from the attention context (see FfnBlockParams); with
-// final_w/final_b the final LayerNorm is applied and out may be any float dtype.
-void ffn_block(const Tensor& ctx_hi, const Tensor& ctx_lo, const Tensor& residual,
-               const Tensor& out, const OptTensor& valid, const Tensor& wo_hi,
-               const Tensor& wo_lo, const Tensor& bo, const Tensor& n2_w, const Tensor& n2_b,
-               const Tensor& wi_hi, const Tensor& wi_lo, const Tensor& bi, const Tensor& wf_hi,
-               const Tensor& wf_lo, const Tensor& bf, const OptTensor& final_w,
-               const OptTensor& final_b, double eps) {
-  const int64_t m = ctx_hi.size(0), d = ctx_hi.size(1), f = wi_hi.size(0);
+// out_rows = the block's output rows from the attention context (see FfnBlockParams); with
+// norm_w/norm_b, normed = their LayerNorm (any float dtype; zero_invalid: invalid rows 0).
+// One fp16 product without ctx_lo, two with it.
+void ffn_block(const Tensor& ctx_hi, const OptTensor& ctx_lo, const Tensor& residual,
+               const OptTensor& out_rows, const OptTensor& valid, const Tensor& wo,
+               const Tensor& bo, const Tensor& n2_w, const Tensor& n2_b, const Tensor& wi,
+               const Tensor& bi, const Tensor& wf, const Tensor& bf, const OptTensor& norm_w,
+               const OptTensor& norm_b, const OptTensor& normed, bool zero_invalid,
+               double eps) {
+  const int64_t m = ctx_hi.size(0), d = ctx_hi.size(1), f = wi.size(0);
   TORCH_CHECK(d % 8 == 0 && f % 8 == 0 && d <= 128 && f <= 128,
               "ffn_block takes d_model and ffn_dim multiples of 8 up to 128, got ", d, ", ", f);
-  TORCH_CHECK(final_w.has_value() == final_b.has_value(), "final_w and final_b come together");
-  const Tensor* halves[] = {&ctx_hi, &ctx_lo, &wo_hi, &wo_lo, &wi_hi, &wi_lo, &wf_hi, &wf_lo};
-  const int64_t rows[] = {m, m, d, d, f, f, d, d};
-  const int64_t cols[] = {d, d, d, d, d, d, f, f};
-  const char* names[] = {"ctx_hi", "ctx_lo", "wo_hi", "wo_lo", "wi_hi", "wi_lo", "wf_hi",
-                         "wf_lo"};
-  for (int i = 0; i < 8; ++i) {
+  const bool norm = norm_w.has_value();
+  TORCH_CHECK(norm == norm_b.has_value() && norm == normed.has_value(),
+              "norm_w, norm_b and normed come together");
+  TORCH_CHECK(out_rows || norm, "ffn_block needs out_rows, normed or both");
+  const Tensor* halves[] = {&ctx_hi, &wo, &wi, &wf};
+  const int64_t rows[] = {m, d, f, d};
+  const int64_t cols[] = {d, d, d, f};
+  const char* names[] = {"ctx_hi", "wo", "wi", "wf"};
+  for (int i = 0; i < 4; ++i) {
     check_rows(*halves[i], rows[i], cols[i], at::kHalf, names[i]);
     check_aligned(*halves[i], names[i]);
   }
+  if (ctx_lo) {
+    check_rows(*ctx_lo, m, d, at::kHalf, "ctx_lo");
+    check_aligned(*ctx_lo, "ctx_lo");
+  }
   check_rows(residual, m, d, at::kFloat, "residual");
-  check_rows(out, m, d, final_w ? out.scalar_type() : at::kFloat, "out");
+  check_aligned(residual, "residual");
+  if (out_rows) check_rows(*out_rows, m, d, at::kFloat, "out_rows");
   if (valid) check_rows(valid->view({m, 1}), m, 1, at::kByte, "valid");
   const Tensor* vectors[] = {&bo, &n2_w, &n2_b, &bf};
   for (const Tensor* v : vectors) check_rows(v->view({1, d}), 1, d, at::kFloat, "vector");
   check_rows(bi.view({1, f}), 1, f, at::kFloat, "bi");
-  if (final_w) {
-    check_rows(final_w->view({1, d}), 1, d, at::kFloat, "final_w");
-    check_rows(final_b->view({1, d}), 1, d, at::kFloat, "final_b");
+  if (norm) {
+    check_rows(norm_w->view({1, d}), 1, d, at::kFloat, "norm_w");
+    check_rows(norm_b->view({1, d}), 1, d, at::kFloat, "norm_b");
+    check_rows(*normed, m, d, normed->scalar_type(), "normed");
   }
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(ctx_hi.device());
-  lbw::FfnBlockParams p{half_ptr(ctx_hi), half_ptr(ctx_lo), residual.data_ptr<float>(),
-                        ptr<uint8_t>(valid), half_ptr(wo_hi), half_ptr(wo_lo),
-                        bo.data_ptr<float>(), n2_w.data_ptr<float>(), n2_b.data_ptr<float>(),
-                        half_ptr(wi_hi), half_ptr(wi_lo), bi.data_ptr<float>(),
-                        half_ptr(wf_hi), half_ptr(wf_lo), bf.data_ptr<float>(),
-                        ptr<float>(final_w), ptr<float>(final_b), out.data_ptr(),
-                        dtype_of(out), m, static_cast<int>(d), static_cast<int>(f),
-                        static_cast<float>(eps)};
+  lbw::FfnBlockParams p{half_ptr(ctx_hi), ptr<const __half>(ctx_lo), residual.data_ptr<float>(),
+                        ptr<uint8_t>(valid), half_ptr(wo), bo.data_ptr<float>(),
+                        n2_w.data_ptr<float>(), n2_b.data_ptr<float>(), half_ptr(wi),
+                        bi.data_ptr<float>(), half_ptr(wf), bf.data_ptr<float>(),
+                        ptr<float>(out_rows), ptr<const float>(norm_w), ptr<const float>(norm_b),
+                        norm ? normed->data_ptr() : nullptr,
+                        norm ? dtype_of(*normed) : lbw::DType::kFloat32, zero_invalid, m,
+                        static_cast<int>(d), static_cast<int>(f), static_cast<float>(eps)};
   check_launch(lbw::launch_ffn_block(p, current_stream()));
 }
 
@@ -344,7 +353,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "mismatch counts of the wmma fragment-layout probe on the current device");
   m.def("norm_qkv", &norm_qkv, "norm1 fused into the Q/K/V GEMM (d_model up to 256)");
   m.def("ffn_block", &ffn_block,
-        "out_proj, residual, norm2, FFN, residual (and the final norm) for whole rows");
+        "out_proj, residual, norm2, FFN, residual (and a norm of the output rows) for whole rows");
   m.def("ffn_block_smem_bytes", &lbw::ffn_block_smem_bytes,
         "dynamic shared memory of one ffn_block block");
   m.def("mma_peak", &mma_peak, "register-resident wmma products only: the device's ceiling");
