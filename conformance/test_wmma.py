@@ -465,6 +465,27 @@ def test_writes_into_out(wmma_selected):
     assert report.passed, report.summary()
 
 
+def test_products_and_ffn_block_chosen_per_call():
+    """Forwards above LARGE_CALL_TOKENS run large_call_products (and then keep the weights'
+    lo parts); ffn_block runs only with one or two products and, by default, from half a wave
+    to four waves of its 64-row blocks."""
+    from layerbench.backends.wmma.layer import LARGE_CALL_TOKENS, Plan, ffn_block_pays
+
+    plan = Plan(False, True, 2, ffn_auto=True, large_call_products=3)
+    assert plan.products_for(LARGE_CALL_TOKENS) == 2
+    assert plan.products_for(LARGE_CALL_TOKENS + 1) == 3
+    assert plan.weight_products() == 3
+    assert Plan(False, False, 1).products_for(10 ** 7) == 1
+    assert Plan(False, False, 1).weight_products() == 1
+    assert [ffn_block_pays(rows, 132) for rows in (4160, 4224, 8192, 33792, 33856)] == [
+        False, True, True, True, False]
+    assert plan.runs_ffn_block(8192, 132, 2)
+    assert not plan.runs_ffn_block(8192, 132, 3)
+    assert not plan.runs_ffn_block(2048, 132, 2)
+    assert Plan(False, True, 2).runs_ffn_block(64, 132, 2)  # fuse_ffn=True: every call
+    assert not Plan(False, False, 2).runs_ffn_block(8192, 132, 2)
+
+
 PLANS = [(True, False, True, 3), (True, True, True, 2), (False, False, True, None),
          (False, False, False, 2), (False, False, True, 1), (False, True, True, None),
          (False, True, True, 1), (False, True, True, 3)]

@@ -9,8 +9,8 @@ from layerbench.common.memory import MemoryPlan
 
 from . import block, build
 from .attention import max_seq_len, shared_bytes, supported_head_dim
-from .layer import (Plan, WmmaLayer, linear_products_for, weight_bytes,
-                    working_bytes_per_sequence)
+from .layer import (Plan, WmmaLayer, large_call_products_for, linear_products_for,
+                    weight_bytes, working_bytes_per_sequence)
 from .tiles import choose_tiles
 
 
@@ -38,7 +38,8 @@ class WmmaBackend(Backend):
         self.fuse_ffn = fuse_ffn
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"linear_products must be 1, 2, 3 or None, not {linear_products}")
-        # fp16 products of out_proj and the FFN; None: linear_products_for(d_model)
+        # fp16 products of out_proj and the FFN in every call; None: linear_products_for
+        # (d_model), and large_call_products_for(d_model) in forwards of many tokens
         self.linear_products = linear_products
         # LayerNorms in the residual GEMMs' epilogues where a tile holds whole rows (see Plan);
         # not yet timed on a GPU against the separate norm_split kernels.
@@ -77,9 +78,11 @@ class WmmaBackend(Backend):
             raise Unsupported(f"wmma: attention needs {need} bytes of shared memory per block, "
                               f"the device allows {limit}")
         products = self.linear_products or linear_products_for(config.d_model)
+        large = None if self.linear_products else large_call_products_for(config.d_model)
         fuse_ffn = (self.fuse_ffn is not False and block.fits(config.d_model, config.ffn_dim, products)
                     and (limit is None
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
         plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
-                    products, self.fuse_norms, ffn_auto=self.fuse_ffn is None)
+                    products, self.fuse_norms, ffn_auto=self.fuse_ffn is None,
+                    large_call_products=large)
         return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

@@ -31,7 +31,8 @@ class Plan:
     two products); with ffn_auto only on calls whose rows it runs faster (ffn_block_pays).
     linear_products: fp16 products of out_proj and the FFN: 3 (fp16x3: both operands split
     into hi and lo), 2 (activations split, weights rounded to fp16 once) or 1 (both rounded
-    to fp16).
+    to fp16); large_call_products, where set, replaces it in forwards of more than
+    LARGE_CALL_TOKENS tokens.
     fuse_norms: LayerNorm in the epilogue of the separate residual GEMMs where their tile
     holds whole rows (d_model <= 128, K <= 128; tiles.norm_gemm_tile): out_proj writes norm2's
     (hi, lo) pair, ffn_out the next block's norm1 (hi; unless fuse_qkv) or the final norm
@@ -42,10 +43,23 @@ class Plan:
     linear_products: int = 3
     fuse_norms: bool = True
     ffn_auto: bool = False
+    large_call_products: int | None = None
 
-    def runs_ffn_block(self, rows: int, multiprocessors: int) -> bool:
-        """Whether a call of this many rows runs ffn_block."""
-        return self.fuse_ffn and (not self.ffn_auto or ffn_block_pays(rows, multiprocessors))
+    def products_for(self, tokens: int) -> int:
+        """fp16 products of out_proj and the FFN in a forward of this many tokens:
+        large_call_products above LARGE_CALL_TOKENS (where set), else linear_products."""
+        if self.large_call_products is not None and tokens > LARGE_CALL_TOKENS:
+            return self.large_call_products
+        return self.linear_products
+
+    def weight_products(self) -> int:
+        """The most products any call runs (3: the weights are kept as (hi, lo) pairs)."""
+        return max(self.linear_products, self.large_call_products or 0)
+
+    def runs_ffn_block(self, rows: int, multiprocessors: int, products: int) -> bool:
+        """Whether a call of this many rows and products runs ffn_block."""
+        return (self.fuse_ffn and products <= 2
+                and (not self.ffn_auto or ffn_block_pays(rows, multiprocessors)))
 
 
 def ffn_block_pays(rows: int, multiprocessors: int) -> bool:
@@ -62,9 +76,22 @@ def linear_products_for(d_model: int) -> int:
     """fp16 products of out_proj and the FFN by default: 1 from d_model 512 on, where the
     GEMMs are bound by the tensor cores (H200 shape 8, two products against three: 3.18 ms
     against 3.71, error/allowed 0.60 against 0.53), 2 below (H200, against three: shape 1
-    0.248 ms against 0.271, shape 13 1.471 against 1.582, shape 6 18.07 against 19.25, at
-    error/allowed up to 0.79 against 0.65; one product fails shape 6 at 1.04)."""
+    0.248 ms against 0.271, shape 13 1.471 against 1.582 at error/allowed 0.62 against 0.63)."""
     return 1 if d_model >= 512 else 2
+
+
+# Forwards of more tokens run large_call_products_for: the more output elements, the
+# further the error's tail reaches (H200, shape 6, 1.28 million tokens of width 128: two
+# products reach error/allowed 0.875, three 0.65-0.79, one fails at 1.04; shape 13, 65536
+# tokens: two products 0.62).
+LARGE_CALL_TOKENS = 2 ** 18
+
+
+def large_call_products_for(d_model: int) -> int:
+    """fp16 products of out_proj and the FFN by default in forwards of more than
+    LARGE_CALL_TOKENS tokens: 3 below d_model 512 (shape 6: 19.25 ms against 18.07 with
+    two, for the margin above), else linear_products_for's 1."""
+    return 1 if d_model >= 512 else 3
 
 
 def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dtype]]:
@@ -104,7 +131,7 @@ class WmmaLayer(BuiltLayer):
         self.ext = ext
         self.plan = plan
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
-        self.weights = [self._weights(p, plan.linear_products) for p in self.params.layers]
+        self.weights = [self._weights(p, plan.weight_products()) for p in self.params.layers]
         self.chunks = ChunkPlan(device, lambda s: working_bytes_per_sequence(config, plan, s),
                                 weight_bytes(config), MAX_GRID_X // config.num_heads)
         self.multiprocessors = multiprocessor_count(device)
@@ -135,23 +162,25 @@ class WmmaLayer(BuiltLayer):
         out = torch.empty_like(x) if out is None else out
 
         def run_chunk(b0, b1, x2, out2, work):
-            self._run(x2, None if valid is None else valid[b0:b1], out2, b1 - b0, s, work)
+            self._run(x2, None if valid is None else valid[b0:b1], out2, b1 - b0, s, work,
+                      self.plan.products_for(b * s))
         run_in_chunks(x, out, self.chunks(b, s), workspace(self.config, self.plan), run_chunk)
         return out
 
-    def _run(self, x2, valid, out2, batch, s, work):
-        """The stack on one chunk: x2 [t, D] in the input dtype -> out2 [t, D]."""
+    def _run(self, x2, valid, out2, batch, s, work, products):
+        """The stack on one chunk: x2 [t, D] in the input dtype -> out2 [t, D], out_proj and
+        the FFN with this many fp16 products."""
         ext, cfg, plan = self.ext, self.config, self.plan
         res, qkv = work["residual"], work["qkv"]
         rows = (work["rows_hi"], work["rows_lo"])  # normed rows, then the context
         valid_rows = None if valid is None else valid.reshape(-1)
-        fused = plan.runs_ffn_block(x2.shape[0], self.multiprocessors)
+        fused = plan.runs_ffn_block(x2.shape[0], self.multiprocessors, products)
         tiles = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
                              self.multiprocessors, fuse_norms=plan.fuse_norms and not fused,
-                             products=plan.linear_products, smem_limit=self.smem_limit)
+                             products=products, smem_limit=self.smem_limit)
         if tiles.norm_ffn_out and plan.fuse_qkv:  # ffn_out norms only the final rows
             plain_ffn_out = gemm_tile(x2.shape[0], cfg.d_model, cfg.ffn_dim,
-                                      self.multiprocessors, plan.linear_products)
+                                      self.multiprocessors, products)
         else:
             plain_ffn_out = tiles.ffn_out
         final = (self.params.final_weight, self.params.final_bias)
@@ -161,7 +190,11 @@ class WmmaLayer(BuiltLayer):
 
         def operand(pair):
             """The fp16 parts of an activation the linears multiply (hi only: one product)."""
-            return pair if plan.linear_products > 1 else (pair[0], None)
+            return pair if products > 1 else (pair[0], None)
+
+        def weight(pair):
+            """The fp16 parts of a weight the linears multiply (hi only below three)."""
+            return pair if products == 3 else (pair[0], None)
         normed = False  # rows[0] holds this block's norm1 (from the last ffn_out's epilogue)
         done = fused  # out2 written
         for i, (p, w) in enumerate(zip(layers, self.weights)):
@@ -192,12 +225,14 @@ class WmmaLayer(BuiltLayer):
                 # norm2 into the context's own buffers: each CTA holds the rows it writes.
                 norm2 = (RowNorm(p.norm2_weight, p.norm2_bias, rows[0], rows[1])
                          if tiles.norm_out_proj else None)
-                linear(ext, operand(rows), w["out"], p.out_bias, epilogue=RESIDUAL_UPDATE,
+                linear(ext, operand(rows), weight(w["out"]), p.out_bias,
+                       epilogue=RESIDUAL_UPDATE,
                        tile=tiles.out_proj, out=res, residual=src, valid_rows=valid_rows,
                        norm=norm2)
                 if norm2 is None:
                     norm_split(ext, res, p.norm2_weight, p.norm2_bias, operand(rows))
-                linear(ext, operand(rows), w["ffn_in"], p.ffn_in_bias, epilogue=GELU_PAIR,
+                linear(ext, operand(rows), weight(w["ffn_in"]), p.ffn_in_bias,
+                       epilogue=GELU_PAIR,
                        tile=tiles.ffn_in, out_pair=hidden)
                 after = None  # the norm in ffn_out's epilogue
                 if tiles.norm_ffn_out and i == last:
@@ -205,7 +240,7 @@ class WmmaLayer(BuiltLayer):
                 elif tiles.norm_ffn_out and not plan.fuse_qkv:
                     after = RowNorm(layers[i + 1].norm1_weight, layers[i + 1].norm1_bias,
                                     rows[0])
-                linear(ext, operand(hidden), w["ffn_out"], p.ffn_out_bias,
+                linear(ext, operand(hidden), weight(w["ffn_out"]), p.ffn_out_bias,
                        epilogue=RESIDUAL_SUM,
                        tile=tiles.ffn_out if after is not None else plain_ffn_out,
                        out=None if after is not None and i == last else res, residual=res,
