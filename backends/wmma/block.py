@@ -34,6 +34,8 @@ def ffn_block(ext, ctx: tuple[torch.Tensor, torch.Tensor | None], residual: torc
     context (an fp16 (hi, lo) pair: two products; lo None: one) and the block's input rows
     residual (fp32). norm (a linear.RowNorm, lo None) also writes their LayerNorm into
     norm.out (any float dtype; zero_invalid: invalid rows 0)."""
+    if norm is not None and norm.lo is not None:
+        raise ValueError("ffn_block writes one normed tensor: norm.lo must be None")
     norm_args = ((None, None, None, False) if norm is None
                  else (norm.weight, norm.bias, norm.out, norm.zero_invalid))
     ext.ffn_block(ctx[0], ctx[1], residual, out_rows, valid_rows, w["out"][0], p.out_bias,
