@@ -288,7 +288,7 @@ def plans(shapes, rounds, padding, plan="norms"):
     return runner.compare_plans(
         shapes, lambda on, cfg, sd: WmmaBackend(**{option: on}, **fixed).build(
             cfg, sd, device=device),
-        padding=padding, rounds=rounds, device=device, label=f"{option}")
+        padding=padding, rounds=rounds, device=device, label=option)
 
 
 def main() -> int:

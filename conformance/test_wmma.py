@@ -469,7 +469,8 @@ def test_products_and_ffn_block_chosen_per_call():
     """Forwards above LARGE_CALL_TOKENS run large_call_products (and then keep the weights'
     lo parts); ffn_block runs only with one or two products and, by default, from half a wave
     to four waves of its 64-row blocks."""
-    from layerbench.backends.wmma.layer import LARGE_CALL_TOKENS, Plan, ffn_block_pays
+    from layerbench.backends.wmma.layer import (LARGE_CALL_TOKENS, Plan, ffn_block_pays,
+                                                workspace)
 
     plan = Plan(False, True, 2, ffn_auto=True, large_call_products=3)
     assert plan.products_for(LARGE_CALL_TOKENS) == 2
@@ -484,6 +485,12 @@ def test_products_and_ffn_block_chosen_per_call():
     assert not plan.runs_ffn_block(2048, 132, 2)
     assert Plan(False, True, 2).runs_ffn_block(64, 132, 2)  # fuse_ffn=True: every call
     assert not Plan(False, False, 2).runs_ffn_block(8192, 132, 2)
+    # The hidden-row buffers go only where every call runs ffn_block: not where forwards of
+    # many tokens run three products through the separate kernels.
+    cfg = LayerConfig(2, 16, 128, 4, 128, 1)
+    assert "hidden_hi" not in workspace(cfg, Plan(False, True, 2))
+    for needs_hidden in (plan, Plan(False, True, 2, large_call_products=3), Plan(False, False, 2)):
+        assert "hidden_hi" in workspace(cfg, needs_hidden)
 
 
 PLANS = [(True, False, True, 3), (True, True, True, 2), (False, False, True, None),

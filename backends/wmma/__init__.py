@@ -79,7 +79,8 @@ class WmmaBackend(Backend):
                               f"the device allows {limit}")
         products = self.linear_products or linear_products_for(config.d_model)
         large = None if self.linear_products else large_call_products_for(config.d_model)
-        fuse_ffn = (self.fuse_ffn is not False and block.fits(config.d_model, config.ffn_dim, products)
+        fuse_ffn = (self.fuse_ffn is not False
+                    and block.fits(config.d_model, config.ffn_dim, products)
                     and (limit is None
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
         plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,

@@ -9,6 +9,7 @@ from .norm import LN_EPS
 
 MAX_QKV_WIDTH = 256  # widest d_model norm_qkv takes
 MAX_FFN_WIDTH = 128  # widest d_model / ffn_dim ffn_block takes
+FFN_BLOCK_ROWS = 64  # rows of one ffn_block block (kFfnRows in block.cu)
 
 
 FFN_BLOCK_PRODUCTS = (1, 2)  # linear products ffn_block computes

@@ -13,7 +13,7 @@ from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params, param_bytes
 
 from .attention import attention
-from .block import ffn_block, norm_qkv
+from .block import FFN_BLOCK_PRODUCTS, FFN_BLOCK_ROWS, ffn_block, norm_qkv
 from .linear import GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE, RowNorm, linear
 from .norm import norm_out, norm_split
 from .tiles import choose_tiles, gemm_tile
@@ -58,17 +58,22 @@ class Plan:
 
     def runs_ffn_block(self, rows: int, multiprocessors: int, products: int) -> bool:
         """Whether a call of this many rows and products runs ffn_block."""
-        return (self.fuse_ffn and products <= 2
+        return (self.fuse_ffn and products in FFN_BLOCK_PRODUCTS
                 and (not self.ffn_auto or ffn_block_pays(rows, multiprocessors)))
+
+    def always_ffn_block(self) -> bool:
+        """Whether every call runs ffn_block (then no call needs the hidden-row buffers)."""
+        return (self.fuse_ffn and not self.ffn_auto
+                and self.weight_products() in FFN_BLOCK_PRODUCTS)
 
 
 def ffn_block_pays(rows: int, multiprocessors: int) -> bool:
     """Whether ffn_block beats the separate kernels: from half a wave to four waves of its
-    64-row blocks (one an SM). H200, d_model 128, against the separate kernels: 8192 rows
+    64-row blocks (FFN_BLOCK_ROWS, one an SM). H200, d_model 128, against the separate kernels: 8192 rows
     (128 blocks) 0.195 ms against 0.254 (shape 1), 16384 rows 0.326 against 0.364 (shape 5);
     slower at 2048 rows (32 blocks: shape 4 0.147 against 0.138) and at 65536 rows (1024
     blocks: shape 13 1.514 against 1.475)."""
-    blocks = -(-rows // 64)
+    blocks = -(-rows // FFN_BLOCK_ROWS)
     return multiprocessors <= 2 * blocks and blocks <= 4 * multiprocessors
 
 
@@ -100,7 +105,7 @@ def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dt
     d, f = config.d_model, config.ffn_dim
     buffers = {"residual": (d, torch.float32), "qkv": (3 * d, torch.float16),
                "rows_hi": (d, torch.float16), "rows_lo": (d, torch.float16)}
-    if plan is None or not plan.fuse_ffn or plan.ffn_auto:
+    if plan is None or not plan.always_ffn_block():
         buffers.update(hidden_hi=(f, torch.float16), hidden_lo=(f, torch.float16))
     return buffers
 
@@ -160,10 +165,11 @@ class WmmaLayer(BuiltLayer):
         b, s, _ = x.shape
         valid = mask_bytes(valid_token_mask)
         out = torch.empty_like(x) if out is None else out
+        products = self.plan.products_for(b * s)
 
         def run_chunk(b0, b1, x2, out2, work):
             self._run(x2, None if valid is None else valid[b0:b1], out2, b1 - b0, s, work,
-                      self.plan.products_for(b * s))
+                      products)
         run_in_chunks(x, out, self.chunks(b, s), workspace(self.config, self.plan), run_chunk)
         return out
 
