@@ -295,6 +295,18 @@ __host__ __device__ constexpr int frag_col(int lane, int i) {
   return 2 * (lane % 4) + (i & 1) + 8 * ((i >> 2) & 1);
 }
 
+// op over v[0..N) as a balanced tree (N a power of two).
+template <int N, class Op>
+__device__ __forceinline__ float tree_reduce(float (&v)[N], Op op) {
+  static_assert((N & (N - 1)) == 0, "a power of two");
+#pragma unroll
+  for (int w = N / 2; w >= 1; w /= 2) {
+#pragma unroll
+    for (int i = 0; i < w; ++i) v[i] = op(v[i], v[i + w]);
+  }
+  return v[0];
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx: exp2(-inf) = +0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -320,15 +332,16 @@ struct CopyPlan {
   }
 };
 
-// ROWS x HP tile by 16-byte cp.async: tile row r from row0 + r * stride; rows from rows_valid
-// on are zero-filled (their address clamped to row 0, which exists).
+// ROWS x HP tile by 16-byte cp.async: tile row r from row0 + r * stride, where src is this
+// thread's first piece (row0 + cp.r0 * stride + cp.src_col); rows from rows_valid on are
+// zero-filled, their address clamped to `fallback` (a piece of a row that exists).
 template <class C, int ROWS>
-__device__ __forceinline__ void copy_tile(__half* dst, const __half* row0, int64_t stride,
-                                          int rows_valid, const CopyPlan<C>& cp) {
+__device__ __forceinline__ void copy_tile_from(__half* dst, const __half* src,
+                                               const __half* fallback, int64_t stride,
+                                               int rows_valid, const CopyPlan<C>& cp) {
   constexpr int kStep = CopyPlan<C>::kRowStep;
   constexpr int kIters = (ROWS + kStep - 1) / kStep;
   if (!cp.active) return;
-  const __half* src = row0 + cp.r0 * stride + cp.src_col;
   const int64_t step = kStep * stride;
   if (rows_valid >= ROWS) {
 #pragma unroll
@@ -342,10 +355,18 @@ __device__ __forceinline__ void copy_tile(__half* dst, const __half* row0, int64
       const int r = cp.r0 + it * kStep;
       if (ROWS % kStep != 0 && r >= ROWS) break;
       const bool in = r < rows_valid;
-      cp_async16(dst + cp.smem + it * kStep * C::kLd, in ? src + it * step : row0 + cp.src_col,
+      cp_async16(dst + cp.smem + it * kStep * C::kLd, in ? src + it * step : fallback,
                  in ? cp.bytes : 0);
     }
   }
+}
+
+// The same from the tile's first row (row0, which exists).
+template <class C, int ROWS>
+__device__ __forceinline__ void copy_tile(__half* dst, const __half* row0, int64_t stride,
+                                          int rows_valid, const CopyPlan<C>& cp) {
+  copy_tile_from<C, ROWS>(dst, row0 + cp.r0 * stride + cp.src_col, row0 + cp.src_col, stride,
+                          rows_valid, cp);
 }
 
 // 1 when key exists and is valid (lanes of the warps that build the key mask).
@@ -433,12 +454,13 @@ __device__ __forceinline__ void flash_block(
   for (int mf = 0; mf < MF; ++mf) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = -CUDART_INF_F;
+      float part[KF];   // per key fragment, then a tree: short dependency chains
 #pragma unroll
       for (int jf = 0; jf < KF; ++jf) {
-        mx = fmaxf(mx, fmaxf(fmaxf(s[mf][jf].x[2 * r], s[mf][jf].x[2 * r + 1]),
-                             fmaxf(s[mf][jf].x[2 * r + 4], s[mf][jf].x[2 * r + 5])));
+        part[jf] = fmaxf(fmaxf(s[mf][jf].x[2 * r], s[mf][jf].x[2 * r + 1]),
+                         fmaxf(s[mf][jf].x[2 * r + 4], s[mf][jf].x[2 * r + 5]));
       }
+      float mx = tree_reduce<KF>(part, [](float a, float b) { return fmaxf(a, b); });
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
       const float mx2 = mx * p.scale_log2;   // -inf: no visible key in the block
@@ -465,24 +487,31 @@ __device__ __forceinline__ void flash_block(
     }
   }
 
-  // P = exp2(S * scale - m) as fp16 matrix_a fragments, element by element (i and i + 8).
+  // P = exp2(S * scale - m) as fp16 matrix_a fragments, element by element (i and i + 8);
+  // the block's row sums per key fragment, then a tree.
   AFrag pa[MF][KF];
   const float scale = p.scale_log2;
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
+    float sums[2][KF];
 #pragma unroll
     for (int jf = 0; jf < KF; ++jf) {
+      sums[0][jf] = sums[1][jf] = 0.f;
       if (!live(mf, jf)) continue;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {   // elements 2k, 2k + 1: one row, adjacent columns
         const int r = k & 1;
         const float e0 = fast_exp2(fmaf(s[mf][jf].x[2 * k], scale, -m_use[mf][r]));
         const float e1 = fast_exp2(fmaf(s[mf][jf].x[2 * k + 1], scale, -m_use[mf][r]));
-        l_run[mf][r] += e0 + e1;
+        sums[r][jf] += e0 + e1;
         const __half2 h2 = __floats2half2_rn(e0, e1);
         pa[mf][jf].x[2 * k] = pa[mf][jf].x[2 * k + 8] = __low2half(h2);
         pa[mf][jf].x[2 * k + 1] = pa[mf][jf].x[2 * k + 9] = __high2half(h2);
       }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l_run[mf][r] += tree_reduce<KF>(sums[r], [](float a, float b) { return a + b; });
     }
   }
 
@@ -581,6 +610,9 @@ __global__ void __launch_bounds__(WARPS * 32, (FlashCfg<HP, MF, WARPS, BN>::kMin
     }
   }
 
+  // This thread's first piece of the current key block's K and V rows.
+  const __half* k_src = k_ptr + cp.r0 * stride + cp.src_col;
+  const __half* v_src = v_ptr + cp.r0 * stride + cp.src_col;
   const bool warp_has_rows = wq0 < p.seq_len;
   const int wq_last = wq0 + 16 * MF - 1;
   for (int j = 0; j < n_blocks; ++j) {
@@ -591,14 +623,24 @@ __global__ void __launch_bounds__(WARPS * 32, (FlashCfg<HP, MF, WARPS, BN>::kMin
       __syncthreads();        // ... everyone's; and everyone is done with stage st ^ 1
     }
     const bool has_next = j + 1 < n_blocks;
-    int next_ok = 0;
+    // The next block's key: in range, and its mask byte (key 0's where out of range), compared
+    // only at the ballot below so that the load's latency hides behind this block's products.
+    bool next_in = false;
+    int next_byte = 0;
     if (has_next) {
       const int n1 = n0 + BN;
-      const int64_t at = static_cast<int64_t>(n1) * stride;
-      copy_tile<C, BN>(k_s + (st ^ 1) * BN * Ld, k_ptr + at, stride, p.seq_len - n1, cp);
-      copy_tile<C, BN>(v_s + (st ^ 1) * BN * Ld, v_ptr + at, stride, p.seq_len - n1, cp);
+      k_src += BN * stride;
+      v_src += BN * stride;
+      copy_tile_from<C, BN>(k_s + (st ^ 1) * BN * Ld, k_src, k_ptr + cp.src_col, stride,
+                            p.seq_len - n1, cp);
+      copy_tile_from<C, BN>(v_s + (st ^ 1) * BN * Ld, v_src, v_ptr + cp.src_col, stride,
+                            p.seq_len - n1, cp);
       cp_async_commit();
-      if (warp < MW) next_ok = key_ok(p, seq_base, n1 + 32 * warp + lane);
+      if (warp < MW) {
+        const int key = n1 + 32 * warp + lane;
+        next_in = key < p.seq_len;
+        next_byte = p.valid == nullptr ? 1 : p.valid[seq_base + (next_in ? key : 0)];
+      }
     }
 
     // A warp whose rows are all past the end, or all above the block (causal), skips it.
@@ -622,7 +664,7 @@ __global__ void __launch_bounds__(WARPS * 32, (FlashCfg<HP, MF, WARPS, BN>::kMin
     }
 
     if (has_next && warp < MW) {   // the next block's key mask, read after the next barrier
-      const unsigned bits = __ballot_sync(kFullMask, next_ok);
+      const unsigned bits = __ballot_sync(kFullMask, next_in && next_byte != 0);
       if (lane == 0) mask_s[(st ^ 1) * MW + warp] = bits;
     }
   }
@@ -632,12 +674,13 @@ __global__ void __launch_bounds__(WARPS * 32, (FlashCfg<HP, MF, WARPS, BN>::kMin
   __half* out_lo = p.ctx_lo + seq_base * d_model + h * head_dim;
 #pragma unroll
   for (int mf = 0; mf < MF; ++mf) {
-    float l[2];
+    float inv_l[2];   // l == 0: no visible key, context 0
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      l[r] = l_run[mf][r];
-      l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
-      l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
+      float l = l_run[mf][r];
+      l += __shfl_xor_sync(kFullMask, l, 1);
+      l += __shfl_xor_sync(kFullMask, l, 2);
+      inv_l[r] = l == 0.f ? 0.f : 1.f / l;
     }
 #pragma unroll
     for (int df = 0; df < DF; ++df) {
@@ -648,9 +691,9 @@ __global__ void __launch_bounds__(WARPS * 32, (FlashCfg<HP, MF, WARPS, BN>::kMin
         const int query = wq0 + 16 * mf + g + 8 * r;
         const int col = 16 * df + 8 * (k >> 1) + 2 * t;
         if (query >= p.seq_len || col >= head_dim) continue;   // head_dim: a multiple of 8
-        __half hi0, lo0, hi1, lo1;   // l == 0: no visible key, context 0
-        split_half(l[r] == 0.f ? 0.f : o[mf][df].x[2 * k] / l[r], hi0, lo0);
-        split_half(l[r] == 0.f ? 0.f : o[mf][df].x[2 * k + 1] / l[r], hi1, lo1);
+        __half hi0, lo0, hi1, lo1;
+        split_half(o[mf][df].x[2 * k] * inv_l[r], hi0, lo0);
+        split_half(o[mf][df].x[2 * k + 1] * inv_l[r], hi1, lo1);
         const int64_t at = static_cast<int64_t>(query) * d_model + col;
         *reinterpret_cast<__half2*>(out_hi + at) = __halves2half2(hi0, hi1);
         *reinterpret_cast<__half2*>(out_lo + at) = __halves2half2(lo0, lo1);

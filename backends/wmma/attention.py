@@ -12,8 +12,8 @@ Two kernel families compute the same thing:
   API only; the fallback, with the key block block_n (tiles.py).
 
 attention(..., kernel=None) picks: legacy where the probe fails; else "flash_m64" (64 query
-rows per block) when 128-row blocks would leave multiprocessors idle or the head dim is at
-most 32, "flash" otherwise.
+rows per block) when 128-row blocks would leave multiprocessors idle, the head dim is at
+most 32 or above 128, "flash" otherwise.
 """
 from __future__ import annotations
 
@@ -96,10 +96,13 @@ def choose_kernel(ext, device: torch.device, *, batch: int, seq_len: int, num_he
     if not layout_ok(ext, device):
         return LEGACY
     blocks = batch * num_heads * math.ceil(seq_len / FLASH_BLOCK_M)
-    # 64-row blocks where 128-row ones leave multiprocessors idle, and at head dims up to 32,
+    # 64-row blocks where 128-row ones leave multiprocessors idle, at head dims up to 32,
     # where more resident warps hide the softmax (H200, B=64 S=1024 hd 32: 0.160 ms against
-    # 0.206 for "flash"; S=100000 hd 64: "flash" 296 TFLOP/s, "flash_m64" 239).
-    small = blocks < multiprocessor_count(device) or pad16(head_dim) <= 32
+    # 0.206 for "flash"; S=100000 hd 64: "flash" 296 TFLOP/s, "flash_m64" 239), and above 128,
+    # where two 64-row blocks fit an SM's shared memory and one 128-row block (H100, B=64
+    # S=128 hd 256: 0.066 ms against 0.080).
+    head_pad = pad16(head_dim)
+    small = blocks < multiprocessor_count(device) or head_pad <= 32 or head_pad > 128
     kernel = "flash_m64" if small else "flash"
     limit = max_shared_memory_per_block(device)
     if limit is not None and instance(ext, kernel, head_dim)[5] > limit:
