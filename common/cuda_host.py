@@ -32,6 +32,14 @@ def max_shared_memory_per_block(device: torch.device) -> int | None:
                    None)
 
 
+def shared_memory_per_multiprocessor(device: torch.device) -> int | None:
+    """Shared memory of one multiprocessor, in bytes (None if PyTorch cannot tell)."""
+    if device.type != "cuda":
+        return None
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor",
+                   None)
+
+
 def capability_shortfall(device: torch.device, minimum: tuple[int, int] = (8, 0)) -> str | None:
     """Why a CUDA device is below compute capability minimum, or None (also where no CUDA
     device is at hand: the device checks of the interface report that)."""

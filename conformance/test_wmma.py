@@ -120,7 +120,8 @@ def test_tile_choice(wmma_selected):
         expected = [v.rows, v.cols, *warps, *([v.bk] if v.kind == "tiled" else []),
                     *v.stages, *v.ctas_per_sm]
         assert aliases[cases[name]].startswith(v.kind.title()) and args == expected, v
-        assert aliases[cases[name]].endswith(", true>") == v.pipelined, v
+        assert aliases[cases[name]].endswith(", true>") == (v.pipelined or
+                                                            v.resident_weights), v
 
 
 def test_norm_tile_choice(wmma_selected):
@@ -159,7 +160,8 @@ def test_norm_tile_choice(wmma_selected):
     assert two.norm_out_proj and two.norm_ffn_out
 
 
-NORM_TILES = ("stream 128x128 16w", "stream 64x128 8w", "stream 64x64 4w", "stream 32x128 4w")
+NORM_TILES = ("stream 128x128 16w", "stream 64x128 8w", "stream 64x64 4w", "stream 32x128 4w",
+              "stream 128x128 8w resident")
 # (kind, out dtype, lo part, zero invalid rows): norm2's pair, the next norm1's hi part, the
 # final norm in each output dtype.
 NORM_MODES = {"pair": (torch.float16, True, False), "hi": (torch.float16, False, False),
@@ -370,6 +372,34 @@ def test_attention_kernel_lengths(wmma_selected, head_dim, seq_len, causal, kern
 
 
 @needs_gpu
+@pytest.mark.parametrize("kernel", ATTENTION_KERNELS)
+@pytest.mark.parametrize("head_dim", [32, 64, 256])
+def test_attention_rows_without_keys_ignore_masked_values(wmma_selected, head_dim, kernel):
+    """A row that sees no key gives exactly 0 even where the masked keys' values are infinite
+    (their products with probability 0 are NaN); causal, the first 5 keys masked."""
+    from layerbench.backends.wmma import attention as wmma_attention
+
+    device = torch.device("cuda")
+    ext = build.load(device)
+    if kernel not in wmma_attention.kernel_names(ext, device):
+        pytest.skip(f"{kernel}: the fragment-layout probe fails on this device")
+    seq_len, heads = 150, 2
+    d = heads * head_dim
+    gen = torch.Generator(device=device).manual_seed(head_dim)
+    qkv = torch.randn(seq_len, 3 * d, generator=gen, device=device).half()
+    qkv[:5, 2 * d:] = math.inf  # V of the masked keys
+    valid = torch.ones(1, seq_len, dtype=torch.uint8, device=device)
+    valid[0, :5] = 0
+    ctx = (torch.full((seq_len, d), math.nan, device=device).half(),
+           torch.full((seq_len, d), math.nan, device=device).half())
+    block_n = choose_tiles(1, d, d, head_dim, 1).attention_block_n
+    wmma_attention.attention(ext, qkv, ctx, valid, batch=1, seq_len=seq_len, num_heads=heads,
+                             causal=True, block_n=block_n, kernel=kernel)
+    got = ctx[0].float() + ctx[1].float()
+    assert torch.equal(got[:5], torch.zeros_like(got[:5]))
+
+
+@needs_gpu
 def test_attention_layout_probe(wmma_selected):
     """On sm_80 and sm_90 the fragment layout the flash kernels rely on holds, and the default
     kernel is a flash kernel (elsewhere the probe may fail, and legacy runs)."""
@@ -491,6 +521,40 @@ def test_products_and_ffn_block_chosen_per_call():
     assert "hidden_hi" not in workspace(cfg, Plan(False, True, 2))
     for needs_hidden in (plan, Plan(False, True, 2, large_call_products=3), Plan(False, False, 2)):
         assert "hidden_hi" in workspace(cfg, needs_hidden)
+
+
+def test_attention_kernel_choice(monkeypatch):
+    """flash_m64 where 128-row blocks leave multiprocessors idle, at head dims up to 32, and
+    above 128 only where two of its blocks fit one multiprocessor's shared memory (sm_90's
+    228 KB, not sm_80's 164 KB); flash otherwise."""
+    from layerbench.backends.wmma import attention as wmma_attention
+
+    shared = {("flash", 256): 135_000, ("flash_m64", 256): 101_384}
+
+    class FakeExt:
+        def attention_instance(self, variant, head_pad):
+            kernel = wmma_attention.FLASH_VARIANTS[variant]
+            return (kernel, head_pad, 0, 0, 0, shared.get((kernel, head_pad), 40_000))
+
+    per_sm = {}
+    monkeypatch.setattr(wmma_attention, "layout_ok", lambda ext, device: True)
+    monkeypatch.setattr(wmma_attention, "multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(wmma_attention, "max_shared_memory_per_block", lambda device: 227 * 1024)
+    monkeypatch.setattr(wmma_attention, "shared_memory_per_multiprocessor",
+                        lambda device: per_sm["bytes"])
+
+    def choose(head_dim, batch=64, seq_len=1024):
+        return wmma_attention.choose_kernel(FakeExt(), torch.device("cuda"), batch=batch,
+                                            seq_len=seq_len, num_heads=4, head_dim=head_dim)
+
+    per_sm["bytes"] = 228 * 1024  # sm_90
+    assert [choose(hd) for hd in (32, 64, 128, 256)] == ["flash_m64", "flash", "flash",
+                                                         "flash_m64"]
+    assert choose(64, batch=1, seq_len=128) == "flash_m64"  # 4 blocks: most SMs idle
+    per_sm["bytes"] = 164 * 1024  # sm_80
+    assert [choose(hd) for hd in (32, 64, 128, 256)] == ["flash_m64", "flash", "flash", "flash"]
+    per_sm["bytes"] = None  # unknown: no flash_m64 on the shared-memory argument
+    assert choose(256) == "flash"
 
 
 PLANS = [(True, False, True, 3), (True, True, True, 2), (False, False, True, None),

@@ -692,8 +692,10 @@ __global__ void __launch_bounds__(WARPS * 32, (FlashCfg<HP, MF, WARPS, BN>::kMin
         const int col = 16 * df + 8 * (k >> 1) + 2 * t;
         if (query >= p.seq_len || col >= head_dim) continue;   // head_dim: a multiple of 8
         __half hi0, lo0, hi1, lo1;
-        split_half(o[mf][df].x[2 * k] * inv_l[r], hi0, lo0);
-        split_half(o[mf][df].x[2 * k + 1] * inv_l[r], hi1, lo1);
+        // No visible key: write 0 itself, since o may hold 0 * inf from a masked key's V.
+        const bool empty = inv_l[r] == 0.f;
+        split_half(empty ? 0.f : o[mf][df].x[2 * k] * inv_l[r], hi0, lo0);
+        split_half(empty ? 0.f : o[mf][df].x[2 * k + 1] * inv_l[r], hi1, lo1);
         const int64_t at = static_cast<int64_t>(query) * d_model + col;
         *reinterpret_cast<__half2*>(out_hi + at) = __halves2half2(hi0, hi1);
         *reinterpret_cast<__half2*>(out_lo + at) = __halves2half2(lo0, lo1);
@@ -751,7 +753,8 @@ struct FlashPair {
 // that holds its head_pad). flash: 128 query rows, 4 warps of 32 rows up to head_pad 64 (each
 // K/V fragment serves two row fragments), 8 warps of 16 rows above (the context fragments of
 // 32 rows would not fit in registers). flash_w8: 8 warps of 16 rows throughout. flash_m64: 64
-// rows, 4 warps of 16 (twice the CTAs, for grids smaller than the device).
+// rows, 4 warps of 16 (twice the CTAs, for grids smaller than the device; also chosen at
+// head_pad 32, and above 128 where two of its blocks fit one SM).
 constexpr const char* kVariantNames[] = {"flash", "flash_w8", "flash_m64"};
 constexpr int kVariants = 3;
 constexpr int kHeadPads[] = {32, 64, 128, 256};

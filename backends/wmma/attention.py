@@ -13,7 +13,8 @@ Two kernel families compute the same thing:
 
 attention(..., kernel=None) picks: legacy where the probe fails; else "flash_m64" (64 query
 rows per block) when 128-row blocks would leave multiprocessors idle, the head dim is at
-most 32 or above 128, "flash" otherwise.
+most 32, or it is above 128 and two 64-row blocks fit one multiprocessor's shared memory;
+"flash" otherwise.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import math
 
 import torch
 
-from layerbench.common.cuda_host import max_shared_memory_per_block, multiprocessor_count
+from layerbench.common.cuda_host import (max_shared_memory_per_block, multiprocessor_count,
+                                         shared_memory_per_multiprocessor)
 
 from .tiles import ATTENTION_BLOCK_M, MAX_HEAD_DIM, pad16
 
@@ -102,7 +104,11 @@ def choose_kernel(ext, device: torch.device, *, batch: int, seq_len: int, num_he
     # where two 64-row blocks fit an SM's shared memory and one 128-row block (H100, B=64
     # S=128 hd 256: 0.066 ms against 0.080).
     head_pad = pad16(head_dim)
-    small = blocks < multiprocessor_count(device) or head_pad <= 32 or head_pad > 128
+    small = blocks < multiprocessor_count(device) or head_pad <= 32
+    if head_pad > 128:
+        per_sm = shared_memory_per_multiprocessor(device)
+        small = small or (per_sm is not None and
+                          2 * instance(ext, "flash_m64", head_dim)[5] <= per_sm)
     kernel = "flash_m64" if small else "flash"
     limit = max_shared_memory_per_block(device)
     if limit is not None and instance(ext, kernel, head_dim)[5] > limit:

@@ -13,7 +13,9 @@
 //   rows and the K tail are zero-filled.
 // - linear_stream (K <= 128): a persistent CTA keeps a BN-column slice of the weight (whole K)
 //   in shared memory and streams BM-row activation tiles through a ring of STAGES tiles, so
-//   the next tiles load while the current one is multiplied and written out.
+//   the next tiles load while the current one is multiplied and written out. RESIDENT_B
+//   (one or two products): each warp also keeps its weight fragments (hi part, whole K) in
+//   registers, so that per k step only the activation fragments come from shared memory.
 //
 // Epilogue (both): each warp stores one 16x16 accumulator fragment at a time to its own
 // shared scratch; each lane then owns 8 consecutive columns of one row: bias (loaded once
@@ -89,6 +91,27 @@ __device__ __forceinline__ void mma_step(FragC (&acc)[FM][FN], const __half* a, 
     }
 #pragma unroll
     for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], a_hi, b_hi[j], acc[i][j]);
+  }
+}
+
+// mma_step with the weight fragments of k step ks already in registers (b[j][ks]: hi part;
+// one or two products), in mma_step's order per accumulator.
+template <int FM, int FN, int PRODUCTS, int KS>
+__device__ __forceinline__ void mma_step_resident(FragC (&acc)[FM][FN], const __half* a,
+                                                  int a_part, int lda,
+                                                  const FragB (&b)[FN][KS], int ks) {
+  static_assert(PRODUCTS <= 2, "resident weight fragments hold the hi part only");
+#pragma unroll
+  for (int i = 0; i < FM; ++i) {
+    FragA a_hi, a_lo;
+    wmma::load_matrix_sync(a_hi, a + i * 16 * lda, lda);
+    if constexpr (PRODUCTS == 2) {
+      wmma::load_matrix_sync(a_lo, a + a_part + i * 16 * lda, lda);
+#pragma unroll
+      for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], a_lo, b[j][ks], acc[i][j]);
+    }
+#pragma unroll
+    for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], a_hi, b[j][ks], acc[i][j]);
   }
 }
 
@@ -420,17 +443,20 @@ __device__ __forceinline__ void store_norm(const LinearParams& p, const LinearNo
 // at output row row0 + 16 i and column col0 + 16 j, one fragment row i at a time (o for all
 // of them at once makes ptxas spill); every warp of the CTA calls it (two __syncthreads per
 // fragment row). The partial row sums and squared deviations go to the padding columns of
-// the warps' scratch, which store_matrix_sync never writes (row r, column 16 + slot: sums in
-// slot i, squares in slot FM + i), so the next fragment may be stored while other warps
-// still read them; peers is the scratch of the first of the WARPS_N warps that share these
-// rows (consecutive warps). Each slot is rewritten only in the next tile, after the caller's
-// barrier. update: kResidualUpdate (else kResidualSum).
+// the warps' scratch, which store_matrix_sync never writes (row r, column 16 + slot: sums
+// in slot i, squares in slot FM + i; where FM > 2 leaves too few columns, fragment row i's
+// sums in slot 2 (i % 2) and its squares in the next), so the next fragment may be stored
+// while other warps still read them; peers is the scratch of the first of the WARPS_N warps
+// that share these rows (consecutive warps). A slot is rewritten in the next tile, after the
+// caller's barrier, or (FM > 2) two fragment rows later, when two barriers have passed since
+// its last read. update: kResidualUpdate (else kResidualSum).
 template <int FM, int FN, int WARPS_N>
 __device__ __forceinline__ void norm_epilogue(const LinearParams& p, const LinearNormParams& q,
                                               bool update, bool vec, float* scratch,
                                               const float* peers, const FragC (&acc)[FM][FN],
                                               int64_t row0, int col0) {
-  static_assert(2 * FM <= kScratchLd - 16, "a padding column per partial of each row");
+  static_assert(kScratchLd - 16 >= 4, "four padding columns: two fragment rows' partials");
+  constexpr bool kRing = 2 * FM > kScratchLd - 16;  // else one slot per partial of the tile
   constexpr int kPeerStride = kScratchBytes / 4;  // floats from one warp's scratch to the next
   const int lane = threadIdx.x % 32;
   const int r = lane / 2;
@@ -465,11 +491,13 @@ __device__ __forceinline__ void norm_epilogue(const LinearParams& p, const Linea
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum += o[j][e];
     sum += __shfl_xor_sync(kFullMask, sum, 1);
-    if (lane % 2 == 0) scratch[slot + i] = sum;
+    const int sums = kRing ? slot + 2 * (i % 2) : slot + i;
+    const int squares = kRing ? sums + 1 : slot + FM + i;
+    if (lane % 2 == 0) scratch[sums] = sum;
     __syncthreads();
     sum = 0.f;
 #pragma unroll
-    for (int n = 0; n < WARPS_N; ++n) sum += peers[n * kPeerStride + slot + i];
+    for (int n = 0; n < WARPS_N; ++n) sum += peers[n * kPeerStride + sums];
     const float mean = sum / p.N;
 
     // Pass 2: the squared deviations over the columns inside N -> 1 / std.
@@ -483,11 +511,11 @@ __device__ __forceinline__ void norm_epilogue(const LinearParams& p, const Linea
       }
     }
     sq += __shfl_xor_sync(kFullMask, sq, 1);
-    if (lane % 2 == 0) scratch[slot + FM + i] = sq;
+    if (lane % 2 == 0) scratch[squares] = sq;
     __syncthreads();
     sq = 0.f;
 #pragma unroll
-    for (int n = 0; n < WARPS_N; ++n) sq += peers[n * kPeerStride + slot + FM + i];
+    for (int n = 0; n < WARPS_N; ++n) sq += peers[n * kPeerStride + squares];
     const float rstd = 1.f / sqrtf(sq / p.N + q.eps);
 
     // y = (x - mean) * rstd * w + b, as norm_split and norm_out compute it.
@@ -717,12 +745,14 @@ struct Stream {
 // LinearParams with K <= 128; grid: a multiple of the N slices (ceil(N / BN)), CTA b takes
 // slice b % slices and M tiles b / slices, + gridDim.x / slices, ...; block T::kThreads;
 // dynamic shared T::smem_bytes(K). NORM: the norm epilogue with norm (a residual epilogue,
-// N <= BN); norm is unused otherwise.
+// N <= BN); norm is unused otherwise. RESIDENT_B: weight fragments in registers (see the top).
 template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int PRODUCTS, int MINB,
-          bool NORM>
+          bool NORM, bool RESIDENT_B>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MINB)
 linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
   using T = Stream<BM, BN, WARPS_M, WARPS_N, STAGES, PRODUCTS>;
+  static_assert(!RESIDENT_B || PRODUCTS <= 2, "resident weight fragments: the hi part only");
+  constexpr int kSteps = kStreamMaxK / 16;  // k steps at most
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const int ld = T::ld(p.K);
   const int k_pad = ld - 8;
@@ -779,7 +809,10 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
 
   // Commit groups: (weight + tile 0), tiles 1 .. STAGES - 2, then one per iteration (empty
   // past the end); at iteration it, waiting until STAGES - 2 are pending means that the
-  // weight and the iteration's tile have landed.
+  // weight and the iteration's tile have landed. RESIDENT_B: the weight is a group of its
+  // own before them, awaited before the loop to load the warp's weight fragments; the
+  // count of pending groups at each wait in the loop stays the same.
+  if constexpr (RESIDENT_B) cp_async_commit();
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     const int64_t t = tile + s * tile_step;
@@ -798,6 +831,18 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
 
   const __half* w_warp = w_s + wn * T::kFragsN * 16 * ld;
   const int a_warp = wm * T::kFragsM * 16 * ld;
+  FragB b_res[RESIDENT_B ? T::kFragsN : 1][RESIDENT_B ? kSteps : 1];
+  if constexpr (RESIDENT_B) {
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();  // the weight slice is visible
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+      if (16 * ks >= k_pad) break;
+#pragma unroll
+      for (int j = 0; j < T::kFragsN; ++j)
+        wmma::load_matrix_sync(b_res[j][ks], w_warp + j * 16 * ld + 16 * ks, ld);
+    }
+  }
   int read = 0, write = STAGES - 1;
   for (; tile < m_tiles; tile += tile_step) {
     cp_async_wait<STAGES - 2>();
@@ -812,9 +857,18 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
 #pragma unroll
       for (int j = 0; j < T::kFragsN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
     const __half* a_tile = a_s + read * a_stage + a_warp;
-    for (int kk = 0; kk < k_pad; kk += 16) {
-      mma_step<T::kFragsM, T::kFragsN, PRODUCTS>(acc, a_tile + kk, BM * ld, ld, w_warp + kk,
-                                                 BN * ld, ld);
+    if constexpr (RESIDENT_B) {
+#pragma unroll
+      for (int ks = 0; ks < kSteps; ++ks) {
+        if (16 * ks >= k_pad) break;
+        mma_step_resident<T::kFragsM, T::kFragsN, PRODUCTS>(acc, a_tile + 16 * ks, BM * ld,
+                                                            ld, b_res, ks);
+      }
+    } else {
+      for (int kk = 0; kk < k_pad; kk += 16) {
+        mma_step<T::kFragsM, T::kFragsN, PRODUCTS>(acc, a_tile + kk, BM * ld, ld, w_warp + kk,
+                                                   BN * ld, ld);
+      }
     }
 
     const int64_t m0 = tile * BM;
@@ -850,11 +904,14 @@ struct TiledVariant {
   static constexpr int blocks(int products) { return products == 1 ? B1 : products == 2 ? B2 : B3; }
 };
 
-template <int BM_, int BN_, int WM_, int WN_, int S1, int S2, int S3, int B1, int B2, int B3>
+template <int BM_, int BN_, int WM_, int WN_, int S1, int S2, int S3, int B1, int B2, int B3,
+          bool RESIDENT_B_ = false>
 struct StreamVariant {
   static constexpr int BM = BM_, BN = BN_, WM = WM_, WN = WN_;
   static constexpr int stages(int products) { return products == 1 ? S1 : products == 2 ? S2 : S3; }
   static constexpr int blocks(int products) { return products == 1 ? B1 : products == 2 ? B2 : B3; }
+  // Weight fragments in registers with one or two products (three would need the lo part).
+  static constexpr bool resident_b(int products) { return RESIDENT_B_ && products <= 2; }
 };
 
 //                         BM   BN  warps  BK  stages p1/p2/p3  CTAs/SM p1/p2/p3
@@ -871,6 +928,8 @@ using S128x128 = StreamVariant<128, 128, 4, 4, 3, 2, 2, 1, 1, 1>;
 using S64x128 = StreamVariant<64, 128, 2, 4, 3, 2, 2, 2, 2, 1>;
 using S64x64 = StreamVariant<64, 64, 2, 2, 2, 2, 2, 2, 2, 2>;
 using S32x128 = StreamVariant<32, 128, 1, 4, 3, 2, 2, 2, 2, 2>;
+//                          BM   BN  warps  stages p1/p2/p3  CTAs/SM p1/p2/p3  resident B
+using S128x128w8r = StreamVariant<128, 128, 2, 4, 3, 2, 2, 1, 1, 1, true>;
 
 // A variant whose shared memory exceeds the device's limit per block (e.g. 128x256 on an
 // A100, 163 KB; the 3-product stream variants below sm_90) runs as this one (80-90 KB); not
@@ -936,8 +995,8 @@ LaunchResult launch_stream_kernel(const LinearParams& p, const LinearNormParams&
                                   const DeviceInfo& dev, const char* name) {
   constexpr int S = V::stages(PRODUCTS);
   using T = Stream<V::BM, V::BN, V::WM, V::WN, S, PRODUCTS>;
-  auto kernel =
-      linear_stream<V::BM, V::BN, V::WM, V::WN, S, PRODUCTS, V::blocks(PRODUCTS), NORM>;
+  auto kernel = linear_stream<V::BM, V::BN, V::WM, V::WN, S, PRODUCTS, V::blocks(PRODUCTS), NORM,
+                              V::resident_b(PRODUCTS)>;
   if (p.K > kStreamMaxK) return {cudaErrorInvalidValue, name};  // K above 128: linear_tiled
   const int bytes = T::smem_bytes(p.K);
   if (bytes > dev.smem_limit) {
@@ -994,7 +1053,8 @@ template <int PRODUCTS>
 LaunchResult launch_tile(const LinearParams& p, GemmTile tile, Epilogue e, cudaStream_t s,
                          const LinearNormParams* norm) {
   if (norm != nullptr && tile != GemmTile::kStream128x128 && tile != GemmTile::kStream64x128 &&
-      tile != GemmTile::kStream64x64 && tile != GemmTile::kStream32x128)
+      tile != GemmTile::kStream64x64 && tile != GemmTile::kStream32x128 &&
+      tile != GemmTile::kStream128x128w8r)
     return {cudaErrorInvalidValue, "linear (the norm epilogue needs a stream tile)"};
   DeviceInfo dev;
   const cudaError_t err = device_info(dev);
@@ -1026,6 +1086,9 @@ LaunchResult launch_tile(const LinearParams& p, GemmTile tile, Epilogue e, cudaS
       return launch_stream<S64x64, PRODUCTS>(p, e, s, dev, "linear_stream<64x64, 4 warps>", norm);
     case GemmTile::kStream32x128:
       return launch_stream<S32x128, PRODUCTS>(p, e, s, dev, "linear_stream<32x128, 4 warps>", norm);
+    case GemmTile::kStream128x128w8r:
+      return launch_stream<S128x128w8r, PRODUCTS>(
+          p, e, s, dev, "linear_stream<128x128, 8 warps, resident weight fragments>", norm);
   }
   return {cudaErrorInvalidValue, "linear (unknown tile)"};
 }

@@ -13,7 +13,8 @@ class GemmVariant(NamedTuple):
     stages and ctas_per_sm (what __launch_bounds__ asks; shared memory may allow fewer) are
     given for one, two and three products. pipelined (tiled, one product): each warp
     loads the next k slice's fragments while it multiplies the current one, across stage
-    boundaries too (two and three products run the plain loop).
+    boundaries too (two and three products run the plain loop). resident_weights (stream,
+    one or two products): each warp also holds its weight fragments (whole K) in registers.
     """
     name: str
     kind: str
@@ -25,6 +26,7 @@ class GemmVariant(NamedTuple):
     stages: tuple[int, int, int]
     ctas_per_sm: tuple[int, int, int]
     pipelined: bool = False
+    resident_weights: bool = False
 
 
 # Index = the GemmTile value in common.cuh (the variants' template arguments in linear.cu).
@@ -42,10 +44,12 @@ GEMM_TILES = (
     GemmVariant("stream 32x128 4w", "stream", 32, 128, 4, (32, 32), None, (3, 2, 2), (2, 2, 2)),
     GemmVariant("tiled 128x128 bk64 4w pipelined", "tiled", 128, 128, 4, (64, 64), 64,
                 (3, 2, 2), (2, 2, 1), True),
+    GemmVariant("stream 128x128 8w resident", "stream", 128, 128, 8, (64, 32), None, (3, 2, 2),
+                (1, 1, 1), resident_weights=True),
 )
 TILED_128x128, TILED_128x256, TILED_128x128_W4, TILED_128x128_BK64 = 0, 1, 2, 3
 TILED_64x64, TILED_32x32, STREAM_128x128, STREAM_64x128, STREAM_64x64 = 4, 5, 6, 7, 8
-STREAM_32x128, TILED_128x128_BK64_PIPELINED = 9, 10
+STREAM_32x128, TILED_128x128_BK64_PIPELINED, STREAM_128x128_RESIDENT = 9, 10, 11
 STREAM_MAX_K = 128  # the stream variants keep K whole in one shared-memory stage
 SCRATCH_BYTES = 16 * 20 * 4  # one warp's epilogue scratch (kScratchBytes in linear.cu)
 
