@@ -69,8 +69,9 @@ if [[ $stage == study ]]; then
 fi
 if [[ $stage == kernels ]]; then
     # The wmma kernels on their own: kernel tests, every GEMM tile on odd sizes (checked) and
-    # on the official shapes' GEMMs (timed), every attention kernel at shapes 13 and 14, and
-    # the device's wmma ceiling (register-resident products only).
+    # on the official shapes' GEMMs (timed), every attention kernel at shapes 13 and 14, the
+    # device's wmma ceiling (register-resident products only), and the long calls' stream
+    # tile choices on whole layers.
     log="$OUT/kernels.log"
     python3 -m pytest conformance/test_wmma.py --backend wmma -q -p no:cacheprovider \
         2>&1 | tail -15 | tee -a "$log"
@@ -83,6 +84,12 @@ if [[ $stage == kernels ]]; then
     python3 bench/wmma_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64 \
         --rounds 5 --out "$OUT/attention-14.json" 2>&1 | tee -a "$log"
     python3 bench/wmma_sweep.py peak --out "$OUT/peak.json" 2>&1 | tee -a "$log"
+    # The stream tile of the long calls: the resident-weight and the 64x128 variants
+    # against the 16-warp 128x128 one, on whole layers.
+    python3 bench/wmma_sweep.py plans --plan resident --shapes 13,6 \
+        --out "$OUT/plans-resident.json" 2>&1 | tee -a "$log"
+    python3 bench/wmma_sweep.py plans --plan narrow --shapes 13,6 \
+        --out "$OUT/plans-narrow.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cutile ]]; then
     # The cutile kernels on their own: kernel tests, then each GEMM, attention, LayerNorm and

@@ -51,7 +51,8 @@ GEMM_CASES = (
     "1280000x128x128:3:1",    # shape 6 ffn_in
     "1280000x128x128:3:3",    # shape 6 ffn_out
     "65536x384x128:1:0",      # shape 13 Q/K/V
-    "65536x128x128:3:2",      # shape 13 out_proj
+    "65536x128x128:3:2",      # shape 13 out_proj (three products)
+    "65536x128x128:2:1",      # shape 13 ffn_in (two products, W18)
     "8192x128x128:3:1",       # shape 1 ffn_in
     "128x128x128:3:3",        # shape 2 ffn_out
 )
@@ -275,20 +276,25 @@ def precision(shapes, products_list, rounds, padding):
     return rows
 
 
-PLAN_OPTIONS = {"norms": "fuse_norms", "ffn": "fuse_ffn"}
+# plan -> (WmmaBackend option, its value "on", its value "off")
+PLAN_OPTIONS = {"norms": ("fuse_norms", True, False), "ffn": ("fuse_ffn", True, False),
+                "resident": ("stream_tile", "stream 128x128 8w resident", "stream 128x128 16w"),
+                "narrow": ("stream_tile", "stream 64x128 8w", "stream 128x128 16w")}
 
 
 def plans(shapes, rounds, padding, plan="norms"):
-    """The layer with one plan option (norms: LayerNorms in the GEMM epilogues; ffn: the
-    ffn_block kernel) on against off: median ms of each (alternating rounds) and both
-    error/allowed ratios."""
+    """The layer with one plan option on against off (norms: LayerNorms in the GEMM
+    epilogues; ffn: the ffn_block kernel; resident / narrow: the resident-weight or the
+    64x128 stream tile in place of the 16-warp 128x128 one): median ms of each (alternating
+    rounds) and both error/allowed ratios."""
     device = torch.device("cuda")
-    option = PLAN_OPTIONS[plan]
+    option, on_value, off_value = PLAN_OPTIONS[plan]
     fixed = {"fuse_ffn": False} if plan == "norms" else {}  # norms: the separate GEMMs
     return runner.compare_plans(
-        shapes, lambda on, cfg, sd: WmmaBackend(**{option: on}, **fixed).build(
-            cfg, sd, device=device),
-        padding=padding, rounds=rounds, device=device, label=option)
+        shapes, lambda on, cfg, sd: WmmaBackend(**{option: on_value if on else off_value},
+                                                **fixed).build(cfg, sd, device=device),
+        padding=padding, rounds=rounds, device=device,
+        label=option if isinstance(on_value, bool) else plan)
 
 
 def main() -> int:

@@ -98,6 +98,17 @@ def test_tile_choice(wmma_selected):
     long = choose_tiles(1_280_000, 128, 512, 32, 132)
     assert {GEMM_TILES[t].name for t in long[:3]} == {"stream 128x128 16w"}
     assert GEMM_TILES[long.ffn_out].kind == "tiled"  # K = ffn_dim = 512
+    # stream_tile replaces the 16-warp 128x128 stream variant, norm epilogues included.
+    from layerbench.backends.wmma.tiles import STREAM_128x128_RESIDENT
+
+    resident = choose_tiles(1_280_000, 128, 128, 32, 132, fuse_norms=True, products=2,
+                            stream_tile=STREAM_128x128_RESIDENT)
+    assert set(resident[:4]) == {STREAM_128x128_RESIDENT} and resident.norm_ffn_out
+    assert choose_tiles(8192, 128, 128, 32, 132, stream_tile=STREAM_128x128_RESIDENT) == mid
+    assert WmmaBackend(stream_tile="stream 128x128 8w resident").stream_tile == \
+        STREAM_128x128_RESIDENT
+    with pytest.raises(ValueError, match="stream_tile must be one of"):
+        WmmaBackend(stream_tile="stream 64x64 4w")  # does not hold 128 columns
     for tiles, d, f in ((big, 1024, 1024), (small, 128, 128), (mid, 128, 128), (long, 128, 512)):
         for t, k in zip(tiles[:4], (d, d, d, f)):  # stream variants only where K <= 128
             assert GEMM_TILES[t].kind == "tiled" or k <= 128
@@ -580,6 +591,23 @@ def test_plans_pass(wmma_selected, number, fuse_qkv, fuse_ffn, fuse_norms, produ
     # ffn_block computes one or two products; with three the separate kernels run.
     assert layer.plan.fuse_ffn == (fuse_ffn and cfg.d_model <= 128
                                    and layer.plan.linear_products <= 2)
+    with torch.no_grad():
+        report = compare(layer(x, mask), expected)
+    assert report.passed, report.summary()
+
+
+@needs_gpu
+@pytest.mark.parametrize("products", [2, 3])
+@pytest.mark.parametrize("stream_tile", ["stream 128x128 8w resident", "stream 64x128 8w",
+                                         "stream 32x128 4w"])
+def test_stream_tiles_pass(wmma_selected, stream_tile, products):
+    """Each stream variant that may replace the 16-warp 128x128 one keeps the contract on a
+    layer with enough rows to take it (34 x 1024 rows: every linear but none of ffn_out's
+    K = 512 on the stream tile, with norm epilogues)."""
+    cfg = LayerConfig(34, 1024, 128, 4, 512, 2)
+    _, x, mask, expected = _layer_and_reference(cfg)
+    layer = WmmaBackend(linear_products=products, stream_tile=stream_tile).build(
+        cfg, _layer_and_reference.model.state_dict(), device="cuda")
     with torch.no_grad():
         report = compare(layer(x, mask), expected)
     assert report.passed, report.summary()

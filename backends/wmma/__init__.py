@@ -11,7 +11,7 @@ from . import block, build
 from .attention import max_seq_len, shared_bytes, supported_head_dim
 from .layer import (Plan, WmmaLayer, large_call_products_for, linear_products_for,
                     weight_bytes, working_bytes_per_sequence)
-from .tiles import choose_tiles
+from .tiles import GEMM_TILES, choose_tiles
 
 
 class WmmaBackend(Backend):
@@ -29,7 +29,8 @@ class WmmaBackend(Backend):
     )
 
     def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool | None = None,
-                 linear_products: int | None = None, fuse_norms: bool = True):
+                 linear_products: int | None = None, fuse_norms: bool = True,
+                 stream_tile: str = "stream 128x128 16w"):
         # norm_qkv is off by default: on an H200 the separate kernels run every official
         # shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
@@ -44,6 +45,12 @@ class WmmaBackend(Backend):
         # LayerNorms in the residual GEMMs' epilogues where a tile holds whole rows (see Plan);
         # not yet timed on a GPU against the separate norm_split kernels.
         self.fuse_norms = fuse_norms
+        # The stream GEMM variant (a GEMM_TILES name) of the linears with K <= 128 whose
+        # rows give each SM two 128x128 tiles; any stream variant holding 128 columns.
+        stream_names = [v.name for v in GEMM_TILES if v.kind == "stream" and v.cols >= 128]
+        if stream_tile not in stream_names:
+            raise ValueError(f"stream_tile must be one of {stream_names}, not {stream_tile!r}")
+        self.stream_tile = [v.name for v in GEMM_TILES].index(stream_tile)
 
     def unavailable_reason(self, device):
         """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
@@ -85,5 +92,5 @@ class WmmaBackend(Backend):
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
         plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
                     products, self.fuse_norms, ffn_auto=self.fuse_ffn is None,
-                    large_call_products=large)
+                    large_call_products=large, stream_tile=self.stream_tile)
         return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

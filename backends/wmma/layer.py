@@ -16,7 +16,7 @@ from .attention import attention
 from .block import FFN_BLOCK_PRODUCTS, FFN_BLOCK_ROWS, ffn_block, norm_qkv
 from .linear import GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE, RowNorm, linear
 from .norm import norm_out, norm_split
-from .tiles import choose_tiles, gemm_tile
+from .tiles import STREAM_128x128, choose_tiles, gemm_tile
 
 MAX_GRID_X = 2 ** 31 - 1  # attention blocks: sequences * heads in grid dimension x
 
@@ -37,6 +37,8 @@ class Plan:
     holds whole rows (d_model <= 128, K <= 128; tiles.norm_gemm_tile): out_proj writes norm2's
     (hi, lo) pair, ffn_out the next block's norm1 (hi; unless fuse_qkv) or the final norm
     into the output. The first block's norm1 still runs as norm_split.
+    stream_tile: the stream GEMM variant (a tiles.GEMM_TILES index) taken where the 16-warp
+    128x128 one would be (tiles.choose_tiles).
     """
     fuse_qkv: bool
     fuse_ffn: bool
@@ -44,6 +46,7 @@ class Plan:
     fuse_norms: bool = True
     ffn_auto: bool = False
     large_call_products: int | None = None
+    stream_tile: int = STREAM_128x128
 
     def products_for(self, tokens: int) -> int:
         """fp16 products of out_proj and the FFN in a forward of this many tokens:
@@ -183,10 +186,11 @@ class WmmaLayer(BuiltLayer):
         fused = plan.runs_ffn_block(x2.shape[0], self.multiprocessors, products)
         tiles = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
                              self.multiprocessors, fuse_norms=plan.fuse_norms and not fused,
-                             products=products, smem_limit=self.smem_limit)
+                             products=products, smem_limit=self.smem_limit,
+                             stream_tile=plan.stream_tile)
         if tiles.norm_ffn_out and plan.fuse_qkv:  # ffn_out norms only the final rows
             plain_ffn_out = gemm_tile(x2.shape[0], cfg.d_model, cfg.ffn_dim,
-                                      self.multiprocessors, products)
+                                      self.multiprocessors, products, plan.stream_tile)
         else:
             plain_ffn_out = tiles.ffn_out
         final = (self.params.final_weight, self.params.final_bias)

@@ -75,11 +75,13 @@ def pad16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int = 1) -> int:
+def gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int = 1,
+              stream_tile: int = STREAM_128x128) -> int:
     """The GEMM variant for out[rows, n] = a[rows, k] @ w[n, k]^T with products fp16 products.
 
-    K <= 128: the persistent 128x128 stream kernel when each SM gets at least two of its
-    tiles, else the 64x64 stream kernel when its tiles fill the SMs. Larger K: the largest
+    K <= 128: the persistent stream kernel stream_tile (the 128x128 one of 16 warps unless
+    asked otherwise) when each SM gets at least two 128x128 tiles, else the 64x64 stream
+    kernel when its tiles fill the SMs. Larger K: the largest
     tiled variant whose grid gives every SM a CTA: 128x128 of 4 warps (64x64 each), which
     beat 128x256 and the 8-warp 128x128 variants on the H200 (M 8192, K 1024: 261–275 TFLOP/s
     against 216–259); with one or two products its BK 64 pipelined form (one product, N 3072:
@@ -91,7 +93,7 @@ def gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int = 1
 
     if k <= STREAM_MAX_K:
         if tiles(128, 128) >= 2 * multiprocessors:
-            return STREAM_128x128
+            return stream_tile
         if tiles(64, 64) >= multiprocessors:
             return STREAM_64x64
     else:
@@ -115,12 +117,14 @@ def stream_smem_bytes(tile: int, products: int, k: int) -> int:
 
 
 def norm_gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int,
-                   smem_limit: int | None = None) -> int | None:
+                   smem_limit: int | None = None, stream_tile: int = STREAM_128x128
+                   ) -> int | None:
     """A stream variant whose tile holds whole output rows (cols >= n) for a residual linear
     with the norm epilogue, or None where none applies (K > 128, n > 128, one product, or no
     such variant fits smem_limit bytes of shared memory per block). n <= 64: the 64x64
     variant (wider ones would leave most warps' columns empty). Else, like gemm_tile: the
-    128x128 variant when each SM gets two of its tiles, 64x128 when its tiles fill the SMs;
+    128x128 variant (stream_tile) when each SM gets two 128x128 tiles, 64x128 when its tiles
+    fill the SMs;
     a variant over smem_limit gives way to the next. Fewer rows: None, since the few 32x128
     tiles that would hold them lose to separate norm kernels (H200 shape 2: 0.136 ms fused
     against 0.117; shape 1 even; shape 13 1.554 against 1.619, shape 6 19.4 against 19.8)."""
@@ -132,7 +136,7 @@ def norm_gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: in
 
     order = [STREAM_64x64] if n <= 64 else []
     if tiles(128) >= 2 * multiprocessors:
-        order.append(STREAM_128x128)
+        order.append(stream_tile)
     if tiles(64) >= multiprocessors:
         order.append(STREAM_64x128)
     for tile in order:
@@ -143,19 +147,22 @@ def norm_gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: in
 
 def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
                  multiprocessors: int, *, fuse_norms: bool = False,
-                 products: int = 3, smem_limit: int | None = None) -> Tiles:
+                 products: int = 3, smem_limit: int | None = None,
+                 stream_tile: int = STREAM_128x128) -> Tiles:
     """Per linear, gemm_tile for its (rows, N, K): Q/K/V (3 d_model, d_model), out_proj
     (d_model, d_model), ffn_in (ffn_dim, d_model), ffn_out (d_model, ffn_dim). Attention key
     blocks of 64, or 32 above head dim 128 so that one block's shared memory stays near
     150 KB. fuse_norms: out_proj and ffn_out (products fp16 products) take norm_gemm_tile
-    where it applies, and their norm flags are set."""
+    where it applies, and their norm flags are set. stream_tile: the stream variant taken
+    where gemm_tile and norm_gemm_tile would take the 16-warp 128x128 one."""
     def gemm(n: int, k: int, count: int = products) -> int:
-        return gemm_tile(rows, n, k, multiprocessors, count)
+        return gemm_tile(rows, n, k, multiprocessors, count, stream_tile)
 
     def fused(k: int) -> int | None:
         if not fuse_norms:
             return None
-        return norm_gemm_tile(rows, d_model, k, multiprocessors, products, smem_limit)
+        return norm_gemm_tile(rows, d_model, k, multiprocessors, products, smem_limit,
+                              stream_tile)
 
     out_proj, ffn_out = fused(d_model), fused(ffn_dim)
     return Tiles(gemm(3 * d_model, d_model, 1),
