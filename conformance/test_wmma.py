@@ -597,6 +597,42 @@ def test_plans_pass(wmma_selected, number, fuse_qkv, fuse_ffn, fuse_norms, produ
 
 
 @needs_gpu
+@pytest.mark.parametrize("in_registers", [False, True], ids=["loop", "registers"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("rows,cols,offset", [(5, 8, 0), (37, 132, 0), (64, 1024, 0),
+                                              (3, 1000, 0), (9, 1028, 0), (4, 6, 0),
+                                              (7, 128, 1), (2, 1024, 2)])
+def test_norm_split_kernels(wmma_selected, rows, cols, offset, dtype, in_registers):
+    """norm_split (either kernel; the row-in-registers one where D and the alignment allow,
+    the loop elsewhere: D not a multiple of 4, above 1024, or x offset by an element) writes
+    the fp16 (hi, lo) parts of LayerNorm and the fp32 copy into NaN-filled outputs, and hi
+    alone where lo is not asked for."""
+    from layerbench.backends.wmma.norm import LN_EPS, norm_split
+
+    device = torch.device("cuda")
+    ext = build.load(device)
+    gen = torch.Generator(device=device).manual_seed(rows * 7 + cols)
+    storage = torch.randn(rows * cols + offset, generator=gen, device=device).to(dtype)
+    x = storage[offset:].view(rows, cols)
+    weight = torch.randn(cols, generator=gen, device=device)
+    bias = torch.randn(cols, generator=gen, device=device)
+    xd = x.double()
+    mean = xd.mean(1, keepdim=True)
+    expected = ((xd - mean) / torch.sqrt(xd.var(1, unbiased=False, keepdim=True) + LN_EPS)
+                * weight.double() + bias.double())
+    for with_lo in (True, False):
+        hi = torch.full((rows, cols), math.nan, device=device).half()
+        lo = torch.full((rows, cols), math.nan, device=device).half() if with_lo else None
+        copy = torch.full((rows, cols), math.nan, device=device)
+        norm_split(ext, x, weight, bias, (hi, lo), copy=copy, in_registers=in_registers)
+        assert torch.equal(copy, x.float())
+        got = hi.double() + (lo.double() if with_lo else 0)
+        tol = 1e-5 if with_lo else 1e-3  # hi alone: fp16 rounding of y
+        torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@needs_gpu
 @pytest.mark.parametrize("products", [2, 3])
 @pytest.mark.parametrize("stream_tile", ["stream 128x128 8w resident", "stream 64x128 8w",
                                          "stream 32x128 4w"])

@@ -30,7 +30,7 @@ class WmmaBackend(Backend):
 
     def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool | None = None,
                  linear_products: int | None = None, fuse_norms: bool = True,
-                 stream_tile: str = "stream 128x128 16w"):
+                 stream_tile: str = "stream 128x128 16w", norm_in_registers: bool = False):
         # norm_qkv is off by default: on an H200 the separate kernels run every official
         # shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
@@ -51,6 +51,8 @@ class WmmaBackend(Backend):
         if stream_tile not in stream_names:
             raise ValueError(f"stream_tile must be one of {stream_names}, not {stream_tile!r}")
         self.stream_tile = [v.name for v in GEMM_TILES].index(stream_tile)
+        # norm_split reading each row once into registers (see norm.norm_split); not yet timed.
+        self.norm_in_registers = norm_in_registers
 
     def unavailable_reason(self, device):
         """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
@@ -92,5 +94,6 @@ class WmmaBackend(Backend):
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
         plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
                     products, self.fuse_norms, ffn_auto=self.fuse_ffn is None,
-                    large_call_products=large, stream_tile=self.stream_tile)
+                    large_call_products=large, stream_tile=self.stream_tile,
+                    norm_in_registers=self.norm_in_registers)
         return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

@@ -38,6 +38,7 @@ struct NormSplitParams {
   int64_t rows;
   int cols;
   float eps;
+  bool in_registers;      // the row-in-registers kernel where it applies (launch_norm_split)
 };
 
 // norm_out: LayerNorm of each fp32 row into the output type; invalid rows written as 0.

@@ -39,6 +39,7 @@ class Plan:
     into the output. The first block's norm1 still runs as norm_split.
     stream_tile: the stream GEMM variant (a tiles.GEMM_TILES index) taken where the 16-warp
     128x128 one would be (tiles.choose_tiles).
+    norm_in_registers: norm_split's kernel that reads each row once into registers.
     """
     fuse_qkv: bool
     fuse_ffn: bool
@@ -47,6 +48,7 @@ class Plan:
     ffn_auto: bool = False
     large_call_products: int | None = None
     stream_tile: int = STREAM_128x128
+    norm_in_registers: bool = False
 
     def products_for(self, tokens: int) -> int:
         """fp16 products of out_proj and the FFN in a forward of this many tokens:
@@ -214,7 +216,7 @@ class WmmaLayer(BuiltLayer):
             else:
                 if not normed:
                     norm_split(ext, src, p.norm1_weight, p.norm1_bias, (rows[0], None),
-                               copy=copy)
+                               copy=copy, in_registers=plan.norm_in_registers)
                 linear(ext, (rows[0], None), w["qkv"], p.qkv_bias, epilogue=HALF,
                        tile=tiles.qkv, out_pair=(qkv, None))
             src = src if copy is None else res
@@ -240,7 +242,8 @@ class WmmaLayer(BuiltLayer):
                        tile=tiles.out_proj, out=res, residual=src, valid_rows=valid_rows,
                        norm=norm2)
                 if norm2 is None:
-                    norm_split(ext, res, p.norm2_weight, p.norm2_bias, operand(rows))
+                    norm_split(ext, res, p.norm2_weight, p.norm2_bias, operand(rows),
+                               in_registers=plan.norm_in_registers)
                 linear(ext, operand(rows), weight(w["ffn_in"]), p.ffn_in_bias,
                        epilogue=GELU_PAIR,
                        tile=tiles.ffn_in, out_pair=hidden)

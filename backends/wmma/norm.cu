@@ -1,4 +1,7 @@
 // LayerNorm kernels: one warp per row, fp32 statistics (two passes over the row).
+// norm_split_kernel reads the row three times (two statistics passes and the output pass,
+// element by element); norm_split_registers_kernel, for rows of up to 1024 elements in
+// groups of 4 with aligned pointers, reads it once by 8- or 16-byte loads into registers.
 #include "common.cuh"
 
 namespace lbw {
@@ -26,6 +29,88 @@ __global__ void __launch_bounds__(kRowsPerBlock * 32) norm_split_kernel(NormSpli
   }
 }
 
+// Four consecutive elements of a row as floats (16-byte load for fp32, 8-byte otherwise).
+__device__ __forceinline__ float4 load4(const float* x) {
+  return *reinterpret_cast<const float4*>(x);
+}
+__device__ __forceinline__ float4 load4(const __half* x) {
+  const uint2 u = *reinterpret_cast<const uint2*>(x);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+__device__ __forceinline__ float4 load4(const __nv_bfloat16* x) {
+  const uint2 u = *reinterpret_cast<const uint2*>(x);
+  const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+
+// norm_split_kernel's result with the row in registers: lane l holds the groups of 4
+// columns l, l + 32, ... (VECS of them; cols % 4 == 0, cols <= 128 VECS); x, weight, bias
+// and copy 16-byte aligned rows and groups for fp32, x 8-byte for fp16/bf16, hi and lo
+// 8-byte (launch_norm_split checks). Statistics: the same two passes, over the registers.
+template <typename T, int VECS>
+__global__ void __launch_bounds__(kRowsPerBlock * 32)
+norm_split_registers_kernel(NormSplitParams p) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.rows) return;
+  const int64_t base = row * p.cols;
+  const T* x = static_cast<const T*>(p.x) + base;
+  float v[VECS][4];
+#pragma unroll
+  for (int q = 0; q < VECS; ++q) {
+    const int c = 4 * (lane + 32 * q);
+    const float4 f = c < p.cols ? load4(x + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    v[q][0] = f.x, v[q][1] = f.y, v[q][2] = f.z, v[q][3] = f.w;
+  }
+  float sum = 0.f;
+#pragma unroll
+  for (int q = 0; q < VECS; ++q)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sum += v[q][e];  // 0 past cols
+  const float mean = warp_sum(sum) / p.cols;
+  float sq = 0.f;
+#pragma unroll
+  for (int q = 0; q < VECS; ++q) {
+    if (4 * (lane + 32 * q) >= p.cols) continue;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float d = v[q][e] - mean;
+      sq += d * d;
+    }
+  }
+  const float rstd = 1.f / sqrtf(warp_sum(sq) / p.cols + p.eps);
+#pragma unroll
+  for (int q = 0; q < VECS; ++q) {
+    const int c = 4 * (lane + 32 * q);
+    if (c >= p.cols) continue;
+    if (p.copy)
+      *reinterpret_cast<float4*>(p.copy + base + c) =
+          make_float4(v[q][0], v[q][1], v[q][2], v[q][3]);
+    const float4 w = *reinterpret_cast<const float4*>(p.weight + c);
+    const float4 b = *reinterpret_cast<const float4*>(p.bias + c);
+    const float ws[4] = {w.x, w.y, w.z, w.w}, bs[4] = {b.x, b.y, b.z, b.w};
+    __half hi[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) split_half((v[q][e] - mean) * rstd * ws[e] + bs[e], hi[e], lo[e]);
+    uint2 h, l;
+    h.x = static_cast<unsigned>(__half_as_ushort(hi[0])) |
+          static_cast<unsigned>(__half_as_ushort(hi[1])) << 16;
+    h.y = static_cast<unsigned>(__half_as_ushort(hi[2])) |
+          static_cast<unsigned>(__half_as_ushort(hi[3])) << 16;
+    *reinterpret_cast<uint2*>(p.hi + base + c) = h;
+    if (p.lo) {
+      l.x = static_cast<unsigned>(__half_as_ushort(lo[0])) |
+            static_cast<unsigned>(__half_as_ushort(lo[1])) << 16;
+      l.y = static_cast<unsigned>(__half_as_ushort(lo[2])) |
+            static_cast<unsigned>(__half_as_ushort(lo[3])) << 16;
+      *reinterpret_cast<uint2*>(p.lo + base + c) = l;
+    }
+  }
+}
+
 // NormOutParams: x [rows, cols] fp32 -> out [rows, cols] (T); rows with valid 0 are 0.
 template <typename T>
 __global__ void __launch_bounds__(kRowsPerBlock * 32) norm_out_kernel(NormOutParams p) {
@@ -49,10 +134,49 @@ unsigned row_blocks(int64_t rows) {
   return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
 }
 
+// Whether norm_split_registers_kernel takes p (see its alignment rules).
+bool registers_apply(const NormSplitParams& p) {
+  auto aligned = [](const void* q, uintptr_t bytes) {
+    return (reinterpret_cast<uintptr_t>(q) & (bytes - 1)) == 0;
+  };
+  const uintptr_t x_bytes = p.x_type == DType::kFloat32 ? 16 : 8;
+  return p.in_registers && p.cols % 4 == 0 && p.cols <= 1024 && aligned(p.x, x_bytes) &&
+         aligned(p.weight, 16) && aligned(p.bias, 16) && aligned(p.hi, 8) &&
+         aligned(p.lo, 8) && aligned(p.copy, 16);
+}
+
+template <typename T>
+LaunchResult launch_norm_split_registers(const NormSplitParams& p, cudaStream_t stream,
+                                         const char* name) {
+  const dim3 grid(row_blocks(p.rows)), block(kRowsPerBlock * 32);
+  if (p.cols <= 128) {
+    norm_split_registers_kernel<T, 1><<<grid, block, 0, stream>>>(p);
+  } else if (p.cols <= 256) {
+    norm_split_registers_kernel<T, 2><<<grid, block, 0, stream>>>(p);
+  } else if (p.cols <= 512) {
+    norm_split_registers_kernel<T, 4><<<grid, block, 0, stream>>>(p);
+  } else {
+    norm_split_registers_kernel<T, 8><<<grid, block, 0, stream>>>(p);
+  }
+  return {cudaGetLastError(), name};
+}
+
 }  // namespace
 
 LaunchResult launch_norm_split(const NormSplitParams& p, cudaStream_t stream) {
   const dim3 grid(row_blocks(p.rows)), block(kRowsPerBlock * 32);
+  if (registers_apply(p)) {
+    switch (p.x_type) {
+      case DType::kFloat32:
+        return launch_norm_split_registers<float>(p, stream, "norm_split_registers_kernel<float>");
+      case DType::kFloat16:
+        return launch_norm_split_registers<__half>(p, stream,
+                                                   "norm_split_registers_kernel<half>");
+      case DType::kBFloat16:
+        return launch_norm_split_registers<__nv_bfloat16>(
+            p, stream, "norm_split_registers_kernel<bfloat16>");
+    }
+  }
   switch (p.x_type) {
     case DType::kFloat32:
       norm_split_kernel<float><<<grid, block, 0, stream>>>(p);

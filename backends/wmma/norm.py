@@ -7,11 +7,13 @@ LN_EPS = 1e-5
 
 
 def norm_split(ext, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-               out: tuple[torch.Tensor, torch.Tensor | None], copy: torch.Tensor | None = None
-               ) -> None:
+               out: tuple[torch.Tensor, torch.Tensor | None], copy: torch.Tensor | None = None,
+               in_registers: bool = False) -> None:
     """out = fp16 (hi, lo) parts of LayerNorm(x [M, D]) (lo None: hi only); copy, if given,
-    receives x in fp32."""
-    ext.norm_split(x, weight, bias, out[0], out[1], copy, LN_EPS)
+    receives x in fp32. in_registers: each warp reads its row once into registers, where D is
+    a multiple of 4 up to 1024 and the tensors are aligned for 8- and 16-byte accesses (else
+    the row is read three times, element by element)."""
+    ext.norm_split(x, weight, bias, out[0], out[1], copy, LN_EPS, in_registers)
 
 
 def norm_out(ext, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,

@@ -58,8 +58,9 @@ T* ptr(const OptTensor& t) {
 }
 
 // hi (and lo) = fp16 parts of LayerNorm(x) * weight + bias; copy = fp32 x when given.
+// in_registers: each warp holds its row in registers (where the row and pointers allow).
 void norm_split(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& hi,
-                const OptTensor& lo, const OptTensor& copy, double eps) {
+                const OptTensor& lo, const OptTensor& copy, double eps, bool in_registers) {
   const int64_t rows = x.size(0), cols = x.size(1);
   check_rows(x, rows, cols, x.scalar_type(), "x");
   check_rows(weight.view({1, cols}), 1, cols, at::kFloat, "weight");
@@ -72,7 +73,7 @@ void norm_split(const Tensor& x, const Tensor& weight, const Tensor& bias, const
   lbw::NormSplitParams p{x.data_ptr(), dtype_of(x), weight.data_ptr<float>(),
                          bias.data_ptr<float>(), reinterpret_cast<__half*>(hi.data_ptr()),
                          ptr<__half>(lo), ptr<float>(copy), rows, static_cast<int>(cols),
-                         static_cast<float>(eps)};
+                         static_cast<float>(eps), in_registers};
   check_launch(lbw::launch_norm_split(p, current_stream()));
 }
 
