@@ -85,7 +85,9 @@ if [[ $stage == kernels ]]; then
         --rounds 5 --out "$OUT/attention-14.json" 2>&1 | tee -a "$log"
     python3 bench/wmma_sweep.py peak --out "$OUT/peak.json" 2>&1 | tee -a "$log"
     # The stream tile of the long calls: the resident-weight and the 64x128 variants
-    # against the 16-warp 128x128 one, on whole layers.
+    # against the 16-warp 128x128 one, on whole layers (shape 6's forwards run out_proj and
+    # the FFN with three products, where the resident variant runs its plain 8-warp loop:
+    # only its Q/K/V hold the weight fragments).
     python3 bench/wmma_sweep.py plans --plan resident --shapes 13,6 \
         --out "$OUT/plans-resident.json" 2>&1 | tee -a "$log"
     python3 bench/wmma_sweep.py plans --plan narrow --shapes 13,6 \

@@ -51,7 +51,7 @@ GEMM_CASES = (
     "1280000x128x128:3:1",    # shape 6 ffn_in
     "1280000x128x128:3:3",    # shape 6 ffn_out
     "65536x384x128:1:0",      # shape 13 Q/K/V
-    "65536x128x128:3:2",      # shape 13 out_proj (three products)
+    "65536x128x128:3:2",      # shape 13 out_proj with three products (before W18)
     "65536x128x128:2:1",      # shape 13 ffn_in (two products, W18)
     "8192x128x128:3:1",       # shape 1 ffn_in
     "128x128x128:3:3",        # shape 2 ffn_out

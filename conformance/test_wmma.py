@@ -109,6 +109,8 @@ def test_tile_choice(wmma_selected):
         STREAM_128x128_RESIDENT
     with pytest.raises(ValueError, match="stream_tile must be one of"):
         WmmaBackend(stream_tile="stream 64x64 4w")  # does not hold 128 columns
+    with pytest.raises(ValueError, match="not a stream variant holding 128 columns"):
+        choose_tiles(1_280_000, 128, 128, 32, 132, stream_tile=0)
     for tiles, d, f in ((big, 1024, 1024), (small, 128, 128), (mid, 128, 128), (long, 128, 512)):
         for t, k in zip(tiles[:4], (d, d, d, f)):  # stream variants only where K <= 128
             assert GEMM_TILES[t].kind == "tiled" or k <= 128
@@ -183,13 +185,15 @@ NORM_MODES = {"pair": (torch.float16, True, False), "hi": (torch.float16, False,
 @needs_gpu
 @pytest.mark.parametrize("mode", list(NORM_MODES))
 @pytest.mark.parametrize("m,n,k", [(1, 8, 8), (37, 24, 40), (45, 20, 24), (300, 128, 128),
-                                   (1000, 64, 96), (4099, 128, 64), (130, 120, 128)])
+                                   (1000, 64, 96), (4099, 128, 64), (130, 120, 128),
+                                   (128 * 300 + 37, 128, 64)])
 @pytest.mark.parametrize("tile_name", NORM_TILES)
 def test_linear_norm_epilogue(wmma_selected, tile_name, m, n, k, mode):
     """The norm epilogue of every stream tile that holds the rows (N <= its columns): the
     fp32 rows as without it, and their LayerNorm (float64 of the kernel's own rows) in each
     output kind, into NaN-filled outputs; odd M, N and K; invalid rows; two and three
-    products; in place over the activations (as the layer writes norm2)."""
+    products; in place over the activations (as the layer writes norm2); more tiles than
+    CTAs (weight fragments and partial-sum slots reused across tiles)."""
     from layerbench.backends.wmma.linear import RESIDUAL_SUM, RESIDUAL_UPDATE, RowNorm, linear
 
     tile = [v.name for v in GEMM_TILES].index(tile_name)
@@ -638,12 +642,20 @@ def test_norm_split_kernels(wmma_selected, rows, cols, offset, dtype, in_registe
                                          "stream 32x128 4w"])
 def test_stream_tiles_pass(wmma_selected, stream_tile, products):
     """Each stream variant that may replace the 16-warp 128x128 one keeps the contract on a
-    layer with enough rows to take it (34 x 1024 rows: every linear but none of ffn_out's
-    K = 512 on the stream tile, with norm epilogues)."""
-    cfg = LayerConfig(34, 1024, 128, 4, 512, 2)
+    layer with enough rows to take it (sequences of 1024 rows, enough for more than two
+    128-row tiles an SM): Q/K/V, ffn_in and out_proj with its norm epilogue run on it,
+    ffn_out (K = 512) on a tiled variant."""
+    from layerbench.common.cuda_host import multiprocessor_count
+
+    sms = multiprocessor_count(torch.device("cuda"))
+    cfg = LayerConfig(2 * sms * 128 // 1024 + 2, 1024, 128, 4, 512, 2)
     _, x, mask, expected = _layer_and_reference(cfg)
     layer = WmmaBackend(linear_products=products, stream_tile=stream_tile).build(
         cfg, _layer_and_reference.model.state_dict(), device="cuda")
+    tiles = choose_tiles(cfg.batch * cfg.seq_len, 128, 512, 32, sms, fuse_norms=True,
+                         products=products, stream_tile=layer.plan.stream_tile)
+    assert GEMM_TILES[tiles.qkv].name == stream_tile and tiles.norm_out_proj
+    assert tiles.out_proj == layer.plan.stream_tile
     with torch.no_grad():
         report = compare(layer(x, mask), expected)
     assert report.passed, report.summary()

@@ -107,8 +107,9 @@ def choose_kernel(ext, device: torch.device, *, batch: int, seq_len: int, num_he
     small = blocks < multiprocessor_count(device) or head_pad <= 32
     if head_pad > 128:
         per_sm = shared_memory_per_multiprocessor(device)
+        # two blocks, each with the 1 KB the CUDA runtime reserves per block
         small = small or (per_sm is not None and
-                          2 * instance(ext, "flash_m64", head_dim)[5] <= per_sm)
+                          2 * (instance(ext, "flash_m64", head_dim)[5] + 1024) <= per_sm)
     kernel = "flash_m64" if small else "flash"
     limit = max_shared_memory_per_block(device)
     if limit is not None and instance(ext, kernel, head_dim)[5] > limit:

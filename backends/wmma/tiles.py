@@ -154,7 +154,12 @@ def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
     blocks of 64, or 32 above head dim 128 so that one block's shared memory stays near
     150 KB. fuse_norms: out_proj and ffn_out (products fp16 products) take norm_gemm_tile
     where it applies, and their norm flags are set. stream_tile: the stream variant taken
-    where gemm_tile and norm_gemm_tile would take the 16-warp 128x128 one."""
+    where gemm_tile and norm_gemm_tile would take the 16-warp 128x128 one (a stream variant
+    holding 128 columns; anything else raises ValueError)."""
+    variant = GEMM_TILES[stream_tile]
+    if variant.kind != "stream" or variant.cols < 128:
+        raise ValueError(f"stream_tile {stream_tile} ({variant.name}) is not a stream variant "
+                         "holding 128 columns")
     def gemm(n: int, k: int, count: int = products) -> int:
         return gemm_tile(rows, n, k, multiprocessors, count, stream_tile)
 
