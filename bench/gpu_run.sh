@@ -88,7 +88,7 @@ if [[ $stage == kernels ]]; then
     # against the 16-warp 128x128 one, on whole layers (shape 6's forwards run out_proj and
     # the FFN with three products, where the resident variant runs its plain 8-warp loop:
     # only its Q/K/V hold the weight fragments).
-    python3 bench/wmma_sweep.py plans --plan resident --shapes 13,6 \
+    python3 bench/wmma_sweep.py plans --plan resident --shapes 13,6,5 \
         --out "$OUT/plans-resident.json" 2>&1 | tee -a "$log"
     python3 bench/wmma_sweep.py plans --plan narrow --shapes 13,6 \
         --out "$OUT/plans-narrow.json" 2>&1 | tee -a "$log"
