@@ -48,6 +48,13 @@ class GraphedForward:
         if (x.device.type != "cuda" or x.numel() > self.max_elements
                 or torch.cuda.is_current_stream_capturing()):
             return self.forward(x, mask, out)
+        # Capture and replay on x's device, also where another device is current (the
+        # kernels launch on their tensors' device).
+        with torch.cuda.device(x.device):
+            return self._graphed(x, mask, out)
+
+    def _graphed(self, x, mask, out):
+        """__call__ for CUDA inputs on the current device."""
         key = self._key(x, mask, out)
         if key in self.uncapturable:
             return self.forward(x, mask, out)

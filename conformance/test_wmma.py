@@ -498,6 +498,43 @@ def test_streams_the_batch_in_chunks(wmma_selected):
 
 
 @needs_gpu
+@pytest.mark.parametrize("fuse_ffn", [True, False], ids=["ffn-block", "separate"])
+def test_misaligned_fp32_input(wmma_selected, fuse_ffn):
+    """fp32 input rows that start 4 bytes past a 16-byte boundary (a contiguous view) keep
+    the contract with ffn_block and with the separate kernels."""
+    cfg = LayerConfig(2, 40, 128, 4, 128, 2)
+    _, x, mask, expected = _layer_and_reference(cfg)
+    layer = WmmaBackend(fuse_ffn=fuse_ffn).build(cfg, _layer_and_reference.model.state_dict(),
+                                                 device="cuda")
+    shifted = torch.empty(x.numel() + 1, device="cuda")[1:].view_as(x)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 == 4
+    with torch.no_grad():
+        report = compare(layer(shifted, mask), expected)
+    assert report.passed, report.summary()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_layer_on_a_device_that_is_not_current(wmma_selected):
+    """A layer on cuda:1 called while cuda:0 is current: its graph captures and replays the
+    kernels on cuda:1 (a later call after the input changes in place sees the new input)."""
+    from layerbench.common.inputs import make_inputs
+    from layerbench.reference import make_reference, reference_forward
+
+    cfg = LayerConfig(2, 40, 128, 4, 128, 2)
+    model = make_reference(cfg, seed=3)
+    layer = WmmaBackend().build(cfg, model.state_dict(), device="cuda:1")
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=4, device="cuda:1")
+    with torch.cuda.device(0), torch.no_grad():
+        for _ in range(3):  # eager, eager, captured
+            layer(x, mask)
+        x.mul_(-1)
+        got = layer(x, mask)
+    report = compare(got, reference_forward(model.to("cuda:1"), x, mask))
+    assert report.passed, report.summary()
+
+
+@needs_gpu
 def test_writes_into_out(wmma_selected):
     """With out= every element of out is written (it starts as NaN) and out is returned."""
     cfg = LayerConfig(2, 40, 128, 4, 128, 2)

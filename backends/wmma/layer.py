@@ -210,7 +210,9 @@ class WmmaLayer(BuiltLayer):
         normed = False  # rows[0] holds this block's norm1 (from the last ffn_out's epilogue)
         done = fused  # out2 written
         for i, (p, w) in enumerate(zip(layers, self.weights)):
-            copy = res if src.dtype != torch.float32 else None  # fp16/bf16 input, first block
+            # The first block copies its input into the fp32 residual where it is fp16/bf16, or
+            # fp32 rows not 16-byte aligned (ffn_block reads its residual 16 bytes at a time).
+            copy = res if src.dtype != torch.float32 or src.data_ptr() % 16 else None
             if plan.fuse_qkv:
                 norm_qkv(ext, src, p, w["qkv"][0], qkv, copy=copy)
             else:
