@@ -11,7 +11,7 @@ from . import block, build
 from .attention import max_seq_len, shared_bytes, supported_head_dim
 from .layer import (Plan, WmmaLayer, large_call_products_for, linear_products_for,
                     weight_bytes, working_bytes_per_sequence)
-from .tiles import GEMM_TILES, choose_tiles
+from .tiles import GEMM_TILES, choose_tiles, replaces_stream_tile
 
 
 class WmmaBackend(Backend):
@@ -47,10 +47,11 @@ class WmmaBackend(Backend):
         self.fuse_norms = fuse_norms
         # The stream GEMM variant (a GEMM_TILES name) of the linears with K <= 128 whose
         # rows give each SM two 128x128 tiles; any stream variant holding 128 columns.
-        stream_names = [v.name for v in GEMM_TILES if v.kind == "stream" and v.cols >= 128]
-        if stream_tile not in stream_names:
-            raise ValueError(f"stream_tile must be one of {stream_names}, not {stream_tile!r}")
-        self.stream_tile = [v.name for v in GEMM_TILES].index(stream_tile)
+        names = [v.name for v in GEMM_TILES]
+        choices = [name for t, name in enumerate(names) if replaces_stream_tile(t)]
+        if stream_tile not in choices:
+            raise ValueError(f"stream_tile must be one of {choices}, not {stream_tile!r}")
+        self.stream_tile = names.index(stream_tile)
         # norm_split reading each row once into registers (see norm.norm_split); not yet timed.
         self.norm_in_registers = norm_in_registers
 

@@ -62,20 +62,15 @@ struct Parts {
   static constexpr int kW = PRODUCTS == 3 ? 2 : 1;
 };
 
-// acc[i][j] += the products of one 16-deep k step for the warp's FM x FN fragments. a points
-// at the warp's first activation row (hi part; the lo part a_part halves further), w at its
-// first weight row (lo part w_part halves further). Per accumulator the order is always
-// lo*hi, hi*lo, hi*hi (the products present); the loops put the other fragments between two
+// acc[i][j] += the products of one 16-deep k step with the weight fragments b_hi (and b_lo,
+// read with three products) already loaded: a points at the warp's first activation row (hi
+// part; the lo part a_part halves further). Per accumulator the order is always lo*hi,
+// hi*lo, hi*hi (the products present); the loops put the other fragments between two
 // products into the same accumulator.
 template <int FM, int FN, int PRODUCTS>
-__device__ __forceinline__ void mma_step(FragC (&acc)[FM][FN], const __half* a, int a_part,
-                                         int lda, const __half* w, int w_part, int ldw) {
-  FragB b_hi[FN], b_lo[FN];
-#pragma unroll
-  for (int j = 0; j < FN; ++j) {
-    wmma::load_matrix_sync(b_hi[j], w + j * 16 * ldw, ldw);
-    if constexpr (PRODUCTS == 3) wmma::load_matrix_sync(b_lo[j], w + w_part + j * 16 * ldw, ldw);
-  }
+__device__ __forceinline__ void mma_rows(FragC (&acc)[FM][FN], const __half* a, int a_part,
+                                         int lda, const FragB (&b_hi)[FN],
+                                         const FragB (&b_lo)[FN]) {
 #pragma unroll
   for (int i = 0; i < FM; ++i) {
     FragA a_hi, a_lo;
@@ -94,25 +89,18 @@ __device__ __forceinline__ void mma_step(FragC (&acc)[FM][FN], const __half* a, 
   }
 }
 
-// mma_step with the weight fragments of k step ks already in registers (b[j][ks]: hi part;
-// one or two products), in mma_step's order per accumulator.
-template <int FM, int FN, int PRODUCTS, int KS>
-__device__ __forceinline__ void mma_step_resident(FragC (&acc)[FM][FN], const __half* a,
-                                                  int a_part, int lda,
-                                                  const FragB (&b)[FN][KS], int ks) {
-  static_assert(PRODUCTS <= 2, "resident weight fragments hold the hi part only");
+// mma_rows after loading the k step's weight fragments: w points at the warp's first weight
+// row (lo part w_part halves further).
+template <int FM, int FN, int PRODUCTS>
+__device__ __forceinline__ void mma_step(FragC (&acc)[FM][FN], const __half* a, int a_part,
+                                         int lda, const __half* w, int w_part, int ldw) {
+  FragB b_hi[FN], b_lo[FN];
 #pragma unroll
-  for (int i = 0; i < FM; ++i) {
-    FragA a_hi, a_lo;
-    wmma::load_matrix_sync(a_hi, a + i * 16 * lda, lda);
-    if constexpr (PRODUCTS == 2) {
-      wmma::load_matrix_sync(a_lo, a + a_part + i * 16 * lda, lda);
-#pragma unroll
-      for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], a_lo, b[j][ks], acc[i][j]);
-    }
-#pragma unroll
-    for (int j = 0; j < FN; ++j) wmma::mma_sync(acc[i][j], a_hi, b[j][ks], acc[i][j]);
+  for (int j = 0; j < FN; ++j) {
+    wmma::load_matrix_sync(b_hi[j], w + j * 16 * ldw, ldw);
+    if constexpr (PRODUCTS == 3) wmma::load_matrix_sync(b_lo[j], w + w_part + j * 16 * ldw, ldw);
   }
+  mma_rows<FM, FN, PRODUCTS>(acc, a, a_part, lda, b_hi, b_lo);
 }
 
 // One 16-deep k slice of a warp's operand fragments, all held at once (the pipelined
@@ -831,7 +819,7 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
 
   const __half* w_warp = w_s + wn * T::kFragsN * 16 * ld;
   const int a_warp = wm * T::kFragsM * 16 * ld;
-  FragB b_res[RESIDENT_B ? T::kFragsN : 1][RESIDENT_B ? kSteps : 1];
+  FragB b_res[RESIDENT_B ? kSteps : 1][RESIDENT_B ? T::kFragsN : 1];  // [k step][fragment]
   if constexpr (RESIDENT_B) {
     cp_async_wait<STAGES - 1>();
     __syncthreads();  // the weight slice is visible
@@ -840,7 +828,7 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
       if (16 * ks >= k_pad) break;
 #pragma unroll
       for (int j = 0; j < T::kFragsN; ++j)
-        wmma::load_matrix_sync(b_res[j][ks], w_warp + j * 16 * ld + 16 * ks, ld);
+        wmma::load_matrix_sync(b_res[ks][j], w_warp + j * 16 * ld + 16 * ks, ld);
     }
   }
   int read = 0, write = STAGES - 1;
@@ -861,8 +849,8 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
 #pragma unroll
       for (int ks = 0; ks < kSteps; ++ks) {
         if (16 * ks >= k_pad) break;
-        mma_step_resident<T::kFragsM, T::kFragsN, PRODUCTS>(acc, a_tile + 16 * ks, BM * ld,
-                                                            ld, b_res, ks);
+        mma_rows<T::kFragsM, T::kFragsN, PRODUCTS>(acc, a_tile + 16 * ks, BM * ld, ld,
+                                                   b_res[ks], b_res[ks]);  // no lo part
       }
     } else {
       for (int kk = 0; kk < k_pad; kk += 16) {

@@ -46,6 +46,16 @@ __device__ __forceinline__ float4 load4(const __nv_bfloat16* x) {
   return make_float4(a.x, a.y, b.x, b.y);
 }
 
+// Four halves to 8-byte aligned dst in one store.
+__device__ __forceinline__ void store4(__half* dst, const __half (&h)[4]) {
+  uint2 u;
+  u.x = static_cast<unsigned>(__half_as_ushort(h[0])) |
+        static_cast<unsigned>(__half_as_ushort(h[1])) << 16;
+  u.y = static_cast<unsigned>(__half_as_ushort(h[2])) |
+        static_cast<unsigned>(__half_as_ushort(h[3])) << 16;
+  *reinterpret_cast<uint2*>(dst) = u;
+}
+
 // norm_split_kernel's result with the row in registers: lane l holds the groups of 4
 // columns l, l + 32, ... (VECS of them; cols % 4 == 0, cols <= 128 VECS); x, weight, bias
 // and copy 16-byte aligned rows and groups for fp32, x 8-byte for fp16/bf16, hi and lo
@@ -95,19 +105,8 @@ norm_split_registers_kernel(NormSplitParams p) {
     __half hi[4], lo[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) split_half((v[q][e] - mean) * rstd * ws[e] + bs[e], hi[e], lo[e]);
-    uint2 h, l;
-    h.x = static_cast<unsigned>(__half_as_ushort(hi[0])) |
-          static_cast<unsigned>(__half_as_ushort(hi[1])) << 16;
-    h.y = static_cast<unsigned>(__half_as_ushort(hi[2])) |
-          static_cast<unsigned>(__half_as_ushort(hi[3])) << 16;
-    *reinterpret_cast<uint2*>(p.hi + base + c) = h;
-    if (p.lo) {
-      l.x = static_cast<unsigned>(__half_as_ushort(lo[0])) |
-            static_cast<unsigned>(__half_as_ushort(lo[1])) << 16;
-      l.y = static_cast<unsigned>(__half_as_ushort(lo[2])) |
-            static_cast<unsigned>(__half_as_ushort(lo[3])) << 16;
-      *reinterpret_cast<uint2*>(p.lo + base + c) = l;
-    }
+    store4(p.hi + base + c, hi);
+    if (p.lo) store4(p.lo + base + c, lo);
   }
 }
 
@@ -146,9 +145,8 @@ bool registers_apply(const NormSplitParams& p) {
 }
 
 template <typename T>
-LaunchResult launch_norm_split_registers(const NormSplitParams& p, cudaStream_t stream,
-                                         const char* name) {
-  const dim3 grid(row_blocks(p.rows)), block(kRowsPerBlock * 32);
+LaunchResult launch_norm_split_registers(const NormSplitParams& p, dim3 grid, dim3 block,
+                                         cudaStream_t stream, const char* name) {
   if (p.cols <= 128) {
     norm_split_registers_kernel<T, 1><<<grid, block, 0, stream>>>(p);
   } else if (p.cols <= 256) {
@@ -168,13 +166,14 @@ LaunchResult launch_norm_split(const NormSplitParams& p, cudaStream_t stream) {
   if (registers_apply(p)) {
     switch (p.x_type) {
       case DType::kFloat32:
-        return launch_norm_split_registers<float>(p, stream, "norm_split_registers_kernel<float>");
+        return launch_norm_split_registers<float>(p, grid, block, stream,
+                                                  "norm_split_registers_kernel<float>");
       case DType::kFloat16:
-        return launch_norm_split_registers<__half>(p, stream,
+        return launch_norm_split_registers<__half>(p, grid, block, stream,
                                                    "norm_split_registers_kernel<half>");
       case DType::kBFloat16:
         return launch_norm_split_registers<__nv_bfloat16>(
-            p, stream, "norm_split_registers_kernel<bfloat16>");
+            p, grid, block, stream, "norm_split_registers_kernel<bfloat16>");
     }
   }
   switch (p.x_type) {

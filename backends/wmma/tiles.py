@@ -70,6 +70,13 @@ class Tiles(NamedTuple):
     norm_ffn_out: bool = False
 
 
+def replaces_stream_tile(tile: int) -> bool:
+    """Whether tile may stand in for the 16-warp 128x128 stream variant (choose_tiles'
+    stream_tile): a stream variant holding 128 columns."""
+    variant = GEMM_TILES[tile]
+    return variant.kind == "stream" and variant.cols >= 128
+
+
 def pad16(n: int) -> int:
     """n rounded up to a multiple of 16 (the wmma fragment size)."""
     return -(-n // 16) * 16
@@ -156,10 +163,9 @@ def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
     where it applies, and their norm flags are set. stream_tile: the stream variant taken
     where gemm_tile and norm_gemm_tile would take the 16-warp 128x128 one (a stream variant
     holding 128 columns; anything else raises ValueError)."""
-    variant = GEMM_TILES[stream_tile]
-    if variant.kind != "stream" or variant.cols < 128:
-        raise ValueError(f"stream_tile {stream_tile} ({variant.name}) is not a stream variant "
-                         "holding 128 columns")
+    if not replaces_stream_tile(stream_tile):
+        raise ValueError(f"stream_tile {stream_tile} ({GEMM_TILES[stream_tile].name}) is not a "
+                         "stream variant holding 128 columns")
     def gemm(n: int, k: int, count: int = products) -> int:
         return gemm_tile(rows, n, k, multiprocessors, count, stream_tile)
 
