@@ -332,16 +332,29 @@ def test_fused_norms_match_separate(wmma_selected, number, dtype):
     assert report.passed, report.summary()
 
 
+def _attention_context(kernel, qkv, valid, *, batch, seq_len, heads, causal):
+    """The context [batch, seq_len, D] (hi + lo, fp32) of one attention call of kernel into
+    NaN-filled outputs, or a skip where the kernel does not run on this device."""
+    from layerbench.backends.wmma import attention as wmma_attention
+
+    device = qkv.device
+    ext = build.load(device)
+    if kernel not in wmma_attention.kernel_names(ext, device):
+        pytest.skip(f"{kernel}: the fragment-layout probe fails on this device")
+    d = qkv.shape[1] // 3
+    block_n = choose_tiles(1, d, d, d // heads, 1).attention_block_n
+    ctx = (torch.full((batch * seq_len, d), math.nan, device=device).half(),
+           torch.full((batch * seq_len, d), math.nan, device=device).half())
+    wmma_attention.attention(ext, qkv, ctx, valid, batch=batch, seq_len=seq_len,
+                             num_heads=heads, causal=causal, block_n=block_n, kernel=kernel)
+    return (ctx[0].float() + ctx[1].float()).view(batch, seq_len, d)
+
+
 def _attention_case(head_dim, causal, kernel, seq_len, batch=3, heads=2):
     """One attention call into NaN-filled outputs against fp32 attention. Sequence 0's first
     5 keys are invalid (causal: its rows 0-4 see no key), sequence 1 has a hole, sequence 2
     has no valid key at all: rows that see no key must be exactly 0."""
-    from layerbench.backends.wmma import attention as wmma_attention
-
     device = torch.device("cuda")
-    ext = build.load(device)
-    if kernel not in wmma_attention.kernel_names(ext, device):
-        pytest.skip(f"{kernel}: the fragment-layout probe fails on this device")
     d = heads * head_dim
     gen = torch.Generator(device=device).manual_seed(head_dim * 1000 + seq_len)
     qkv = torch.randn(batch * seq_len, 3 * d, generator=gen, device=device).half()
@@ -349,12 +362,8 @@ def _attention_case(head_dim, causal, kernel, seq_len, batch=3, heads=2):
     valid[0, :5] = 0
     valid[1, seq_len // 2:seq_len // 2 + 20] = 0
     valid[2] = 0
-    block_n = choose_tiles(1, d, d, head_dim, 1).attention_block_n
-    ctx = (torch.full((batch * seq_len, d), math.nan, device=device).half(),
-           torch.full((batch * seq_len, d), math.nan, device=device).half())
-    wmma_attention.attention(ext, qkv, ctx, valid, batch=batch, seq_len=seq_len,
-                             num_heads=heads, causal=causal, block_n=block_n, kernel=kernel)
-    got = (ctx[0].float() + ctx[1].float()).view(batch, seq_len, d)
+    got = _attention_context(kernel, qkv, valid, batch=batch, seq_len=seq_len, heads=heads,
+                             causal=causal)
     expected = packed_attention(qkv, valid, batch=batch, seq_len=seq_len, heads=heads,
                                 causal=causal)[0]
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-2)
@@ -392,12 +401,7 @@ def test_attention_kernel_lengths(wmma_selected, head_dim, seq_len, causal, kern
 def test_attention_rows_without_keys_ignore_masked_values(wmma_selected, head_dim, kernel):
     """A row that sees no key gives exactly 0 even where the masked keys' values are infinite
     (their products with probability 0 are NaN); causal, the first 5 keys masked."""
-    from layerbench.backends.wmma import attention as wmma_attention
-
     device = torch.device("cuda")
-    ext = build.load(device)
-    if kernel not in wmma_attention.kernel_names(ext, device):
-        pytest.skip(f"{kernel}: the fragment-layout probe fails on this device")
     seq_len, heads = 150, 2
     d = heads * head_dim
     gen = torch.Generator(device=device).manual_seed(head_dim)
@@ -405,12 +409,8 @@ def test_attention_rows_without_keys_ignore_masked_values(wmma_selected, head_di
     qkv[:5, 2 * d:] = math.inf  # V of the masked keys
     valid = torch.ones(1, seq_len, dtype=torch.uint8, device=device)
     valid[0, :5] = 0
-    ctx = (torch.full((seq_len, d), math.nan, device=device).half(),
-           torch.full((seq_len, d), math.nan, device=device).half())
-    block_n = choose_tiles(1, d, d, head_dim, 1).attention_block_n
-    wmma_attention.attention(ext, qkv, ctx, valid, batch=1, seq_len=seq_len, num_heads=heads,
-                             causal=True, block_n=block_n, kernel=kernel)
-    got = ctx[0].float() + ctx[1].float()
+    got = _attention_context(kernel, qkv, valid, batch=1, seq_len=seq_len, heads=heads,
+                             causal=True)[0]
     assert torch.equal(got[:5], torch.zeros_like(got[:5]))
 
 
@@ -689,7 +689,7 @@ def test_stream_tiles_pass(wmma_selected, stream_tile, products):
     _, x, mask, expected = _layer_and_reference(cfg)
     layer = WmmaBackend(linear_products=products, stream_tile=stream_tile).build(
         cfg, _layer_and_reference.model.state_dict(), device="cuda")
-    tiles = choose_tiles(cfg.batch * cfg.seq_len, 128, 512, 32, sms, fuse_norms=True,
+    tiles = choose_tiles(cfg.batch_size * cfg.seq_len, 128, 512, 32, sms, fuse_norms=True,
                          products=products, stream_tile=layer.plan.stream_tile)
     assert GEMM_TILES[tiles.qkv].name == stream_tile and tiles.norm_out_proj
     assert tiles.out_proj == layer.plan.stream_tile
