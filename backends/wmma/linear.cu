@@ -51,6 +51,14 @@ using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
 constexpr int kScratchLd = 20;                     // floats per row of a warp's 16x16 scratch
 constexpr int kScratchBytes = 16 * kScratchLd * 4;  // 1280: a multiple of 32 (wmma alignment)
+
+// The fragment row (lane % 16) and first of the 8 columns ((lane / 16) * 8) whose values a
+// lane reads back from the scratch: lanes l and l + 16 share a row. A quarter warp's 16-byte
+// reads then cover 8 rows at 20-float strides, 8 distinct bank groups (lane / 2 and
+// (lane % 2) * 8 put two of its reads on one group).
+__device__ __forceinline__ int value_row(int lane) { return lane % 16; }
+__device__ __forceinline__ int value_col(int lane) { return (lane / 16) * 8; }
+constexpr int kRowPartner = 16;  // lane ^ kRowPartner holds the other half of a lane's row
 constexpr int kStreamMaxK = 128;                   // linear_stream keeps K whole in one stage
 
 // Operand parts held in shared memory: activations hi (+ lo from two products on), weight hi
@@ -311,14 +319,14 @@ __device__ __forceinline__ void store_row(const LinearParams& p, int64_t row, in
 
 // This lane's values of FN accumulator fragments side by side, the first at output column
 // col0, read one at a time through the warp's scratch (16 x kScratchLd floats): lane l owns
-// fragment row l / 2 and in each fragment j the 8 columns col0 + 16 j + 8 (l % 2) + [0, 8),
-// v[j] = accumulator + bias[j]. Fragments that start past N give 0 (warp-uniform).
+// fragment row value_row(l) and in each fragment j the 8 columns col0 + 16 j + value_col(l)
+// + [0, 8), v[j] = accumulator + bias[j]. Fragments that start past N give 0 (warp-uniform).
 template <int FN>
 __device__ __forceinline__ void fragment_values(const LinearParams& p, float* scratch,
                                                 const FragC (&acc)[FN], int col0,
                                                 const float (&bias)[FN][8], float (&v)[FN][8]) {
   const int lane = threadIdx.x % 32;
-  const int r = lane / 2, c = (lane % 2) * 8;
+  const int r = value_row(lane), c = value_col(lane);
 #pragma unroll
   for (int j = 0; j < FN; ++j) {
     if (col0 + 16 * j >= p.N) {
@@ -339,7 +347,7 @@ __device__ __forceinline__ void fragment_values(const LinearParams& p, float* sc
 }
 
 // The warp writes FN accumulator fragments side by side, the first at (row0, col0) of the
-// output (fragment_values: lane l writes row row0 + l / 2). The caller skips rows of
+// output (fragment_values: lane l writes row row0 + value_row(l)). The caller skips rows of
 // fragments that start past M.
 template <int FN>
 __device__ __forceinline__ void store_fragments(const LinearParams& p, int epilogue, bool vec,
@@ -347,7 +355,7 @@ __device__ __forceinline__ void store_fragments(const LinearParams& p, int epilo
                                                 int64_t row0, int col0,
                                                 const float (&bias)[FN][8]) {
   const int lane = threadIdx.x % 32;
-  const int r = lane / 2, c = (lane % 2) * 8;
+  const int r = value_row(lane), c = value_col(lane);
   float v[FN][8];
   fragment_values<FN>(p, scratch, acc, col0, bias, v);
   const int64_t row = row0 + r;
@@ -447,8 +455,8 @@ __device__ __forceinline__ void norm_epilogue(const LinearParams& p, const Linea
   constexpr bool kRing = 2 * FM > kScratchLd - 16;  // else one slot per partial of the tile
   constexpr int kPeerStride = kScratchBytes / 4;  // floats from one warp's scratch to the next
   const int lane = threadIdx.x % 32;
-  const int r = lane / 2;
-  const int col = col0 + (lane % 2) * 8;
+  const int r = value_row(lane);
+  const int col = col0 + value_col(lane);
   const int slot = r * kScratchLd + 16;  // this lane's row's first padding column
   const bool vec_out = vec && ((reinterpret_cast<uintptr_t>(q.out) |
                                 reinterpret_cast<uintptr_t>(q.lo)) & 15) == 0;
@@ -472,16 +480,16 @@ __device__ __forceinline__ void norm_epilogue(const LinearParams& p, const Linea
       }
     }
 
-    // Pass 1: the row sum (the lane pair, then the warps sharing the row) -> mean.
+    // Pass 1: the row sum (the two lanes of the row, then the warps sharing it) -> mean.
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < FN; ++j)
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum += o[j][e];
-    sum += __shfl_xor_sync(kFullMask, sum, 1);
+    sum += __shfl_xor_sync(kFullMask, sum, kRowPartner);
     const int sums = kRing ? slot + 2 * (i % 2) : slot + i;
     const int squares = kRing ? sums + 1 : slot + FM + i;
-    if (lane % 2 == 0) scratch[sums] = sum;
+    if (lane < kRowPartner) scratch[sums] = sum;
     __syncthreads();
     sum = 0.f;
 #pragma unroll
@@ -498,8 +506,8 @@ __device__ __forceinline__ void norm_epilogue(const LinearParams& p, const Linea
         if (col + 16 * j + e < p.N) sq += d * d;
       }
     }
-    sq += __shfl_xor_sync(kFullMask, sq, 1);
-    if (lane % 2 == 0) scratch[squares] = sq;
+    sq += __shfl_xor_sync(kFullMask, sq, kRowPartner);
+    if (lane < kRowPartner) scratch[squares] = sq;
     __syncthreads();
     sq = 0.f;
 #pragma unroll
@@ -694,7 +702,7 @@ linear_tiled(LinearParams p, int epilogue) {
     const int col0 = n0 + (wn * T::kFragsN + j) * 16;
     if (col0 >= p.N) break;
     float bias[1][8];
-    load_bias(p, col0 + threadIdx.x % 2 * 8, bias[0]);
+    load_bias(p, col0 + value_col(threadIdx.x % 32), bias[0]);
 #pragma unroll
     for (int i = 0; i < T::kFragsM; ++i) {
       const int64_t row0 = m0 + (wm * T::kFragsM + i) * 16;
@@ -814,7 +822,7 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
   if constexpr (!NORM) {
 #pragma unroll
     for (int j = 0; j < T::kFragsN; ++j)
-      load_bias(p, col0 + 16 * j + threadIdx.x % 2 * 8, bias[j]);
+      load_bias(p, col0 + 16 * j + value_col(threadIdx.x % 32), bias[j]);
   }
 
   const __half* w_warp = w_s + wn * T::kFragsN * 16 * ld;
