@@ -41,3 +41,26 @@ def test_no_local_memory(sass_rows):
     """No kernel spills registers or uses local memory."""
     offenders = [row["kernel"] for row in sass_rows if wmma_sass.problems(row)]
     assert not offenders, offenders
+
+
+def test_forward_kernels_wait_for_the_kernel_before_them(sass_rows):
+    """Every forward kernel waits for the kernel before it (griddepcontrol.wait: ACQBULK)
+    before any global memory access and lets the next one launch (PREEXIT), as programmatic
+    dependent launches need; the probe and ceiling kernels, launched on their own, do not."""
+    forward = [row for row in sass_rows if row["forward"]]
+    assert forward and len(forward) < len(sass_rows)
+    for row in forward:
+        assert row["dependency_wait"] >= 1 and row["dependents_launch"] >= 1, row["kernel"]
+        assert row["global_before_wait"] == 0, row["kernel"]
+    for row in sass_rows:
+        if not row["forward"]:
+            assert row["dependency_wait"] == 0, row["kernel"]
+
+
+def test_global_accesses_before_the_wait_are_counted():
+    """global_before_wait counts global and generic accesses (not shared ones) up to the
+    first ACQBULK, and all of them in a body without one."""
+    body = ("  /*0010*/  LDS R2, [R3] ;\n  /*0020*/  @P0 LDG.E R4, desc[UR4][R6.64] ;\n"
+            "  /*0030*/  ACQBULK ;\n  /*0040*/  STG.E [R6.64], R4 ;\n")
+    assert wmma_sass.global_before_wait(body) == 1
+    assert wmma_sass.global_before_wait(body.replace("ACQBULK", "NOP")) == 2

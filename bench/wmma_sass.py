@@ -20,12 +20,28 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass import kernels  # noqa: E402
+from sass import functions, kernels  # noqa: E402
 
 from layerbench.backends.wmma import build  # noqa: E402
 
 # Sources whose every kernel multiplies on the tensor cores (norm.cu has none).
 TENSOR_CORE_SOURCES = ("linear.cu", "attention.cu", "block.cu", "peak.cu")
+# Kernels outside the forward (launched on their own, never as programmatic dependents).
+STANDALONE_KERNELS = ("attention_layout_probe_kernel", "mma_peak_kernel")
+# Instructions that touch global memory (or generic addresses, which may be global).
+GLOBAL_ACCESS = re.compile(r"\b(?:LDG|STG|LDGSTS|ATOMG|RED|LD|ST)\.")
+WAIT = re.compile(r"\bACQBULK\b")  # griddepcontrol.wait
+
+
+def global_before_wait(body: str) -> int:
+    """Global (or generic) memory instructions of a SASS body before its first
+    griddepcontrol.wait; all of them where it has none."""
+    count = 0
+    for line in body.splitlines():
+        if WAIT.search(line):
+            return count
+        count += bool(GLOBAL_ACCESS.search(line))
+    return count
 
 
 def short_name(mangled: str) -> str:
@@ -52,20 +68,31 @@ def rows(arch: str = "90", objects: Path | None = None) -> list[dict]:
                 obj = Path(tmp) / obj.name
                 subprocess.run(build.nvcc_command(build.SOURCE_DIR / source, arch, obj),
                                check=True, capture_output=True, text=True)
-            for name, info in sorted(kernels(obj).items()):
-                found.append({"source": source, "kernel": short_name(name), "mangled": name,
-                              "needs_mma": source in TENSOR_CORE_SOURCES, **info})
+            bodies = functions(obj)
+            for name, info in sorted(kernels(obj, bodies).items()):
+                kernel = short_name(name)
+                found.append({"source": source, "kernel": kernel, "mangled": name, "arch": arch,
+                              "needs_mma": source in TENSOR_CORE_SOURCES,
+                              "forward": not kernel.startswith(STANDALONE_KERNELS),
+                              "global_before_wait": global_before_wait(bodies.get(name, "")),
+                              **info})
     return found
 
 
 def problems(row: dict) -> list[str]:
-    """What a kernel lacks: no local memory, and HMMA where it multiplies."""
+    """What a kernel lacks: no local memory, HMMA where it multiplies, and (sm_90 forward
+    kernels) the wait for the kernel before it ahead of any global memory access."""
     found = []
     if row["stack_bytes"] or row["spill_stores"] or row["local_loads"]:
         found.append(f"local memory: {row['stack_bytes']} bytes, {row['spill_stores']} STL, "
                      f"{row['local_loads']} LDL")
     if row["needs_mma"] and not row["HMMA"]:
         found.append("no HMMA")
+    if row.get("arch") == "90" and row["forward"]:
+        if not row["dependency_wait"] or not row["dependents_launch"]:
+            found.append("no griddepcontrol wait or launch_dependents")
+        elif row["global_before_wait"]:
+            found.append(f"{row['global_before_wait']} global accesses before the wait")
     return found
 
 

@@ -280,15 +280,16 @@ def precision(shapes, products_list, rounds, padding):
 PLAN_OPTIONS = {"norms": ("fuse_norms", True, False), "ffn": ("fuse_ffn", True, False),
                 "resident": ("stream_tile", "stream 128x128 8w resident", "stream 128x128 16w"),
                 "narrow": ("stream_tile", "stream 64x128 8w", "stream 128x128 16w"),
-                "norm-registers": ("norm_in_registers", True, False)}
+                "norm-registers": ("norm_in_registers", True, False),
+                "pdl": ("pdl", True, False)}
 
 
 def plans(shapes, rounds, padding, plan="norms"):
     """The layer with one plan option on against off (norms: LayerNorms in the GEMM
     epilogues; ffn: the ffn_block kernel; resident / narrow: the resident-weight or the
     64x128 stream tile in place of the 16-warp 128x128 one; norm-registers: norm_split's
-    row-in-registers kernel): median ms of each (alternating rounds) and both error/allowed
-    ratios."""
+    row-in-registers kernel; pdl: programmatic dependent launches): median ms of each
+    (alternating rounds) and both error/allowed ratios."""
     device = torch.device("cuda")
     option, on_value, off_value = PLAN_OPTIONS[plan]
     fixed = {"fuse_ffn": False} if plan == "norms" else {}  # norms: the separate GEMMs

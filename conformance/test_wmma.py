@@ -723,3 +723,34 @@ def test_ffn_block_widths_and_rows(wmma_selected, cfg, dtype, products):
         layer(x, mask, out=out)
     report = compare(out, expected)
     assert report.passed, report.summary()
+
+
+@needs_gpu
+@pytest.mark.parametrize("fuse_ffn", [True, False], ids=["ffn-block", "separate"])
+@pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
+def test_programmatic_launches_give_the_same_bits(wmma_selected, number, fuse_ffn):
+    """With pdl (each forward kernel a programmatic dependent of the one before it) the layer
+    gives the bits of ordinary launches, eager, captured and replayed, and keeps the
+    contract; the thread's launch setting is restored after each forward."""
+    from layerbench.common.shapes import CI
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        with pytest.raises(Unsupported, match="sm_90"):
+            WmmaBackend(pdl=True).build(CI[number].config, {}, device="cuda")
+        return
+    cfg = CI[number].config
+    _, x, mask, expected = _layer_and_reference(cfg)
+    state = _layer_and_reference.model.state_dict()
+    plain = WmmaBackend(fuse_ffn=fuse_ffn, pdl=False).build(cfg, state, device="cuda")
+    layer = WmmaBackend(fuse_ffn=fuse_ffn, pdl=True).build(cfg, state, device="cuda")
+    assert layer.plan.pdl and not plain.plan.pdl
+    assert WmmaBackend(pdl=None).build(cfg, state, device="cuda").plan.pdl
+    with torch.no_grad():
+        want = plain(x, mask).clone()
+        for _ in range(3):  # eager, captured, replayed
+            got = layer(x, mask)
+            assert torch.equal(got, want)
+            report = compare(got, expected)
+            assert report.passed, report.summary()
+            assert layer.ext.set_programmatic_launches(False) is False
+    assert layer.graphed.graphs

@@ -2,6 +2,8 @@
 time (split fp16 linears, register-resident flash attention, fp32 LayerNorm/softmax/residual)."""
 from __future__ import annotations
 
+import torch
+
 from layerbench.common.cuda_host import capability_shortfall, max_shared_memory_per_block
 from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
@@ -30,7 +32,8 @@ class WmmaBackend(Backend):
 
     def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool | None = None,
                  linear_products: int | None = None, fuse_norms: bool = True,
-                 stream_tile: str = "stream 128x128 16w", norm_in_registers: bool = False):
+                 stream_tile: str = "stream 128x128 16w", norm_in_registers: bool = False,
+                 pdl: bool | None = False):
         # norm_qkv is off by default: on an H200 the separate kernels run every official
         # shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
@@ -54,6 +57,10 @@ class WmmaBackend(Backend):
         self.stream_tile = names.index(stream_tile)
         # norm_split reading each row once into registers (see norm.norm_split); not yet timed.
         self.norm_in_registers = norm_in_registers
+        # programmatic dependent launches (Plan.pdl): None on from sm_90, True requires
+        # sm_90, False (the default; not yet timed on a GPU) launches each kernel after the
+        # one before it has finished
+        self.pdl = pdl
 
     def unavailable_reason(self, device):
         """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
@@ -93,8 +100,14 @@ class WmmaBackend(Backend):
                     and block.fits(config.d_model, config.ffn_dim, products)
                     and (limit is None
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
+        programmatic = torch.cuda.get_device_capability(device)[0] >= 9
+        if self.pdl and not programmatic:
+            major, minor = torch.cuda.get_device_capability(device)
+            raise Unsupported(f"wmma: pdl: programmatic dependent launch needs sm_90 or newer, "
+                              f"not sm_{major}{minor}")
         plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
                     products, self.fuse_norms, ffn_auto=self.fuse_ffn is None,
                     large_call_products=large, stream_tile=self.stream_tile,
-                    norm_in_registers=self.norm_in_registers)
+                    norm_in_registers=self.norm_in_registers,
+                    pdl=programmatic if self.pdl is None else self.pdl)
         return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

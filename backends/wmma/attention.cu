@@ -69,6 +69,7 @@ __device__ __forceinline__ void load_rows(__half* dst, int ld, const AttentionPa
 // layout(head_pad, BLOCK_N).bytes.
 template <int BLOCK_N>
 __global__ void __launch_bounds__(kThreads) attention_kernel(AttentionParams p) {
+  start_after_previous();
   constexpr int kKeyFrags = BLOCK_N / 16;
   constexpr int kPerLane = BLOCK_N / 2;     // score columns per lane in the softmax
   extern __shared__ __align__(128) unsigned char smem[];
@@ -220,8 +221,7 @@ LaunchResult launch(const AttentionParams& p, cudaStream_t stream, const char* n
   }
   const dim3 grid(static_cast<unsigned>(p.batch * p.heads),
                   static_cast<unsigned>((p.seq_len + kBlockM - 1) / kBlockM));
-  attention_kernel<BLOCK_N><<<grid, kThreads, bytes, stream>>>(p);
-  return {cudaGetLastError(), name};
+  return {launch_kernel(attention_kernel<BLOCK_N>, grid, dim3(kThreads), bytes, stream, p), name};
 }
 
 
@@ -538,6 +538,7 @@ __device__ __forceinline__ void flash_block(
 template <int HP, int MF, int WARPS, int BN, bool EXACT>
 __global__ void __launch_bounds__(WARPS * 32, (FlashCfg<HP, MF, WARPS, BN>::kMinBlocks))
     flash_attention_kernel(AttentionParams p, int q_blocks) {
+  start_after_previous();
   using C = FlashCfg<HP, MF, WARPS, BN>;
   constexpr int DF = C::kDF, Ld = C::kLd, MW = C::kMaskWords;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -721,9 +722,9 @@ LaunchResult launch_flash(const AttentionParams& p, cudaStream_t stream, const c
   const int64_t rows = (heads + per_row - 1) / per_row;
   if (rows > 65535) return {cudaErrorInvalidConfiguration, name};
   const dim3 grid(static_cast<unsigned>(per_row * q_blocks), static_cast<unsigned>(rows));
-  flash_attention_kernel<HP, MF, WARPS, BN, EXACT>
-      <<<grid, C::kThreads, C::kBytes, stream>>>(p, static_cast<int>(q_blocks));
-  return {cudaGetLastError(), name};
+  return {launch_kernel(flash_attention_kernel<HP, MF, WARPS, BN, EXACT>, grid,
+                        dim3(C::kThreads), C::kBytes, stream, p, static_cast<int>(q_blocks)),
+          name};
 }
 
 struct FlashInstance {

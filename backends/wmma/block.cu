@@ -45,6 +45,7 @@ __host__ __device__ inline QkvLayout qkv_layout(int k) {
 // shared qkv_layout(K).bytes.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) norm_qkv_kernel(NormQkvParams p) {
+  start_after_previous();
   extern __shared__ __align__(128) unsigned char smem[];
   const QkvLayout L = qkv_layout(p.K);
   __half* a_s = reinterpret_cast<__half*>(smem + L.a);
@@ -222,6 +223,7 @@ __device__ __forceinline__ void store_as(void* out, DType type, int64_t i, float
 // LayerNorm run on one warp, a lane holding columns lane + 32 i; a warp's rows unrolled.
 template <int PRODUCTS>
 __global__ void __launch_bounds__(kFfnWarps * 32, 1) ffn_block_kernel(FfnBlockParams p) {
+  start_after_previous();
   extern __shared__ __align__(128) unsigned char smem[];
   const FfnLayout L = ffn_layout(p.D, p.F);
   __half* p_hi = reinterpret_cast<__half*>(smem + L.p_hi);
@@ -356,8 +358,7 @@ LaunchResult launch_qkv(const NormQkvParams& p, cudaStream_t stream, const char*
   if (err != cudaSuccess) return {err, name};
   const dim3 grid(static_cast<unsigned>((p.M + kQkvRows - 1) / kQkvRows),
                   static_cast<unsigned>((p.N + kQkvCols - 1) / kQkvCols));
-  norm_qkv_kernel<T><<<grid, kThreads, bytes, stream>>>(p);
-  return {cudaGetLastError(), name};
+  return {launch_kernel(norm_qkv_kernel<T>, grid, dim3(kThreads), bytes, stream, p), name};
 }
 
 template <int PRODUCTS>
@@ -366,8 +367,8 @@ LaunchResult launch_ffn(const FfnBlockParams& p, cudaStream_t stream, const char
   cudaError_t err = allow_shared(ffn_block_kernel<PRODUCTS>, bytes);
   if (err != cudaSuccess) return {err, name};
   const dim3 grid(static_cast<unsigned>((p.M + kFfnRows - 1) / kFfnRows));
-  ffn_block_kernel<PRODUCTS><<<grid, kFfnWarps * 32, bytes, stream>>>(p);
-  return {cudaGetLastError(), name};
+  return {launch_kernel(ffn_block_kernel<PRODUCTS>, grid, dim3(kFfnWarps * 32), bytes, stream, p),
+          name};
 }
 
 }  // namespace

@@ -189,7 +189,44 @@ LaunchResult launch_norm_qkv(const NormQkvParams& p, cudaStream_t stream);
 LaunchResult launch_ffn_block(const FfnBlockParams& p, cudaStream_t stream);
 int ffn_block_smem_bytes(int d_model, int ffn_dim);      // dynamic shared memory of one block
 
+// Whether this host thread launches the forward kernels as programmatic dependents of the
+// kernel before them in the stream (sm_90 on): each may begin launching while that kernel
+// runs and waits for it in start_after_previous. Set by the bindings (ops.cpp).
+bool programmatic_launches();
+
 #ifdef __CUDACC__
+
+// kernel<<<grid, block, smem_bytes, stream>>>(args...), as a programmatic dependent launch
+// where programmatic_launches() holds (also inside a stream capture: the graph keeps the
+// edge); the launch's error, else the last pending one.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
+                          cudaStream_t stream, const Args&... args) {
+  cudaLaunchAttribute programmatic;
+  programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  programmatic.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  config.stream = stream;
+  const bool on = programmatic_launches();
+  config.attrs = on ? &programmatic : nullptr;
+  config.numAttrs = on ? 1 : 0;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args...);
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
+
+// The first statement of every forward kernel, before any global memory access: wait until
+// the kernel before it in the stream has finished and its writes are visible, then let the
+// next kernel begin launching (griddepcontrol). Nothing to wait for in an ordinary launch;
+// compiled to nothing below sm_90.
+__device__ __forceinline__ void start_after_previous() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
 
 constexpr unsigned kFullMask = 0xffffffffu;
 

@@ -2,6 +2,7 @@
 chunks and launches the kernels block by block (replayed from a CUDA graph where it can)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,9 @@ class Plan:
     stream_tile: the stream GEMM variant (a tiles.GEMM_TILES index) taken where the 16-warp
     128x128 one would be (tiles.choose_tiles).
     norm_in_registers: norm_split's kernel that reads each row once into registers.
+    pdl: every kernel of the forward launches as a programmatic dependent of the one before
+    it (sm_90 on): it may begin launching while that kernel runs, and waits for it before
+    touching memory; the replayed CUDA graph keeps these edges.
     """
     fuse_qkv: bool
     fuse_ffn: bool
@@ -49,6 +53,7 @@ class Plan:
     large_call_products: int | None = None
     stream_tile: int = STREAM_128x128
     norm_in_registers: bool = False
+    pdl: bool = False
 
     def products_for(self, tokens: int) -> int:
         """fp16 products of out_proj and the FFN in a forward of this many tokens:
@@ -70,6 +75,17 @@ class Plan:
         """Whether every call runs ffn_block (then no call needs the hidden-row buffers)."""
         return (self.fuse_ffn and not self.ffn_auto
                 and self.weight_products() in FFN_BLOCK_PRODUCTS)
+
+
+@contextmanager
+def programmatic_launches(ext, on: bool):
+    """Within the block, this thread launches the forward kernels as programmatic dependents
+    where on (ext.set_programmatic_launches); the previous setting comes back after it."""
+    previous = ext.set_programmatic_launches(on)
+    try:
+        yield
+    finally:
+        ext.set_programmatic_launches(previous)
 
 
 def ffn_block_pays(rows: int, multiprocessors: int) -> bool:
@@ -175,7 +191,9 @@ class WmmaLayer(BuiltLayer):
         def run_chunk(b0, b1, x2, out2, work):
             self._run(x2, None if valid is None else valid[b0:b1], out2, b1 - b0, s, work,
                       products)
-        run_in_chunks(x, out, self.chunks(b, s), workspace(self.config, self.plan), run_chunk)
+        with programmatic_launches(self.ext, self.plan.pdl):
+            run_in_chunks(x, out, self.chunks(b, s), workspace(self.config, self.plan),
+                          run_chunk)
         return out
 
     def _run(self, x2, valid, out2, batch, s, work, products):

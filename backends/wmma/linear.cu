@@ -569,6 +569,7 @@ template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES, int PROD
           bool PIPELINED>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MINB)
 linear_tiled(LinearParams p, int epilogue) {
+  start_after_previous();
   using T = Tiled<BM, BN, WARPS_M, WARPS_N, BK, STAGES, PRODUCTS>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __half* smem = reinterpret_cast<__half*>(smem_raw);
@@ -746,6 +747,7 @@ template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int PRODUCTS, in
           bool NORM, bool RESIDENT_B>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MINB)
 linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
+  start_after_previous();
   using T = Stream<BM, BN, WARPS_M, WARPS_N, STAGES, PRODUCTS>;
   static_assert(!RESIDENT_B || PRODUCTS <= 2, "resident weight fragments: the hi part only");
   constexpr int kSteps = kStreamMaxK / 16;  // k steps at most
@@ -981,8 +983,9 @@ LaunchResult launch_tiled(const LinearParams& p, Epilogue epilogue, cudaStream_t
   if (err != cudaSuccess) return {err, name};
   const dim3 grid(static_cast<unsigned>((p.M + V::BM - 1) / V::BM),
                   static_cast<unsigned>((p.N + V::BN - 1) / V::BN));
-  kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p, static_cast<int>(epilogue));
-  return {cudaGetLastError(), name};
+  return {launch_kernel(kernel, grid, dim3(T::kThreads), T::kSmemBytes, stream, p,
+                        static_cast<int>(epilogue)),
+          name};
 }
 
 template <class V, int PRODUCTS, bool NORM>
@@ -1020,9 +1023,9 @@ LaunchResult launch_stream_kernel(const LinearParams& p, const LinearNormParams&
   int64_t ctas = static_cast<int64_t>(dev.sms) * cached_per_sm / slices * slices;
   if (ctas < slices) ctas = slices;
   if (ctas > work) ctas = work;
-  kernel<<<static_cast<unsigned>(ctas), T::kThreads, bytes, stream>>>(
-      p, static_cast<int>(epilogue), norm);
-  return {cudaGetLastError(), name};
+  return {launch_kernel(kernel, dim3(static_cast<unsigned>(ctas)), dim3(T::kThreads), bytes,
+                        stream, p, static_cast<int>(epilogue), norm),
+          name};
 }
 
 // The stream variant V; with a norm its norm epilogue, which needs a residual epilogue, two

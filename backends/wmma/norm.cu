@@ -12,6 +12,7 @@ constexpr int kRowsPerBlock = 8;  // warps per block, one row each
 // NormSplitParams: x [rows, cols] (T) -> hi, lo [rows, cols] fp16, copy [rows, cols] fp32.
 template <typename T>
 __global__ void __launch_bounds__(kRowsPerBlock * 32) norm_split_kernel(NormSplitParams p) {
+  start_after_previous();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= p.rows) return;
@@ -63,6 +64,7 @@ __device__ __forceinline__ void store4(__half* dst, const __half (&h)[4]) {
 template <typename T, int VECS>
 __global__ void __launch_bounds__(kRowsPerBlock * 32)
 norm_split_registers_kernel(NormSplitParams p) {
+  start_after_previous();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= p.rows) return;
@@ -113,6 +115,7 @@ norm_split_registers_kernel(NormSplitParams p) {
 // NormOutParams: x [rows, cols] fp32 -> out [rows, cols] (T); rows with valid 0 are 0.
 template <typename T>
 __global__ void __launch_bounds__(kRowsPerBlock * 32) norm_out_kernel(NormOutParams p) {
+  start_after_previous();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= p.rows) return;
@@ -147,16 +150,11 @@ bool registers_apply(const NormSplitParams& p) {
 template <typename T>
 LaunchResult launch_norm_split_registers(const NormSplitParams& p, dim3 grid, dim3 block,
                                          cudaStream_t stream, const char* name) {
-  if (p.cols <= 128) {
-    norm_split_registers_kernel<T, 1><<<grid, block, 0, stream>>>(p);
-  } else if (p.cols <= 256) {
-    norm_split_registers_kernel<T, 2><<<grid, block, 0, stream>>>(p);
-  } else if (p.cols <= 512) {
-    norm_split_registers_kernel<T, 4><<<grid, block, 0, stream>>>(p);
-  } else {
-    norm_split_registers_kernel<T, 8><<<grid, block, 0, stream>>>(p);
-  }
-  return {cudaGetLastError(), name};
+  auto kernel = p.cols <= 128   ? norm_split_registers_kernel<T, 1>
+                : p.cols <= 256 ? norm_split_registers_kernel<T, 2>
+                : p.cols <= 512 ? norm_split_registers_kernel<T, 4>
+                                : norm_split_registers_kernel<T, 8>;
+  return {launch_kernel(kernel, grid, block, 0, stream, p), name};
 }
 
 }  // namespace
@@ -178,14 +176,14 @@ LaunchResult launch_norm_split(const NormSplitParams& p, cudaStream_t stream) {
   }
   switch (p.x_type) {
     case DType::kFloat32:
-      norm_split_kernel<float><<<grid, block, 0, stream>>>(p);
-      return {cudaGetLastError(), "norm_split_kernel<float>"};
+      return {launch_kernel(norm_split_kernel<float>, grid, block, 0, stream, p),
+              "norm_split_kernel<float>"};
     case DType::kFloat16:
-      norm_split_kernel<__half><<<grid, block, 0, stream>>>(p);
-      return {cudaGetLastError(), "norm_split_kernel<half>"};
+      return {launch_kernel(norm_split_kernel<__half>, grid, block, 0, stream, p),
+              "norm_split_kernel<half>"};
     case DType::kBFloat16:
-      norm_split_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(p);
-      return {cudaGetLastError(), "norm_split_kernel<bfloat16>"};
+      return {launch_kernel(norm_split_kernel<__nv_bfloat16>, grid, block, 0, stream, p),
+              "norm_split_kernel<bfloat16>"};
   }
   return {cudaErrorInvalidValue, "norm_split_kernel (unknown input type)"};
 }
@@ -194,14 +192,14 @@ LaunchResult launch_norm_out(const NormOutParams& p, cudaStream_t stream) {
   const dim3 grid(row_blocks(p.rows)), block(kRowsPerBlock * 32);
   switch (p.out_type) {
     case DType::kFloat32:
-      norm_out_kernel<float><<<grid, block, 0, stream>>>(p);
-      return {cudaGetLastError(), "norm_out_kernel<float>"};
+      return {launch_kernel(norm_out_kernel<float>, grid, block, 0, stream, p),
+              "norm_out_kernel<float>"};
     case DType::kFloat16:
-      norm_out_kernel<__half><<<grid, block, 0, stream>>>(p);
-      return {cudaGetLastError(), "norm_out_kernel<half>"};
+      return {launch_kernel(norm_out_kernel<__half>, grid, block, 0, stream, p),
+              "norm_out_kernel<half>"};
     case DType::kBFloat16:
-      norm_out_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(p);
-      return {cudaGetLastError(), "norm_out_kernel<bfloat16>"};
+      return {launch_kernel(norm_out_kernel<__nv_bfloat16>, grid, block, 0, stream, p),
+              "norm_out_kernel<bfloat16>"};
   }
   return {cudaErrorInvalidValue, "norm_out_kernel (unknown output type)"};
 }

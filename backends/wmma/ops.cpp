@@ -331,7 +331,21 @@ void mma_peak(const Tensor& out, int64_t blocks, int64_t threads, int64_t iters)
                                     current_stream()));
 }
 
+// This thread's programmatic launch setting (lbw::programmatic_launches).
+thread_local bool programmatic = false;
+
+// Sets it; returns the previous value.
+bool set_programmatic_launches(bool on) {
+  const bool previous = programmatic;
+  programmatic = on;
+  return previous;
+}
+
 }  // namespace
+
+namespace lbw {
+bool programmatic_launches() { return programmatic; }
+}  // namespace lbw
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "layerbench wmma kernels";
@@ -357,6 +371,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out_proj, residual, norm2, FFN, residual (and a norm of the output rows) for whole rows");
   m.def("ffn_block_smem_bytes", &lbw::ffn_block_smem_bytes,
         "dynamic shared memory of one ffn_block block");
+  m.def("set_programmatic_launches", &set_programmatic_launches,
+        "launch the forward kernels of this thread as programmatic dependents (sm_90 on); "
+        "returns the previous setting");
   m.def("mma_peak", &mma_peak, "register-resident wmma products only: the device's ceiling");
   m.def("mma_peak_chains", []() { return lbw::kPeakChains; },
         "independent accumulators per warp in mma_peak");
