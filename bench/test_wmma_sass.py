@@ -37,8 +37,10 @@ def test_tensor_core_kernels_issue_hmma(sass_rows):
             assert row["HMMA"] > 0 and row["LDSM"] > 0, row["kernel"]
 
 
-def test_no_local_memory(sass_rows):
-    """No kernel spills registers or uses local memory."""
+def test_no_kernel_has_a_problem(sass_rows):
+    """No kernel spills registers or uses local memory, lacks HMMA where it multiplies, or
+    (a forward kernel) touches global memory before waiting for the kernel before it
+    (wmma_sass.problems)."""
     offenders = [row["kernel"] for row in sass_rows if wmma_sass.problems(row)]
     assert not offenders, offenders
 

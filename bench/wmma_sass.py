@@ -29,7 +29,8 @@ TENSOR_CORE_SOURCES = ("linear.cu", "attention.cu", "block.cu", "peak.cu")
 # Kernels outside the forward (launched on their own, never as programmatic dependents).
 STANDALONE_KERNELS = ("attention_layout_probe_kernel", "mma_peak_kernel")
 # Instructions that touch global memory (or generic addresses, which may be global).
-GLOBAL_ACCESS = re.compile(r"\b(?:LDG|STG|LDGSTS|ATOMG|RED|LD|ST)\.")
+GLOBAL_ACCESS = re.compile(r"\b(?:LDG|STG|LDGSTS|ATOMG|ATOM|RED|LD|ST|CCTL|UBLKCP|UTMALDG|"
+                           r"UTMASTG)\b")
 WAIT = re.compile(r"\bACQBULK\b")  # griddepcontrol.wait
 
 

@@ -725,13 +725,27 @@ def test_ffn_block_widths_and_rows(wmma_selected, cfg, dtype, products):
     assert report.passed, report.summary()
 
 
+class _LaunchSettings:
+    """The extension, recording each set_programmatic_launches call."""
+
+    def __init__(self, ext):
+        self._ext, self.calls = ext, []
+
+    def set_programmatic_launches(self, on):
+        self.calls.append(on)
+        return self._ext.set_programmatic_launches(on)
+
+    def __getattr__(self, name):
+        return getattr(self._ext, name)
+
+
 @needs_gpu
-@pytest.mark.parametrize("fuse_ffn", [True, False], ids=["ffn-block", "separate"])
-@pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
+@pytest.mark.parametrize("number,fuse_ffn", [(1, True), (1, False), (7, True), (8, False)],
+                         ids=["d128-ffn-block", "d128-separate", "d32-ffn-block", "d1024"])
 def test_programmatic_launches_give_the_same_bits(wmma_selected, number, fuse_ffn):
     """With pdl (each forward kernel a programmatic dependent of the one before it) the layer
-    gives the bits of ordinary launches, eager, captured and replayed, and keeps the
-    contract; the thread's launch setting is restored after each forward."""
+    turns the launch setting on around its forward and back after it, and gives the bits of
+    ordinary launches, eager, captured and replayed, within the contract."""
     from layerbench.common.shapes import CI
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -745,12 +759,16 @@ def test_programmatic_launches_give_the_same_bits(wmma_selected, number, fuse_ff
     layer = WmmaBackend(fuse_ffn=fuse_ffn, pdl=True).build(cfg, state, device="cuda")
     assert layer.plan.pdl and not plain.plan.pdl
     assert WmmaBackend(pdl=None).build(cfg, state, device="cuda").plan.pdl
+    layer.ext = plain.ext = _LaunchSettings(layer.ext)
     with torch.no_grad():
         want = plain(x, mask).clone()
+        assert layer.ext.calls == [False, False]  # the plain layer: off, then restored
         for _ in range(3):  # eager, captured, replayed
             got = layer(x, mask)
             assert torch.equal(got, want)
             report = compare(got, expected)
             assert report.passed, report.summary()
-            assert layer.ext.set_programmatic_launches(False) is False
     assert layer.graphed.graphs
+    # eager and the capture set it on and restore off; the replay launches nothing
+    assert layer.ext.calls[2:] == [True, False] * (len(layer.ext.calls[2:]) // 2)
+    assert len(layer.ext.calls) >= 6

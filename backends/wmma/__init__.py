@@ -84,6 +84,10 @@ class WmmaBackend(Backend):
         if config.seq_len > max_seq_len():
             raise Unsupported(f"wmma: seq_len {config.seq_len} exceeds {max_seq_len()}")
         super().check(config, device, dtype)
+        if self.pdl and torch.cuda.get_device_capability(device)[0] < 9:
+            major, minor = torch.cuda.get_device_capability(device)
+            raise Unsupported(f"wmma: pdl: programmatic dependent launch needs sm_90 or newer, "
+                              f"not sm_{major}{minor}")
 
     def _build(self, config, state_dict, device, dtype):
         ext = build.load(device)
@@ -101,10 +105,6 @@ class WmmaBackend(Backend):
                     and (limit is None
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
         programmatic = torch.cuda.get_device_capability(device)[0] >= 9
-        if self.pdl and not programmatic:
-            major, minor = torch.cuda.get_device_capability(device)
-            raise Unsupported(f"wmma: pdl: programmatic dependent launch needs sm_90 or newer, "
-                              f"not sm_{major}{minor}")
         plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
                     products, self.fuse_norms, ffn_auto=self.fuse_ffn is None,
                     large_call_products=large, stream_tile=self.stream_tile,

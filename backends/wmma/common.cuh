@@ -198,11 +198,11 @@ bool programmatic_launches();
 
 // kernel<<<grid, block, smem_bytes, stream>>>(args...), as a programmatic dependent launch
 // where programmatic_launches() holds (also inside a stream capture: the graph keeps the
-// edge); the launch's error, else the last pending one.
+// edge); the launch's error, else the last pending one (ops.cpp's check_launch clears it).
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
                           cudaStream_t stream, const Args&... args) {
-  cudaLaunchAttribute programmatic;
+  cudaLaunchAttribute programmatic = {};
   programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   programmatic.val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};

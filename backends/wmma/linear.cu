@@ -54,8 +54,8 @@ constexpr int kScratchBytes = 16 * kScratchLd * 4;  // 1280: a multiple of 32 (w
 
 // The fragment row (lane % 16) and first of the 8 columns ((lane / 16) * 8) whose values a
 // lane reads back from the scratch: lanes l and l + 16 share a row. A quarter warp's 16-byte
-// reads then cover 8 rows at 20-float strides, 8 distinct bank groups (lane / 2 and
-// (lane % 2) * 8 put two of its reads on one group).
+// reads then cover 8 rows at 20-float strides, 8 distinct bank groups (with lane / 2 and
+// (lane % 2) * 8, two pairs of its reads shared a group).
 __device__ __forceinline__ int value_row(int lane) { return lane % 16; }
 __device__ __forceinline__ int value_col(int lane) { return (lane / 16) * 8; }
 constexpr int kRowPartner = 16;  // lane ^ kRowPartner holds the other half of a lane's row

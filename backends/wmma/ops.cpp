@@ -17,7 +17,10 @@ using OptTensor = std::optional<Tensor>;
 // this header needs no CUDA math libraries).
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// Raises naming the kernel if its launch failed, after clearing the runtime's record of the
+// error (else the next launch's check would report it again).
 void check_launch(const lbw::LaunchResult& result) {
+  if (result.error != cudaSuccess) (void)cudaGetLastError();
   TORCH_CHECK(result.error == cudaSuccess, "layerbench wmma: ", result.kernel, " failed: ",
               cudaGetErrorString(result.error));
 }
