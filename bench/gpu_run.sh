@@ -71,8 +71,8 @@ if [[ $stage == kernels ]]; then
     # The wmma kernels on their own: kernel tests, every GEMM tile on odd sizes (checked) and
     # on the official shapes' GEMMs (timed), every attention kernel at shapes 13 and 14, the
     # device's wmma ceiling (register-resident products only), and on whole layers the long
-    # calls' stream tile choices, norm_split's row-in-registers kernel and programmatic
-    # dependent launches.
+    # calls' stream tile choices, norm_split's row-in-registers kernel, programmatic
+    # dependent launches and the persistent GEMM tile.
     log="$OUT/kernels.log"
     python3 -m pytest conformance/test_wmma.py --backend wmma -q -p no:cacheprovider \
         2>&1 | tail -15 | tee -a "$log"
@@ -97,6 +97,8 @@ if [[ $stage == kernels ]]; then
         --out "$OUT/plans-norm-registers.json" 2>&1 | tee -a "$log"
     python3 bench/wmma_sweep.py plans --plan pdl --shapes 2,3,1,5,12,8,13 \
         --out "$OUT/plans-pdl.json" 2>&1 | tee -a "$log"
+    python3 bench/wmma_sweep.py plans --plan persistent --shapes 8 \
+        --out "$OUT/plans-persistent.json" 2>&1 | tee -a "$log"
 fi
 if [[ $stage == cutile ]]; then
     # The cutile kernels on their own: kernel tests, then each GEMM, attention, LayerNorm and

@@ -56,7 +56,10 @@ GEMM_CASES = (
     "8192x128x128:3:1",       # shape 1 ffn_in
     "128x128x128:3:3",        # shape 2 ffn_out
 )
-EDGE_SIZES = ((1, 8, 8), (37, 24, 24), (1000, 200, 136), (4099, 392, 1032), (130, 1030, 256))
+# The last: more 128x128 tiles (585) than a persistent grid has CTAs, so that they take
+# several in turn.
+EDGE_SIZES = ((1, 8, 8), (37, 24, 24), (1000, 200, 136), (4099, 392, 1032), (130, 1030, 256),
+              (8300, 1030, 200))
 
 
 def _parse_case(text: str) -> tuple[int, int, int, int, int]:
@@ -281,14 +284,16 @@ PLAN_OPTIONS = {"norms": ("fuse_norms", True, False), "ffn": ("fuse_ffn", True, 
                 "resident": ("stream_tile", "stream 128x128 8w resident", "stream 128x128 16w"),
                 "narrow": ("stream_tile", "stream 64x128 8w", "stream 128x128 16w"),
                 "norm-registers": ("norm_in_registers", True, False),
-                "pdl": ("pdl", True, False)}
+                "pdl": ("pdl", True, False),
+                "persistent": ("persistent_gemm", True, False)}
 
 
 def plans(shapes, rounds, padding, plan="norms"):
     """The layer with one plan option on against off (norms: LayerNorms in the GEMM
     epilogues; ffn: the ffn_block kernel; resident / narrow: the resident-weight or the
     64x128 stream tile in place of the 16-warp 128x128 one; norm-registers: norm_split's
-    row-in-registers kernel; pdl: programmatic dependent launches): median ms of each
+    row-in-registers kernel; pdl: programmatic dependent launches; persistent: the persistent
+    pipelined tile for K > 128): median ms of each
     (alternating rounds) and both error/allowed ratios."""
     device = torch.device("cuda")
     option, on_value, off_value = PLAN_OPTIONS[plan]

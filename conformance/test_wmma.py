@@ -107,6 +107,11 @@ def test_tile_choice(wmma_selected):
     assert choose_tiles(8192, 128, 128, 32, 132, stream_tile=STREAM_128x128_RESIDENT) == mid
     assert WmmaBackend(stream_tile="stream 128x128 8w resident").stream_tile == \
         STREAM_128x128_RESIDENT
+    # persistent: the persistent form of the pipelined tile, where that tile would run.
+    persistent = choose_tiles(8192, 1024, 1024, 256, 132, products=3, persistent=True)
+    assert GEMM_TILES[persistent.qkv].name == "tiled 128x128 bk64 4w pipelined persistent"
+    assert persistent.out_proj == three.out_proj  # three products: the plain BK 32 tile
+    assert choose_tiles(8192, 128, 128, 32, 132, persistent=True) == mid
     with pytest.raises(ValueError, match="stream_tile must be one of"):
         WmmaBackend(stream_tile="stream 64x64 4w")  # does not hold 128 columns
     with pytest.raises(ValueError, match="not a stream variant holding 128 columns"):
@@ -133,8 +138,9 @@ def test_tile_choice(wmma_selected):
         expected = [v.rows, v.cols, *warps, *([v.bk] if v.kind == "tiled" else []),
                     *v.stages, *v.ctas_per_sm]
         assert aliases[cases[name]].startswith(v.kind.title()) and args == expected, v
-        assert aliases[cases[name]].endswith(", true>") == (v.pipelined or
-                                                            v.resident_weights), v
+        flags = [f == "true" for f in re.findall(r"\b(true|false)\b", aliases[cases[name]])]
+        want = [v.pipelined, v.persistent] if v.kind == "tiled" else [v.resident_weights]
+        assert flags == want[:len(flags)] and not any(want[len(flags):]), v
 
 
 def test_norm_tile_choice(wmma_selected):
@@ -772,3 +778,47 @@ def test_programmatic_launches_give_the_same_bits(wmma_selected, number, fuse_ff
     # eager and the capture set it on and restore off; the replay launches nothing
     assert layer.ext.calls[2:] == [True, False] * (len(layer.ext.calls[2:]) // 2)
     assert len(layer.ext.calls) >= 6
+
+
+@needs_gpu
+@pytest.mark.parametrize("products", [1, 2, 3])
+@pytest.mark.parametrize("m,n,k", [(16500, 1030, 200), (8192, 1024, 1024), (300, 24, 1032)],
+                         ids=["odd-many-tiles", "shape8-out-proj", "few-tiles"])
+def test_persistent_tile_matches_the_pipelined_one(wmma_selected, m, n, k, products):
+    """The persistent pipelined tile (CTAs taking several tiles in turn, the next tile's loads
+    under the epilogue) writes the bits of the one-tile-per-CTA pipelined tile, every element
+    of NaN-filled outputs, with each epilogue and product count, on sizes that are not
+    multiples of the tile and grids of more tiles than resident CTAs."""
+    from layerbench.backends.wmma.linear import (GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE,
+                                                 linear)
+    from layerbench.backends.wmma.tiles import (TILED_128x128_BK64_PERSISTENT,
+                                                TILED_128x128_BK64_PIPELINED)
+    from layerbench.common.cuda_host import split_fp16
+
+    device = torch.device("cuda")
+    ext = build.load(device)
+    gen = torch.Generator(device=device).manual_seed(m + n + k + products)
+    a = split_fp16(torch.randn(m, k, device=device, generator=gen))
+    w = split_fp16(torch.randn(n, k, device=device, generator=gen) / k ** 0.5)
+    a = a if products > 1 else (a[0], None)
+    w = w if products == 3 else (w[0], None)
+    bias = torch.randn(n, device=device, generator=gen)
+    residual = torch.randn(m, n, device=device, generator=gen)
+    valid = (torch.rand(m, device=device, generator=gen) > 0.2).to(torch.uint8)
+
+    def run(tile, epilogue):
+        nan = torch.full((m, n), math.nan, device=device)
+        if epilogue in (HALF, GELU_PAIR):
+            pair = (nan.half(), nan.half() if epilogue == GELU_PAIR else None)
+            linear(ext, a, w, bias, epilogue=epilogue, tile=tile, out_pair=pair)
+            return [t for t in pair if t is not None]
+        linear(ext, a, w, bias, epilogue=epilogue, tile=tile, out=nan, residual=residual,
+               valid_rows=valid)
+        return [nan]
+
+    for epilogue in (HALF, GELU_PAIR, RESIDUAL_UPDATE, RESIDUAL_SUM):
+        want = run(TILED_128x128_BK64_PIPELINED, epilogue)
+        got = run(TILED_128x128_BK64_PERSISTENT, epilogue)
+        for g, e in zip(got, want):
+            assert not g.isnan().any(), f"epilogue {epilogue}: unwritten elements"
+            assert torch.equal(g, e), f"epilogue {epilogue}: differs from the pipelined tile"

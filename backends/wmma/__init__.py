@@ -33,7 +33,7 @@ class WmmaBackend(Backend):
     def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool | None = None,
                  linear_products: int | None = None, fuse_norms: bool = True,
                  stream_tile: str = "stream 128x128 16w", norm_in_registers: bool = False,
-                 pdl: bool | None = False):
+                 pdl: bool | None = False, persistent_gemm: bool = False):
         # norm_qkv is off by default: on an H200 the separate kernels run every official
         # shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
@@ -61,6 +61,8 @@ class WmmaBackend(Backend):
         # sm_90, False (the default; not yet timed on a GPU) launches each kernel after the
         # one before it has finished
         self.pdl = pdl
+        # the linears with K > 128 on the persistent pipelined tile (Plan); not yet timed
+        self.persistent_gemm = persistent_gemm
 
     def unavailable_reason(self, device):
         """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
@@ -109,5 +111,6 @@ class WmmaBackend(Backend):
                     products, self.fuse_norms, ffn_auto=self.fuse_ffn is None,
                     large_call_products=large, stream_tile=self.stream_tile,
                     norm_in_registers=self.norm_in_registers,
-                    pdl=programmatic if self.pdl is None else self.pdl)
+                    pdl=programmatic if self.pdl is None else self.pdl,
+                    persistent_gemm=self.persistent_gemm)
         return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

@@ -150,15 +150,17 @@ struct FfnBlockParams {
 };
 
 // GEMM variants the host passes down (tiles.py GEMM_TILES describes each; linear.cu sets
-// their stages): kTiled* take any K, one output tile per CTA; kStream* (K <= 128) are
-// persistent, with a weight column slice resident in shared memory (kStream128x128w8r: its
-// fragments resident in registers too, with one or two products).
+// their stages): kTiled* take any K, one output tile per CTA (kTiled128x128k64w4pp: a
+// persistent grid, each CTA taking tiles in turn); kStream* (K <= 128) are persistent, with
+// a weight column slice resident in shared memory (kStream128x128w8r: its fragments
+// resident in registers too, with one or two products).
 enum class GemmTile : int {
   kTiled128x128 = 0, kTiled128x256 = 1, kTiled128x128w4 = 2, kTiled128x128k64 = 3,
   kTiled64x64 = 4, kTiled32x32 = 5, kStream128x128 = 6, kStream64x128 = 7, kStream64x64 = 8,
-  kStream32x128 = 9, kTiled128x128k64w4p = 10, kStream128x128w8r = 11
+  kStream32x128 = 9, kTiled128x128k64w4p = 10, kStream128x128w8r = 11,
+  kTiled128x128k64w4pp = 12
 };
-constexpr int kGemmTiles = 12;  // number of GemmTile values
+constexpr int kGemmTiles = 13;  // number of GemmTile values
 
 LaunchResult launch_norm_split(const NormSplitParams& p, cudaStream_t stream);
 LaunchResult launch_norm_out(const NormOutParams& p, cudaStream_t stream);

@@ -41,6 +41,8 @@ class Plan:
     stream_tile: the stream GEMM variant (a tiles.GEMM_TILES index) taken where the 16-warp
     128x128 one would be (tiles.choose_tiles).
     norm_in_registers: norm_split's kernel that reads each row once into registers.
+    persistent_gemm: the linears with K > 128 on the persistent form of the pipelined tile
+    (tiles.gemm_tile's persistent).
     pdl: every kernel of the forward launches as a programmatic dependent of the one before
     it (sm_90 on): it may begin launching while that kernel runs, and waits for it before
     touching memory; the replayed CUDA graph keeps these edges.
@@ -54,6 +56,7 @@ class Plan:
     stream_tile: int = STREAM_128x128
     norm_in_registers: bool = False
     pdl: bool = False
+    persistent_gemm: bool = False
 
     def products_for(self, tokens: int) -> int:
         """fp16 products of out_proj and the FFN in a forward of this many tokens:
@@ -207,10 +210,11 @@ class WmmaLayer(BuiltLayer):
         tiles = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
                              self.multiprocessors, fuse_norms=plan.fuse_norms and not fused,
                              products=products, smem_limit=self.smem_limit,
-                             stream_tile=plan.stream_tile)
+                             stream_tile=plan.stream_tile, persistent=plan.persistent_gemm)
         if tiles.norm_ffn_out and plan.fuse_qkv:  # ffn_out norms only the final rows
             plain_ffn_out = gemm_tile(x2.shape[0], cfg.d_model, cfg.ffn_dim,
-                                      self.multiprocessors, products, plan.stream_tile)
+                                      self.multiprocessors, products, plan.stream_tile,
+                                      plan.persistent_gemm)
         else:
             plain_ffn_out = tiles.ffn_out
         final = (self.params.final_weight, self.params.final_bias)

@@ -36,6 +36,7 @@
 // never falls back.
 #include <mma.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "common.cuh"
@@ -554,19 +555,26 @@ struct Tiled {
   static constexpr int kOperandBytes = STAGES * kStageHalves * 2;
   static constexpr int kScratch = WARPS_M * WARPS_N * kScratchBytes;
   static constexpr int kSmemBytes = kOperandBytes > kScratch ? kOperandBytes : kScratch;
+  // The persistent form's scratch: the last stage, which the next tile's first loads leave
+  // free during the epilogue.
+  static constexpr int kPersistentScratch = (STAGES - 1) * kStageHalves * 2;
   static_assert(STAGES >= 2, "at least two stages");
+  static_assert(kScratch <= kStageHalves * 2, "the scratch fits one stage");
   static_assert(BK % 16 == 0 && kThreads % kChunks == 0, "copy geometry");
   static_assert(BM % kRowsPerPass == 0 && BN % kRowsPerPass == 0, "copy geometry");
   static_assert(kFragsM * WARPS_M * 16 == BM && kFragsN * WARPS_N * 16 == BN, "warp tiles");
 };
 
-// LinearParams; grid (M tiles, N tiles); block T::kThreads; dynamic shared T::kSmemBytes.
+// LinearParams; grid (M tiles, N tiles), or PERSISTENT: a 1-D grid whose CTA b takes tiles
+// b, b + gridDim.x, ... (M tile fastest); block T::kThreads; dynamic shared T::kSmemBytes.
 // PIPELINED (one product): each warp loads the next k slice's fragments while it multiplies
 // the current one, across stage boundaries too (the wait and barrier come after the
 // second-to-last slice's products are issued); else, and with two or three products (whose
-// two fragment sets ptxas spills), each slice is loaded, then multiplied.
+// two fragment sets ptxas spills), each slice is loaded, then multiplied. PERSISTENT: the
+// next tile's first STAGES - 1 stages are requested before this tile's epilogue, which uses
+// the last stage as its scratch, so the loads land while the epilogue runs.
 template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES, int PRODUCTS, int MINB,
-          bool PIPELINED>
+          bool PIPELINED, bool PERSISTENT>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MINB)
 linear_tiled(LinearParams p, int epilogue) {
   start_after_previous();
@@ -574,22 +582,30 @@ linear_tiled(LinearParams p, int epilogue) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __half* smem = reinterpret_cast<__half*>(smem_raw);
 
-  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * BM;
-  const int n0 = blockIdx.y * BN;
   const int warp = threadIdx.x / 32;
   const int wm = warp / WARPS_N, wn = warp % WARPS_N;
+  const int64_t m_tiles = (p.M + BM - 1) / BM;
+  const int64_t tiles = PERSISTENT ? m_tiles * ((p.N + BN - 1) / BN) : 1;
+  int64_t tile = PERSISTENT ? blockIdx.x : 0;
 
   // This thread copies column chunk c of rows r0 + q * kRowsPerPass.
   const int c = (threadIdx.x % T::kChunks) * 8;
   const int r0 = threadIdx.x / T::kChunks;
-  // The rows in range are a prefix of q: a_in of them (w_in for the weight); a row out of
-  // range copies from the first row (in range or clamped) with 0 bytes.
-  const int64_t a_first = m0 + r0 < p.M ? m0 + r0 : p.M - 1;
-  const int64_t a_left = p.M - (m0 + r0);
-  const int a_in = a_left <= 0 ? 0 : static_cast<int>((a_left - 1) / T::kRowsPerPass + 1);
-  const int w_first = n0 + r0 < p.N ? n0 + r0 : p.N - 1;
-  const int w_left = p.N - (n0 + r0);
-  const int w_in = w_left <= 0 ? 0 : (w_left - 1) / T::kRowsPerPass + 1;
+  // The tile's origin; its rows in range are a prefix of q: a_in of them (w_in for the
+  // weight); a row out of range copies from the first row (in range or clamped) with 0 bytes.
+  int64_t m0, a_first;
+  int n0, a_in, w_first, w_in;
+  auto set_tile = [&](int64_t t) {
+    m0 = PERSISTENT ? t % m_tiles * BM : static_cast<int64_t>(blockIdx.x) * BM;
+    n0 = PERSISTENT ? static_cast<int>(t / m_tiles) * BN : blockIdx.y * BN;
+    a_first = m0 + r0 < p.M ? m0 + r0 : p.M - 1;
+    const int64_t a_left = p.M - (m0 + r0);
+    a_in = a_left <= 0 ? 0 : static_cast<int>((a_left - 1) / T::kRowsPerPass + 1);
+    w_first = n0 + r0 < p.N ? n0 + r0 : p.N - 1;
+    const int w_left = p.N - (n0 + r0);
+    w_in = w_left <= 0 ? 0 : (w_left - 1) / T::kRowsPerPass + 1;
+  };
+  set_tile(tile);
   const int s_off = r0 * T::kLds + c;  // this thread's first shared vector in a part
 
   auto load_stage = [&](int stage, int k0) {
@@ -619,98 +635,114 @@ linear_tiled(LinearParams p, int epilogue) {
     }
   };
 
-  FragC acc[T::kFragsM][T::kFragsN];
-#pragma unroll
-  for (int i = 0; i < T::kFragsM; ++i)
-#pragma unroll
-    for (int j = 0; j < T::kFragsN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
-
   // One commit group per K tile (empty past the end): at iteration kt, kt + STAGES - 1
   // groups are committed, and waiting until STAGES - 2 are pending means tile kt landed.
   const int k_tiles = (p.K + BK - 1) / BK;
+  auto load_first_stages = [&]() {
 #pragma unroll
-  for (int t = 0; t < STAGES - 1; ++t) {
-    if (t < k_tiles) load_stage(t, t * BK);
-    cp_async_commit();
-  }
+    for (int t = 0; t < STAGES - 1; ++t) {
+      if (t < k_tiles) load_stage(t, t * BK);
+      cp_async_commit();
+    }
+  };
+  load_first_stages();
   const int a_warp = wm * T::kFragsM * 16 * T::kLds;
   const int w_warp = T::kAParts * BM * T::kLds + wn * T::kFragsN * 16 * T::kLds;
-  if constexpr (PIPELINED && PRODUCTS == 1) {
-    // Stage s holds tile t while t % STAGES == s. Before the loop: tile 0 visible, tile
-    // STAGES - 1 requested. In tile kt, after slice KS - 2's products are issued: wait for
-    // tile kt + 1, barrier (every warp has loaded its last fragments of tile kt's stage),
-    // request tile kt + STAGES into that stage; slice KS - 1 then loads tile kt + 1's first
-    // fragments. The fragment buffer of slice s is s % 2 (KS is even).
-    using Frags = FragSet<T::kFragsM, T::kFragsN, PRODUCTS>;
-    constexpr int KS = BK / 16;
-    static_assert(KS % 2 == 0, "an even number of k slices per stage");
-    auto load_frags = [&](Frags& f, int stage, int kk) {
-      const __half* st = smem + stage * T::kStageHalves;
-      load_frag_set(f, st + a_warp + kk, BM * T::kLds, T::kLds, st + w_warp + kk,
-                    BN * T::kLds, T::kLds);
-    };
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();
-    if (STAGES - 1 < k_tiles) load_stage(STAGES - 1, (STAGES - 1) * BK);
-    cp_async_commit();
-    Frags frags[2];
-    load_frags(frags[0], 0, 0);
-    int read = 0;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const int next = read == STAGES - 1 ? 0 : read + 1;
+  // Each pass: one output tile (PERSISTENT: while the CTA has tiles left; else once).
+  for (;;) {
+    FragC acc[T::kFragsM][T::kFragsN];
 #pragma unroll
-      for (int s = 0; s < KS; ++s) {
-        if (s + 1 < KS) {
-          load_frags(frags[(s + 1) % 2], read, (s + 1) * 16);
-        } else if (kt + 1 < k_tiles) {
-          load_frags(frags[0], next, 0);
-        }
-        mma_frag_set(acc, frags[s % 2]);
-        if (s == KS - 2) {
-          cp_async_wait<STAGES - 2>();
-          __syncthreads();
-          if (kt + STAGES < k_tiles) load_stage(read, (kt + STAGES) * BK);
-          cp_async_commit();
-        }
-      }
-      read = next;
-    }
-  } else {
-    int read = 0, write = STAGES - 1;
-    for (int kt = 0; kt < k_tiles; ++kt) {
+    for (int i = 0; i < T::kFragsM; ++i)
+#pragma unroll
+      for (int j = 0; j < T::kFragsN; ++j) wmma::fill_fragment(acc[i][j], 0.f);
+    if constexpr (PIPELINED && PRODUCTS == 1) {
+      // Stage s holds tile t while t % STAGES == s. Before the loop: tile 0 visible, tile
+      // STAGES - 1 requested. In tile kt, after slice KS - 2's products are issued: wait for
+      // tile kt + 1, barrier (every warp has loaded its last fragments of tile kt's stage),
+      // request tile kt + STAGES into that stage; slice KS - 1 then loads tile kt + 1's first
+      // fragments. The fragment buffer of slice s is s % 2 (KS is even).
+      using Frags = FragSet<T::kFragsM, T::kFragsN, PRODUCTS>;
+      constexpr int KS = BK / 16;
+      static_assert(KS % 2 == 0, "an even number of k slices per stage");
+      auto load_frags = [&](Frags& f, int stage, int kk) {
+        const __half* st = smem + stage * T::kStageHalves;
+        load_frag_set(f, st + a_warp + kk, BM * T::kLds, T::kLds, st + w_warp + kk,
+                      BN * T::kLds, T::kLds);
+      };
       cp_async_wait<STAGES - 2>();
-      __syncthreads();  // tile kt visible to all; every warp is done with the stage read last
-      if (kt + STAGES - 1 < k_tiles) load_stage(write, (kt + STAGES - 1) * BK);
+      __syncthreads();
+      if (STAGES - 1 < k_tiles) load_stage(STAGES - 1, (STAGES - 1) * BK);
       cp_async_commit();
-      const __half* st = smem + read * T::kStageHalves;
+      Frags frags[2];
+      load_frags(frags[0], 0, 0);
+      int read = 0;
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int next = read == STAGES - 1 ? 0 : read + 1;
 #pragma unroll
-      for (int kk = 0; kk < BK; kk += 16) {
-        mma_step<T::kFragsM, T::kFragsN, PRODUCTS>(acc, st + a_warp + kk, BM * T::kLds, T::kLds,
-                                                   st + w_warp + kk, BN * T::kLds, T::kLds);
+        for (int s = 0; s < KS; ++s) {
+          if (s + 1 < KS) {
+            load_frags(frags[(s + 1) % 2], read, (s + 1) * 16);
+          } else if (kt + 1 < k_tiles) {
+            load_frags(frags[0], next, 0);
+          }
+          mma_frag_set(acc, frags[s % 2]);
+          if (s == KS - 2) {
+            cp_async_wait<STAGES - 2>();
+            __syncthreads();
+            if (kt + STAGES < k_tiles) load_stage(read, (kt + STAGES) * BK);
+            cp_async_commit();
+          }
+        }
+        read = next;
       }
-      read = read == STAGES - 1 ? 0 : read + 1;
-      write = write == STAGES - 1 ? 0 : write + 1;
+    } else {
+      int read = 0, write = STAGES - 1;
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // tile kt visible to all; every warp is done with the stage read last
+        if (kt + STAGES - 1 < k_tiles) load_stage(write, (kt + STAGES - 1) * BK);
+        cp_async_commit();
+        const __half* st = smem + read * T::kStageHalves;
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+          mma_step<T::kFragsM, T::kFragsN, PRODUCTS>(acc, st + a_warp + kk, BM * T::kLds, T::kLds,
+                                                     st + w_warp + kk, BN * T::kLds, T::kLds);
+        }
+        read = read == STAGES - 1 ? 0 : read + 1;
+        write = write == STAGES - 1 ? 0 : write + 1;
+      }
     }
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // the operand stages become the warps' scratch
+    cp_async_wait<0>();
+    __syncthreads();  // the operand stages become the warps' scratch (PERSISTENT: the last)
 
-  float* scratch = reinterpret_cast<float*>(smem_raw + warp * kScratchBytes);
-  const bool vec = vector_epilogue(p);
-  // One fragment at a time (a whole fragment row would hold FN x 16 more registers).
-#pragma unroll
-  for (int j = 0; j < T::kFragsN; ++j) {
-    const int col0 = n0 + (wn * T::kFragsN + j) * 16;
-    if (col0 >= p.N) break;
-    float bias[1][8];
-    load_bias(p, col0 + value_col(threadIdx.x % 32), bias[0]);
-#pragma unroll
-    for (int i = 0; i < T::kFragsM; ++i) {
-      const int64_t row0 = m0 + (wm * T::kFragsM + i) * 16;
-      if (row0 >= p.M) break;
-      const FragC one[1] = {acc[i][j]};
-      store_fragments<1>(p, epilogue, vec, scratch, one, row0, col0, bias);
+    const int64_t out_m0 = m0;
+    const int out_n0 = n0;
+    const int64_t next = tile + gridDim.x;
+    const bool more = PERSISTENT && next < tiles;
+    if (more) {  // the next tile's first stages, landing during this epilogue
+      set_tile(next);
+      load_first_stages();
     }
+    float* scratch = reinterpret_cast<float*>(
+        smem_raw + (PERSISTENT ? T::kPersistentScratch : 0) + warp * kScratchBytes);
+    const bool vec = vector_epilogue(p);
+    // One fragment at a time (a whole fragment row would hold FN x 16 more registers).
+#pragma unroll
+    for (int j = 0; j < T::kFragsN; ++j) {
+      const int col0 = out_n0 + (wn * T::kFragsN + j) * 16;
+      if (col0 >= p.N) break;
+      float bias[1][8];
+      load_bias(p, col0 + value_col(threadIdx.x % 32), bias[0]);
+#pragma unroll
+      for (int i = 0; i < T::kFragsM; ++i) {
+        const int64_t row0 = out_m0 + (wm * T::kFragsM + i) * 16;
+        if (row0 >= p.M) break;
+        const FragC one[1] = {acc[i][j]};
+        store_fragments<1>(p, epilogue, vec, scratch, one, row0, col0, bias);
+      }
+    }
+    if (!more) break;
+    tile = next;
   }
 }
 
@@ -894,10 +926,10 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
 // product count (1, 2, 3) the stages and the CTAs per SM asked of __launch_bounds__.
 
 template <int BM_, int BN_, int WM_, int WN_, int BK_, int S1, int S2, int S3, int B1, int B2,
-          int B3, bool PIPELINED_ = false>
+          int B3, bool PIPELINED_ = false, bool PERSISTENT_ = false>
 struct TiledVariant {
   static constexpr int BM = BM_, BN = BN_, WM = WM_, WN = WN_, BK = BK_;
-  static constexpr bool PIPELINED = PIPELINED_;
+  static constexpr bool PIPELINED = PIPELINED_, PERSISTENT = PERSISTENT_;
   static constexpr int stages(int products) { return products == 1 ? S1 : products == 2 ? S2 : S3; }
   static constexpr int blocks(int products) { return products == 1 ? B1 : products == 2 ? B2 : B3; }
 };
@@ -921,6 +953,8 @@ using T64x64 = TiledVariant<64, 64, 2, 2, 32, 3, 3, 3, 2, 2, 2>;
 using T32x32 = TiledVariant<32, 32, 2, 2, 64, 2, 2, 2, 2, 2, 2>;
 //                         BM   BN  warps  BK  stages p1/p2/p3  CTAs/SM p1/p2/p3  pipelined
 using T128x128k64w4p = TiledVariant<128, 128, 2, 2, 64, 3, 2, 2, 2, 2, 1, true>;
+//                           BM   BN  warps  BK  stages p1/p2/p3  CTAs/SM  pipelined persistent
+using T128x128k64w4pp = TiledVariant<128, 128, 2, 2, 64, 3, 2, 2, 2, 2, 1, true, true>;
 //                          BM   BN  warps  stages p1/p2/p3  CTAs/SM p1/p2/p3
 using S128x128 = StreamVariant<128, 128, 4, 4, 3, 2, 2, 1, 1, 1>;
 using S64x128 = StreamVariant<64, 128, 2, 4, 3, 2, 2, 2, 2, 1>;
@@ -968,6 +1002,26 @@ cudaError_t allow_smem(const void* kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
+// per_sm = resident CTAs of kernel per SM at this block size and shared memory (at least 1),
+// cached per kernel for the last (SM count, bytes): a persistent grid's size only shapes the
+// schedule, never the result.
+template <typename Kernel>
+cudaError_t resident_ctas(Kernel kernel, int threads, int bytes, const DeviceInfo& dev,
+                          int& per_sm) {
+  static int cached_sms = -1, cached_bytes = -1, cached_per_sm = 1;
+  if (dev.sms != cached_sms || bytes != cached_bytes) {
+    int found = 0;
+    const cudaError_t err =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&found, kernel, threads, bytes);
+    if (err != cudaSuccess) return err;
+    cached_per_sm = found > 0 ? found : 1;
+    cached_sms = dev.sms;
+    cached_bytes = bytes;
+  }
+  per_sm = cached_per_sm;
+  return cudaSuccess;
+}
+
 template <class V, int PRODUCTS>
 LaunchResult launch_tiled(const LinearParams& p, Epilogue epilogue, cudaStream_t stream,
                           const DeviceInfo& dev, const char* name) {
@@ -978,11 +1032,18 @@ LaunchResult launch_tiled(const LinearParams& p, Epilogue epilogue, cudaStream_t
       return launch_tiled<Fallback, PRODUCTS>(p, epilogue, stream, dev, kFallbackName);
   }
   auto kernel = linear_tiled<V::BM, V::BN, V::WM, V::WN, V::BK, S, PRODUCTS, V::blocks(PRODUCTS),
-                             V::PIPELINED>;
-  const cudaError_t err = allow_smem(reinterpret_cast<const void*>(kernel), T::kSmemBytes);
+                             V::PIPELINED, V::PERSISTENT>;
+  cudaError_t err = allow_smem(reinterpret_cast<const void*>(kernel), T::kSmemBytes);
   if (err != cudaSuccess) return {err, name};
-  const dim3 grid(static_cast<unsigned>((p.M + V::BM - 1) / V::BM),
-                  static_cast<unsigned>((p.N + V::BN - 1) / V::BN));
+  const int64_t m_tiles = (p.M + V::BM - 1) / V::BM, n_tiles = (p.N + V::BN - 1) / V::BN;
+  dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles));
+  if constexpr (V::PERSISTENT) {  // one CTA per resident slot, at most one per tile
+    int per_sm = 1;
+    err = resident_ctas(kernel, T::kThreads, T::kSmemBytes, dev, per_sm);
+    if (err != cudaSuccess) return {err, name};
+    grid = dim3(static_cast<unsigned>(
+        std::min<int64_t>(m_tiles * n_tiles, static_cast<int64_t>(dev.sms) * per_sm)));
+  }
   return {launch_kernel(kernel, grid, dim3(T::kThreads), T::kSmemBytes, stream, p,
                         static_cast<int>(epilogue)),
           name};
@@ -1007,20 +1068,12 @@ LaunchResult launch_stream_kernel(const LinearParams& p, const LinearNormParams&
   }
   cudaError_t err = allow_smem(reinterpret_cast<const void*>(kernel), bytes);
   if (err != cudaSuccess) return {err, name};
-  // Resident CTAs per SM at this K, cached per kernel for the last (SM count, bytes): the
-  // grid size only shapes the schedule, never the result.
-  static int cached_sms = -1, cached_bytes = -1, cached_per_sm = 1;
-  if (dev.sms != cached_sms || bytes != cached_bytes) {
-    int per_sm = 0;
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, T::kThreads, bytes);
-    if (err != cudaSuccess) return {err, name};
-    cached_per_sm = per_sm > 0 ? per_sm : 1;
-    cached_sms = dev.sms;
-    cached_bytes = bytes;
-  }
+  int per_sm = 1;  // resident CTAs per SM at this K
+  err = resident_ctas(kernel, T::kThreads, bytes, dev, per_sm);
+  if (err != cudaSuccess) return {err, name};
   const int64_t slices = (p.N + V::BN - 1) / V::BN;
   const int64_t work = (p.M + V::BM - 1) / V::BM * slices;
-  int64_t ctas = static_cast<int64_t>(dev.sms) * cached_per_sm / slices * slices;
+  int64_t ctas = static_cast<int64_t>(dev.sms) * per_sm / slices * slices;
   if (ctas < slices) ctas = slices;
   if (ctas > work) ctas = work;
   return {launch_kernel(kernel, dim3(static_cast<unsigned>(ctas)), dim3(T::kThreads), bytes,
@@ -1076,6 +1129,9 @@ LaunchResult launch_tile(const LinearParams& p, GemmTile tile, Epilogue e, cudaS
     case GemmTile::kTiled128x128k64w4p:
       return launch_tiled<T128x128k64w4p, PRODUCTS>(
           p, e, s, dev, "linear_tiled<128x128, 4 warps, bk64, pipelined>");
+    case GemmTile::kTiled128x128k64w4pp:
+      return launch_tiled<T128x128k64w4pp, PRODUCTS>(
+          p, e, s, dev, "linear_tiled<128x128, 4 warps, bk64, pipelined, persistent>");
     case GemmTile::kStream128x128:
       return launch_stream<S128x128, PRODUCTS>(p, e, s, dev, "linear_stream<128x128, 16 warps>",
                                                norm);

@@ -15,6 +15,8 @@ class GemmVariant(NamedTuple):
     loads the next k slice's fragments while it multiplies the current one, across stage
     boundaries too (two and three products run the plain loop). resident_weights (stream,
     one or two products): each warp also holds its weight fragments (whole K) in registers.
+    persistent (tiled): one CTA per resident slot, taking tiles in turn; the next tile's first
+    stages load during the current tile's epilogue.
     """
     name: str
     kind: str
@@ -27,6 +29,7 @@ class GemmVariant(NamedTuple):
     ctas_per_sm: tuple[int, int, int]
     pipelined: bool = False
     resident_weights: bool = False
+    persistent: bool = False
 
 
 # Index = the GemmTile value in common.cuh (the variants' template arguments in linear.cu).
@@ -46,10 +49,13 @@ GEMM_TILES = (
                 (3, 2, 2), (2, 2, 1), True),
     GemmVariant("stream 128x128 8w resident", "stream", 128, 128, 8, (64, 32), None, (3, 2, 2),
                 (1, 1, 1), resident_weights=True),
+    GemmVariant("tiled 128x128 bk64 4w pipelined persistent", "tiled", 128, 128, 4, (64, 64), 64,
+                (3, 2, 2), (2, 2, 1), True, persistent=True),
 )
 TILED_128x128, TILED_128x256, TILED_128x128_W4, TILED_128x128_BK64 = 0, 1, 2, 3
 TILED_64x64, TILED_32x32, STREAM_128x128, STREAM_64x128, STREAM_64x64 = 4, 5, 6, 7, 8
 STREAM_32x128, TILED_128x128_BK64_PIPELINED, STREAM_128x128_RESIDENT = 9, 10, 11
+TILED_128x128_BK64_PERSISTENT = 12
 STREAM_MAX_K = 128  # the stream variants keep K whole in one shared-memory stage
 SCRATCH_BYTES = 16 * 20 * 4  # one warp's epilogue scratch (kScratchBytes in linear.cu)
 
@@ -83,7 +89,7 @@ def pad16(n: int) -> int:
 
 
 def gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int = 1,
-              stream_tile: int = STREAM_128x128) -> int:
+              stream_tile: int = STREAM_128x128, persistent: bool = False) -> int:
     """The GEMM variant for out[rows, n] = a[rows, k] @ w[n, k]^T with products fp16 products.
 
     K <= 128: the persistent stream kernel stream_tile (the 128x128 one of 16 warps unless
@@ -92,8 +98,9 @@ def gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int = 1
     tiled variant whose grid gives every SM a CTA: 128x128 of 4 warps (64x64 each), which
     beat 128x256 and the 8-warp 128x128 variants on the H200 (M 8192, K 1024: 261–275 TFLOP/s
     against 216–259); with one or two products its BK 64 pipelined form (one product, N 3072:
-    276 TFLOP/s against 265 plain; two products, N 1024: 254 against 222), with three the
-    plain BK 32 one; else 64x64. Otherwise (few rows) 32x32 tiles.
+    276 TFLOP/s against 265 plain; two products, N 1024: 254 against 222; persistent: its
+    persistent form), with three the plain BK 32 one; else 64x64. Otherwise (few rows) 32x32
+    tiles.
     """
     def tiles(bm: int, bn: int) -> int:
         return -(-rows // bm) * -(-n // bn)
@@ -105,7 +112,9 @@ def gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int = 1
             return STREAM_64x64
     else:
         if tiles(128, 128) >= multiprocessors:
-            return TILED_128x128_BK64_PIPELINED if products <= 2 else TILED_128x128_W4
+            if products > 2:
+                return TILED_128x128_W4
+            return TILED_128x128_BK64_PERSISTENT if persistent else TILED_128x128_BK64_PIPELINED
         if tiles(64, 64) >= multiprocessors:
             return TILED_64x64
     return TILED_32x32
@@ -155,19 +164,19 @@ def norm_gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: in
 def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
                  multiprocessors: int, *, fuse_norms: bool = False,
                  products: int = 3, smem_limit: int | None = None,
-                 stream_tile: int = STREAM_128x128) -> Tiles:
+                 stream_tile: int = STREAM_128x128, persistent: bool = False) -> Tiles:
     """Per linear, gemm_tile for its (rows, N, K): Q/K/V (3 d_model, d_model), out_proj
     (d_model, d_model), ffn_in (ffn_dim, d_model), ffn_out (d_model, ffn_dim). Attention key
     blocks of 64, or 32 above head dim 128 so that one block's shared memory stays near
     150 KB. fuse_norms: out_proj and ffn_out (products fp16 products) take norm_gemm_tile
     where it applies, and their norm flags are set. stream_tile: the stream variant taken
     where gemm_tile and norm_gemm_tile would take the 16-warp 128x128 one (a stream variant
-    holding 128 columns; anything else raises ValueError)."""
+    holding 128 columns; anything else raises ValueError). persistent: gemm_tile's."""
     if not replaces_stream_tile(stream_tile):
         raise ValueError(f"stream_tile {stream_tile} ({GEMM_TILES[stream_tile].name}) is not a "
                          "stream variant holding 128 columns")
     def gemm(n: int, k: int, count: int = products) -> int:
-        return gemm_tile(rows, n, k, multiprocessors, count, stream_tile)
+        return gemm_tile(rows, n, k, multiprocessors, count, stream_tile, persistent)
 
     def fused(k: int) -> int | None:
         if not fuse_norms:
