@@ -1002,23 +1002,25 @@ cudaError_t allow_smem(const void* kernel, int bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
-// per_sm = resident CTAs of kernel per SM at this block size and shared memory (at least 1),
-// cached per kernel for the last (SM count, bytes): a persistent grid's size only shapes the
-// schedule, never the result.
+// One kernel's resident CTAs per SM (at least 1) for the last (SM count, bytes) asked.
+struct ResidentCache {
+  int sms = -1, bytes = -1, per_sm = 1;
+};
+
+// per_sm = resident CTAs of kernel per SM at this block size and shared memory, through the
+// kernel's own cache (a static of its launch function): a persistent grid's size only shapes
+// the schedule, never the result.
 template <typename Kernel>
 cudaError_t resident_ctas(Kernel kernel, int threads, int bytes, const DeviceInfo& dev,
-                          int& per_sm) {
-  static int cached_sms = -1, cached_bytes = -1, cached_per_sm = 1;
-  if (dev.sms != cached_sms || bytes != cached_bytes) {
+                          ResidentCache& cache, int& per_sm) {
+  if (dev.sms != cache.sms || bytes != cache.bytes) {
     int found = 0;
     const cudaError_t err =
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&found, kernel, threads, bytes);
     if (err != cudaSuccess) return err;
-    cached_per_sm = found > 0 ? found : 1;
-    cached_sms = dev.sms;
-    cached_bytes = bytes;
+    cache = ResidentCache{dev.sms, bytes, found > 0 ? found : 1};
   }
-  per_sm = cached_per_sm;
+  per_sm = cache.per_sm;
   return cudaSuccess;
 }
 
@@ -1038,8 +1040,9 @@ LaunchResult launch_tiled(const LinearParams& p, Epilogue epilogue, cudaStream_t
   const int64_t m_tiles = (p.M + V::BM - 1) / V::BM, n_tiles = (p.N + V::BN - 1) / V::BN;
   dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles));
   if constexpr (V::PERSISTENT) {  // one CTA per resident slot, at most one per tile
+    static ResidentCache cache;  // one per instance of launch_tiled: per kernel
     int per_sm = 1;
-    err = resident_ctas(kernel, T::kThreads, T::kSmemBytes, dev, per_sm);
+    err = resident_ctas(kernel, T::kThreads, T::kSmemBytes, dev, cache, per_sm);
     if (err != cudaSuccess) return {err, name};
     grid = dim3(static_cast<unsigned>(
         std::min<int64_t>(m_tiles * n_tiles, static_cast<int64_t>(dev.sms) * per_sm)));
@@ -1068,8 +1071,9 @@ LaunchResult launch_stream_kernel(const LinearParams& p, const LinearNormParams&
   }
   cudaError_t err = allow_smem(reinterpret_cast<const void*>(kernel), bytes);
   if (err != cudaSuccess) return {err, name};
-  int per_sm = 1;  // resident CTAs per SM at this K
-  err = resident_ctas(kernel, T::kThreads, bytes, dev, per_sm);
+  static ResidentCache cache;  // one per instance of launch_stream_kernel: per kernel
+  int per_sm = 1;              // resident CTAs per SM at this K
+  err = resident_ctas(kernel, T::kThreads, bytes, dev, cache, per_sm);
   if (err != cudaSuccess) return {err, name};
   const int64_t slices = (p.N + V::BN - 1) / V::BN;
   const int64_t work = (p.M + V::BM - 1) / V::BM * slices;
