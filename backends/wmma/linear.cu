@@ -5,12 +5,13 @@
 // hi*hi (fp16x3: about fp32 accuracy), two products a_lo*w_hi + a_hi*w_hi (the weight's hi
 // part only), one product hi*hi. Two kernels:
 //
-// - linear_tiled (any K): one BM x BN output tile per CTA; operand tiles BK deep stream
-//   through STAGES shared-memory stages filled by 16-byte cp.async, one barrier per K step
-//   (wait, barrier, refill the stage read last step, compute); the pipelined variant (one
-//   product) loads the next k slice's fragments under the current slice's products. Each
-//   thread's first copy row and its count of rows in range are computed once; out-of-range
-//   rows and the K tail are zero-filled.
+// - linear_tiled (any K): one BM x BN output tile per CTA (the persistent form: CTAs take
+//   tiles in turn, each loading the next tile's first stages under the current one's
+//   epilogue); operand tiles BK deep stream through STAGES shared-memory stages filled by
+//   16-byte cp.async, one barrier per K step (wait, barrier, refill the stage read last step,
+//   compute); the pipelined variant (one product) loads the next k slice's fragments under
+//   the current slice's products. Each thread's first copy row and its count of rows in range
+//   are computed once a tile; out-of-range rows and the K tail are zero-filled.
 // - linear_stream (K <= 128): a persistent CTA keeps a BN-column slice of the weight (whole K)
 //   in shared memory and streams BM-row activation tiles through a ring of STAGES tiles, so
 //   the next tiles load while the current one is multiplied and written out. RESIDENT_B
@@ -29,9 +30,9 @@
 //
 // Norm epilogue (linear_stream, residual epilogues, N <= BN: the CTA holds whole rows): the
 // fp32 rows the residual epilogue writes are also LayerNormed (LinearNormParams, a separate
-// kernel argument). Each warp keeps its rows' values in registers; the partial row sums go
-// through the warps' scratch (one barrier for the sums, one for the squared deviations: the
-// two passes of row_stats), then y = (x - mean) * rstd * w + b is written as an fp16 (hi,
+// kernel argument). Each warp keeps its rows' values in registers; each warp's part of a row
+// goes through the warps' scratch as its sum and its squared deviations from its own mean
+// (one barrier), combined exactly into the row's mean and variance, then y = (x - mean) * rstd * w + b is written as an fp16 (hi,
 // lo) pair, hi only, or the output type with invalid rows zeroed (norm_out). Such a variant
 // never falls back.
 #include <mma.h>
@@ -438,15 +439,18 @@ __device__ __forceinline__ void store_norm(const LinearParams& p, const LinearNo
 
 // The norm epilogue of one tile (see the top): the warp's FM x FN fragments, fragment (i, j)
 // at output row row0 + 16 i and column col0 + 16 j, one fragment row i at a time (o for all
-// of them at once makes ptxas spill); every warp of the CTA calls it (two __syncthreads per
-// fragment row). The partial row sums and squared deviations go to the padding columns of
-// the warps' scratch, which store_matrix_sync never writes (row r, column 16 + slot: sums
-// in slot i, squares in slot FM + i; where FM > 2 leaves too few columns, fragment row i's
-// sums in slot 2 (i % 2) and its squares in the next), so the next fragment may be stored
-// while other warps still read them; peers is the scratch of the first of the WARPS_N warps
-// that share these rows (consecutive warps). A slot is rewritten in the next tile, after the
-// caller's barrier, or (FM > 2) two fragment rows later, when two barriers have passed since
-// its last read. update: kResidualUpdate (else kResidualSum).
+// of them at once makes ptxas spill); every warp of the CTA calls it (one __syncthreads per
+// fragment row). A row's columns start at 0 (N <= BN: the CTA's one column slice); warp n of
+// the WARPS_N that share it holds columns [16 FN n, 16 FN (n + 1)). Each warp's part of a
+// row goes out as its sum and its squared deviations from its own mean (both over its
+// columns inside N), to the padding columns of the warps' scratch, which store_matrix_sync
+// never writes (row r, column 16 + slot: sums in slot i, squares in slot FM + i; where FM > 2
+// leaves too few columns, fragment row i's sums in slot 2 (i % 2) and its squares in the
+// next), so the next fragment may be stored while other warps still read them; peers is the
+// scratch of the first of the WARPS_N warps that share these rows (consecutive warps). A slot
+// is rewritten in the next tile, after the caller's barrier, or (FM > 2) two fragment rows
+// later, past the next fragment row's barrier, which every warp reaches after its last read.
+// update: kResidualUpdate (else kResidualSum).
 template <int FM, int FN, int WARPS_N>
 __device__ __forceinline__ void norm_epilogue(const LinearParams& p, const LinearNormParams& q,
                                               bool update, bool vec, float* scratch,
@@ -481,38 +485,54 @@ __device__ __forceinline__ void norm_epilogue(const LinearParams& p, const Linea
       }
     }
 
-    // Pass 1: the row sum (the two lanes of the row, then the warps sharing it) -> mean.
+    // This warp's part of the row (the two lanes that hold it): its sum and its squared
+    // deviations from its own mean over its columns inside N (o is 0 past N).
+    constexpr int kPartCols = 16 * FN;
+    auto part_cols = [&](int n) { return min(max(p.N - kPartCols * n, 0), kPartCols); };
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < FN; ++j)
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum += o[j][e];
     sum += __shfl_xor_sync(kFullMask, sum, kRowPartner);
-    const int sums = kRing ? slot + 2 * (i % 2) : slot + i;
-    const int squares = kRing ? sums + 1 : slot + FM + i;
-    if (lane < kRowPartner) scratch[sums] = sum;
-    __syncthreads();
-    sum = 0.f;
-#pragma unroll
-    for (int n = 0; n < WARPS_N; ++n) sum += peers[n * kPeerStride + sums];
-    const float mean = sum / p.N;
-
-    // Pass 2: the squared deviations over the columns inside N -> 1 / std.
+    const int mine = min(max(p.N - col0, 0), kPartCols);  // col0: this warp's first column
+    const float part_mean = mine > 0 ? sum / mine : 0.f;
     float sq = 0.f;
 #pragma unroll
     for (int j = 0; j < FN; ++j) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const float d = o[j][e] - mean;
+        const float d = o[j][e] - part_mean;
         if (col + 16 * j + e < p.N) sq += d * d;
       }
     }
     sq += __shfl_xor_sync(kFullMask, sq, kRowPartner);
-    if (lane < kRowPartner) scratch[squares] = sq;
+    const int sums = kRing ? slot + 2 * (i % 2) : slot + i;
+    const int squares = kRing ? sums + 1 : slot + FM + i;
+    if (lane < kRowPartner) {
+      scratch[sums] = sum;
+      scratch[squares] = sq;
+    }
     __syncthreads();
+
+    // The parts combined (Chan, Golub and LeVeque): mean = sum / N; squared deviations =
+    // sum over parts of (theirs + cols (part mean - mean)^2) -> 1 / std.
+    float part_sum[WARPS_N];
+    sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < WARPS_N; ++n) {
+      part_sum[n] = peers[n * kPeerStride + sums];
+      sum += part_sum[n];
+    }
+    const float mean = sum / p.N;
     sq = 0.f;
 #pragma unroll
-    for (int n = 0; n < WARPS_N; ++n) sq += peers[n * kPeerStride + squares];
+    for (int n = 0; n < WARPS_N; ++n) {
+      const int cols = part_cols(n);
+      if (cols == 0) continue;
+      const float d = part_sum[n] / cols - mean;
+      sq += peers[n * kPeerStride + squares] + cols * d * d;
+    }
     const float rstd = 1.f / sqrtf(sq / p.N + q.eps);
 
     // y = (x - mean) * rstd * w + b, as norm_split and norm_out compute it.
