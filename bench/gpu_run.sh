@@ -4,11 +4,12 @@
 # run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
-#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|cutile|cutile-jit|cupy|sanitize|ncu]
+#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|plans|cutile|cutile-jit|cupy|sanitize|ncu]
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
 #   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
 #   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels, ceiling
+#   WMMA_PLANS="pdl:2,1 persistent:8" bash bench/gpu_run.sh plans  # wmma options on and off
 #   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
 #   bash bench/gpu_run.sh cupy        # cupy kernel tests, an option on/off, attention and GEMM sweeps, GPU time per kernel
@@ -69,10 +70,9 @@ if [[ $stage == study ]]; then
 fi
 if [[ $stage == kernels ]]; then
     # The wmma kernels on their own: kernel tests, every GEMM tile on odd sizes (checked) and
-    # on the official shapes' GEMMs (timed), every attention kernel at shapes 13 and 14, the
-    # device's wmma ceiling (register-resident products only), and on whole layers the long
-    # calls' stream tile choices, norm_split's row-in-registers kernel, programmatic
-    # dependent launches and the persistent GEMM tile.
+    # on the official shapes' GEMMs (timed), every attention kernel at shapes 13 and 14, and
+    # the device's wmma ceiling (register-resident products only); the layer's options are
+    # the plans stage.
     log="$OUT/kernels.log"
     python3 -m pytest conformance/test_wmma.py --backend wmma -q -p no:cacheprovider \
         2>&1 | tail -15 | tee -a "$log"
@@ -85,20 +85,20 @@ if [[ $stage == kernels ]]; then
     python3 bench/wmma_sweep.py attention --batch 1 --seq-len 100000 --heads 16 --head-dim 64 \
         --rounds 5 --out "$OUT/attention-14.json" 2>&1 | tee -a "$log"
     python3 bench/wmma_sweep.py peak --out "$OUT/peak.json" 2>&1 | tee -a "$log"
-    # The stream tile of the long calls: the resident-weight and the 64x128 variants
-    # against the 16-warp 128x128 one, on whole layers (shape 6's forwards run out_proj and
-    # the FFN with three products, where the resident variant runs its plain 8-warp loop:
-    # only its Q/K/V hold the weight fragments).
-    python3 bench/wmma_sweep.py plans --plan resident --shapes 13,6,5 \
-        --out "$OUT/plans-resident.json" 2>&1 | tee -a "$log"
-    python3 bench/wmma_sweep.py plans --plan narrow --shapes 13,6 \
-        --out "$OUT/plans-narrow.json" 2>&1 | tee -a "$log"
-    python3 bench/wmma_sweep.py plans --plan norm-registers --shapes 8,13,1 \
-        --out "$OUT/plans-norm-registers.json" 2>&1 | tee -a "$log"
-    python3 bench/wmma_sweep.py plans --plan pdl --shapes 2,3,1,5,12,8,13 \
-        --out "$OUT/plans-pdl.json" 2>&1 | tee -a "$log"
-    python3 bench/wmma_sweep.py plans --plan persistent --shapes 8 \
-        --out "$OUT/plans-persistent.json" 2>&1 | tee -a "$log"
+fi
+if [[ $stage == plans ]]; then
+    # The wmma layer with one option on against off, on whole layers (WMMA_PLANS: items
+    # 'plan:shapes' of bench/wmma_sweep.py plans). By default: the stream tile of the long
+    # calls (the resident-weight and the 64x128 variants against the 16-warp 128x128 one;
+    # shape 6's forwards run out_proj and the FFN with three products, where the resident
+    # variant runs its plain 8-warp loop), norm_split's row-in-registers kernel, programmatic
+    # dependent launches and the persistent GEMM tile.
+    for item in ${WMMA_PLANS:-resident:13,6,5 narrow:13,6 norm-registers:8,13,1 \
+                 pdl:2,3,1,5,12,8,13 persistent:8}; do
+        python3 bench/wmma_sweep.py plans --plan "${item%%:*}" --shapes "${item#*:}" \
+            --out "$OUT/plans-${item%%:*}.json" 2>&1 | tee -a "$OUT/plans.log"
+        status=$((status | ${PIPESTATUS[0]}))
+    done
 fi
 if [[ $stage == cutile ]]; then
     # The cutile kernels on their own: kernel tests, then each GEMM, attention, LayerNorm and
