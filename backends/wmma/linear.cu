@@ -32,9 +32,10 @@
 // fp32 rows the residual epilogue writes are also LayerNormed (LinearNormParams, a separate
 // kernel argument). Each warp keeps its rows' values in registers; each warp's part of a row
 // goes through the warps' scratch as its sum and its squared deviations from its own mean
-// (one barrier), combined exactly into the row's mean and variance, then y = (x - mean) * rstd * w + b is written as an fp16 (hi,
-// lo) pair, hi only, or the output type with invalid rows zeroed (norm_out). Such a variant
-// never falls back.
+// (one barrier), combined into the row's mean and variance (an identity exact in exact
+// arithmetic), then y = (x - mean) * rstd * w + b is written as an fp16 (hi, lo) pair, hi
+// only, or the output type with invalid rows zeroed (norm_out). Such a variant never falls
+// back.
 #include <mma.h>
 
 #include <algorithm>
@@ -495,7 +496,7 @@ __device__ __forceinline__ void norm_epilogue(const LinearParams& p, const Linea
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum += o[j][e];
     sum += __shfl_xor_sync(kFullMask, sum, kRowPartner);
-    const int mine = min(max(p.N - col0, 0), kPartCols);  // col0: this warp's first column
+    const int mine = part_cols(col0 / kPartCols);  // col0 = 16 FN (this warp's index n)
     const float part_mean = mine > 0 ? sum / mine : 0.f;
     float sq = 0.f;
 #pragma unroll
