@@ -822,3 +822,27 @@ def test_persistent_tile_matches_the_pipelined_one(wmma_selected, m, n, k, produ
         for g, e in zip(got, want):
             assert not g.isnan().any(), f"epilogue {epilogue}: unwritten elements"
             assert torch.equal(g, e), f"epilogue {epilogue}: differs from the pipelined tile"
+
+
+def test_programmatic_launch_setting_is_restored(wmma_selected):
+    """The layer's launch-setting context turns the setting on for its block and restores
+    the previous one after it, also when the block raises."""
+    from layerbench.backends.wmma.layer import programmatic_launches
+
+    class Ext:
+        on = False
+
+        def set_programmatic_launches(self, on):
+            previous, self.on = self.on, on
+            return previous
+
+    ext = Ext()
+    with programmatic_launches(ext, True):
+        assert ext.on
+        with programmatic_launches(ext, False):
+            assert not ext.on
+        assert ext.on
+    assert not ext.on
+    with pytest.raises(RuntimeError), programmatic_launches(ext, True):
+        raise RuntimeError("a launch failed")
+    assert not ext.on
