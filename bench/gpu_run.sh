@@ -4,12 +4,13 @@
 # run kept under results/<gpu>/raw/ (this run's raw files are added as raw/run-<commit>/).
 # Logs and raw files go to $OUT (default ./out/gpu); the conformance log is appended to.
 #
-#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|plans|cutile|cutile-jit|cupy|sanitize|ncu]
+#   bash bench/gpu_run.sh [all|conformance|bench|collect|study|kernels|plans|compare|cutile|cutile-jit|cupy|sanitize|ncu]
 #   BACKENDS="torch-sdpa triton" SHAPES=official KEXPR="not s14" bash bench/gpu_run.sh
 #   STUDIES="attention; narrow --shapes 2,3" bash bench/gpu_run.sh study
 #   SANITIZE_BACKEND=wmma SANITIZE_SHAPES="2 7 13" bash bench/gpu_run.sh sanitize
 #   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels, ceiling
 #   WMMA_PLANS="pdl:2,1 persistent:8" bash bench/gpu_run.sh plans  # wmma options on and off
+#   OLD_TREE=scratch_old/layerbench bash bench/gpu_run.sh compare  # kernel times, old and new
 #   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
 #   bash bench/gpu_run.sh cupy        # cupy kernel tests, an option on/off, attention and GEMM sweeps, GPU time per kernel
@@ -97,6 +98,22 @@ if [[ $stage == plans ]]; then
                  pdl:2,3,1,5,12,8,13 persistent:8}; do
         python3 bench/wmma_sweep.py plans --plan "${item%%:*}" --shapes "${item#*:}" \
             --out "$OUT/plans-${item%%:*}.json" 2>&1 | tee -a "$OUT/plans.log"
+        status=$((status | ${PIPESTATUS[0]}))
+    done
+fi
+if [[ $stage == compare ]]; then
+    # The current tree against an older one in OLD_TREE, a layerbench copy without results
+    # (`git archive <commit> backends bench common conformance reference conftest.py
+    # pyproject.toml | tar -x -C scratch_old/layerbench`; scratch_old/ is ignored by git, so
+    # the device call carries it by name): GPU time per kernel of one forward of
+    # COMPARE_BACKEND (wmma) on COMPARE_SHAPES (13,6,2,8) in each, the old tree first, to
+    # $OUT/compare-old.json and compare-new.json.
+    old=$(cd "${OLD_TREE:?OLD_TREE: a folder holding an older layerbench}" && pwd)
+    for tree in old new; do
+        root=$([[ $tree == old ]] && echo "$old" || pwd)
+        (cd "$root" && PYTHONPATH="$(dirname "$root")" python3 bench/tile_sweep.py profile \
+            --backend "${COMPARE_BACKEND:-wmma}" --shapes "${COMPARE_SHAPES:-13,6,2,8}" \
+            --out "$OUT/compare-$tree.json") 2>&1 | tee -a "$OUT/compare.log"
         status=$((status | ${PIPESTATUS[0]}))
     done
 fi
