@@ -400,7 +400,9 @@ __device__ __forceinline__ void flash_block(
 #pragma unroll
     for (int jf = 0; jf < KF; ++jf) wmma::fill_fragment(s[mf][jf], 0.f);
   }
-#pragma unroll
+  // Q from shared memory (no fragment indexed by kd): a partly rolled loop keeps the code of
+  // the wide head dims short; Q in registers needs it unrolled.
+#pragma unroll(C::kQInRegs ? DF : 2)
   for (int kd = 0; kd < DF; ++kd) {
     if (!hd_live(kd)) continue;
     AFrag q_mem[C::kQInRegs ? 1 : MF];
