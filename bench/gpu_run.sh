@@ -109,13 +109,15 @@ if [[ $stage == compare ]]; then
     # COMPARE_BACKEND (wmma) on COMPARE_SHAPES (13,6,2,8) in each, the old tree first, to
     # $OUT/compare-old.json and compare-new.json.
     old=$(cd "${OLD_TREE:?OLD_TREE: a folder holding an older layerbench}" && pwd)
-    for tree in old new; do
-        root=$([[ $tree == old ]] && echo "$old" || pwd)
-        (cd "$root" && PYTHONPATH="$(dirname "$root")" python3 bench/tile_sweep.py profile \
-            --backend "${COMPARE_BACKEND:-wmma}" --shapes "${COMPARE_SHAPES:-13,6,2,8}" \
-            --out "$OUT/compare-$tree.json") 2>&1 | tee -a "$OUT/compare.log"
-        status=$((status | ${PIPESTATUS[0]}))
-    done
+    out=$(cd "$OUT" && pwd)
+    profile=(bench/tile_sweep.py profile --backend "${COMPARE_BACKEND:-wmma}"
+             --shapes "${COMPARE_SHAPES:-13,6,2,8}")
+    # The old copy is imported as layerbench from its parent folder, ahead of the install.
+    (cd "$old" && PYTHONPATH="$(dirname "$old")" python3 "${profile[@]}" \
+        --out "$out/compare-old.json") 2>&1 | tee -a "$OUT/compare.log"
+    status=$((status | ${PIPESTATUS[0]}))
+    python3 "${profile[@]}" --out "$out/compare-new.json" 2>&1 | tee -a "$OUT/compare.log"
+    status=$((status | ${PIPESTATUS[0]}))
 fi
 if [[ $stage == cutile ]]; then
     # The cutile kernels on their own: kernel tests, then each GEMM, attention, LayerNorm and
