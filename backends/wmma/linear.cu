@@ -496,7 +496,7 @@ __device__ __forceinline__ void norm_epilogue(const LinearParams& p, const Linea
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum += o[j][e];
     sum += __shfl_xor_sync(kFullMask, sum, kRowPartner);
-    const int mine = part_cols(col0 / kPartCols);  // col0 = 16 FN (this warp's index n)
+    const int mine = part_cols(col0 / kPartCols);  // col0 = 16 FN n: this warp is part n
     const float part_mean = mine > 0 ? sum / mine : 0.f;
     float sq = 0.f;
 #pragma unroll
