@@ -16,6 +16,9 @@ from .layer import (Plan, WmmaLayer, large_call_products_for, linear_products_fo
 from .tiles import GEMM_TILES, choose_tiles, replaces_stream_tile
 
 
+PROGRAMMATIC_CAPABILITY = (9, 0)  # griddepcontrol: programmatic dependent launch
+
+
 class WmmaBackend(Backend):
     """The stack in CUDA C++ kernels on wmma fragments (see Plan for the fused kernels),
     replayed as one CUDA graph where the input allows."""
@@ -86,10 +89,10 @@ class WmmaBackend(Backend):
         if config.seq_len > max_seq_len():
             raise Unsupported(f"wmma: seq_len {config.seq_len} exceeds {max_seq_len()}")
         super().check(config, device, dtype)
-        if self.pdl and torch.cuda.get_device_capability(device)[0] < 9:
-            major, minor = torch.cuda.get_device_capability(device)
-            raise Unsupported(f"wmma: pdl: programmatic dependent launch needs sm_90 or newer, "
-                              f"not sm_{major}{minor}")
+        if self.pdl:
+            short = capability_shortfall(torch.device(device), PROGRAMMATIC_CAPABILITY)
+            if short:
+                raise Unsupported(f"wmma: pdl (programmatic dependent launch, sm_90): {short}")
 
     def _build(self, config, state_dict, device, dtype):
         ext = build.load(device)
@@ -106,7 +109,7 @@ class WmmaBackend(Backend):
                     and block.fits(config.d_model, config.ffn_dim, products)
                     and (limit is None
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
-        programmatic = torch.cuda.get_device_capability(device)[0] >= 9
+        programmatic = not capability_shortfall(torch.device(device), PROGRAMMATIC_CAPABILITY)
         plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
                     products, self.fuse_norms, ffn_auto=self.fuse_ffn is None,
                     large_call_products=large, stream_tile=self.stream_tile,
