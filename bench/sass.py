@@ -22,6 +22,23 @@ PATTERNS = {
     "dependents_launch": r"PREEXIT\b",    # griddepcontrol.launch_dependents
 }
 _COMPILED = {key: re.compile(pattern) for key, pattern in PATTERNS.items()}
+# Opcodes that touch global memory (or generic addresses, which may be global).
+GLOBAL_ACCESS_OPS = ("LDG", "STG", "LDGSTS", "ATOMG", "ATOM", "RED", "LD", "ST", "CCTL",
+                     "UBLKCP", "UTMALDG", "UTMASTG")
+
+
+def global_before_wait(body: str, allowed: tuple[str, ...] = ()) -> int:
+    """Global (or generic) memory instructions of a SASS body before its first
+    griddepcontrol.wait (ACQBULK), all of them where it has none; opcodes in allowed (e.g.
+    LDGSTS, for weights copied before the wait) not counted."""
+    ops = "|".join(op for op in GLOBAL_ACCESS_OPS if op not in allowed)
+    access = re.compile(rf"\b(?:{ops})\b")
+    count = 0
+    for line in body.splitlines():
+        if _COMPILED["dependency_wait"].search(line):
+            return count
+        count += bool(access.search(line))
+    return count
 
 
 def _run(*args: str) -> str:

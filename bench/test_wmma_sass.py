@@ -60,9 +60,14 @@ def test_forward_kernels_wait_for_the_kernel_before_them(sass_rows):
 
 
 def test_global_accesses_before_the_wait_are_counted():
-    """global_before_wait counts global and generic accesses (not shared ones) up to the
-    first ACQBULK, and all of them in a body without one."""
+    """global_before_wait (bench/sass.py) counts global and generic accesses (not shared
+    ones) up to the first ACQBULK, all of them in a body without one, and not the allowed
+    opcodes."""
+    from sass import global_before_wait
+
     body = ("  /*0010*/  LDS R2, [R3] ;\n  /*0020*/  @P0 LDG.E R4, desc[UR4][R6.64] ;\n"
             "  /*0030*/  ACQBULK ;\n  /*0040*/  STG.E [R6.64], R4 ;\n")
-    assert wmma_sass.global_before_wait(body) == 1
-    assert wmma_sass.global_before_wait(body.replace("ACQBULK", "NOP")) == 2
+    assert global_before_wait(body) == 1
+    assert global_before_wait(body.replace("ACQBULK", "NOP")) == 2
+    copy = body.replace("@P0 LDG.E R4,", "LDGSTS.E.BYPASS.128 [R4],")
+    assert global_before_wait(copy) == 1 and global_before_wait(copy, ("LDGSTS",)) == 0

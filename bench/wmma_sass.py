@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sass import functions, kernels  # noqa: E402
+from sass import functions, global_before_wait, kernels  # noqa: E402
 
 from layerbench.backends.wmma import build  # noqa: E402
 
@@ -28,21 +28,6 @@ from layerbench.backends.wmma import build  # noqa: E402
 TENSOR_CORE_SOURCES = ("linear.cu", "attention.cu", "block.cu", "peak.cu")
 # Kernels outside the forward (launched on their own, never as programmatic dependents).
 STANDALONE_KERNELS = ("attention_layout_probe_kernel", "mma_peak_kernel")
-# Instructions that touch global memory (or generic addresses, which may be global).
-GLOBAL_ACCESS = re.compile(r"\b(?:LDG|STG|LDGSTS|ATOMG|ATOM|RED|LD|ST|CCTL|UBLKCP|UTMALDG|"
-                           r"UTMASTG)\b")
-WAIT = re.compile(r"\bACQBULK\b")  # griddepcontrol.wait
-
-
-def global_before_wait(body: str) -> int:
-    """Global (or generic) memory instructions of a SASS body before its first
-    griddepcontrol.wait; all of them where it has none."""
-    count = 0
-    for line in body.splitlines():
-        if WAIT.search(line):
-            return count
-        count += bool(GLOBAL_ACCESS.search(line))
-    return count
 
 
 def short_name(mangled: str) -> str:

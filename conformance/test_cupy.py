@@ -144,21 +144,16 @@ def test_every_kernel_waits_for_the_one_before_it(cupy_selected, compiled, hoppe
     module has neither (start_after_previous compiles to nothing there). Only the whole-block
     and after-attention kernels touch global memory before the wait, and only by copying
     weights to shared memory (LDGSTS), which no kernel writes."""
-    from bench.sass import functions, kernels
+    from bench.sass import functions, global_before_wait, kernels
 
     _, lowered = compiled[build.HOPPER]
     bodies, rows = hopper_sass
-    memory = re.compile(r"\b(?:LDG|STG|LDGSTS|UTMALDG|UBLKCP|CCTL|ATOMG|RED|LD|ST)\.")
-    after_weights = re.compile(r"\b(?:LDG|STG|UTMALDG|UBLKCP|CCTL|ATOMG|RED|LD|ST)\.")
     for name, symbol in lowered.items():
         assert rows[symbol]["dependency_wait"] >= 1, (name, rows[symbol])
         assert rows[symbol]["dependents_launch"] >= 1, (name, rows[symbol])
-        lines = bodies[symbol].splitlines()
-        wait = next(i for i, line in enumerate(lines) if re.search(r"\bACQBULK\b", line))
         weights_first = name.startswith(("lb::whole_block<", "lb::after_attention<"))
-        pattern = after_weights if weights_first else memory
-        first = next((i for i, line in enumerate(lines) if pattern.search(line)), len(lines))
-        assert wait < first, (name, lines[first])  # nothing global before the wait
+        allowed = ("LDGSTS",) if weights_first else ()
+        assert global_before_wait(bodies[symbol], allowed) == 0, name  # nothing global first
     path, _ = compiled["80"]
     for symbol, row in kernels(path, functions(path)).items():
         assert row["dependency_wait"] == 0 and row["dependents_launch"] == 0, (symbol, row)
