@@ -37,6 +37,7 @@ from layerbench.backends.wmma.linear import (GELU_PAIR, HALF, RESIDUAL_SUM, RESI
                                              linear)
 from layerbench.backends.wmma.tiles import GEMM_TILES
 from layerbench.common import runner
+from layerbench.common.cuda_host import split_fp16
 from layerbench.common.shapes import resolve_shapes
 from layerbench.common.timing import alternating_medians_ms
 
@@ -68,15 +69,12 @@ def _parse_case(text: str) -> tuple[int, int, int, int, int]:
     return m, n, k, int(products), int(epilogue)
 
 
-def _operands(m, n, k, products, device, gen):
-    """fp16 (hi, lo) activations and weights, bias, residual and a valid-row mask."""
+def gemm_operands(m, n, k, products, device, gen):
+    """fp16 (hi, lo) activations [m, k] and weights [n, k] (lo None where products does not
+    multiply it), bias, residual and a valid-row mask."""
     a = torch.randn(m, k, device=device, generator=gen)
     w = torch.randn(n, k, device=device, generator=gen) / math.sqrt(k)
-
-    def split(t):
-        hi = t.half()
-        return hi, (t - hi.float()).half()
-    a_pair, w_pair = split(a), split(w)
+    a_pair, w_pair = split_fp16(a), split_fp16(w)
     if products == 1:
         a_pair, w_pair = (a_pair[0], None), (w_pair[0], None)
     elif products == 2:
@@ -150,7 +148,7 @@ def sweep_gemm(cases, rounds, tiles=None):
     for text in cases:
         m, n, k, products, epilogue = _parse_case(text)
         gen = torch.Generator(device=device).manual_seed(m + n + k)
-        ops = _operands(m, n, k, products, device, gen)
+        ops = gemm_operands(m, n, k, products, device, gen)
         expected = _expected(*ops, epilogue) if m <= 70000 else None
         chosen = range(len(GEMM_TILES)) if tiles is None else tiles
         runs = {}
@@ -188,7 +186,7 @@ def check_edges():
     for m, n, k in EDGE_SIZES:
         for products in (1, 2, 3):
             gen = torch.Generator(device=device).manual_seed(m * 7 + n + k + products)
-            ops = _operands(m, n, k, products, device, gen)
+            ops = gemm_operands(m, n, k, products, device, gen)
             for epilogue in (HALF, GELU_PAIR, RESIDUAL_UPDATE, RESIDUAL_SUM):
                 expected = _expected(*ops, epilogue)
                 for tile in range(len(GEMM_TILES)):

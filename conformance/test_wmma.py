@@ -789,22 +789,16 @@ def test_persistent_tile_matches_the_pipelined_one(wmma_selected, m, n, k, produ
     under the epilogue) writes the bits of the one-tile-per-CTA pipelined tile, every element
     of NaN-filled outputs, with each epilogue and product count, on sizes that are not
     multiples of the tile and grids of more tiles than resident CTAs."""
+    from bench.wmma_sweep import gemm_operands
     from layerbench.backends.wmma.linear import (GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE,
                                                  linear)
     from layerbench.backends.wmma.tiles import (TILED_128x128_BK64_PERSISTENT,
                                                 TILED_128x128_BK64_PIPELINED)
-    from layerbench.common.cuda_host import split_fp16
 
     device = torch.device("cuda")
     ext = build.load(device)
     gen = torch.Generator(device=device).manual_seed(m + n + k + products)
-    a = split_fp16(torch.randn(m, k, device=device, generator=gen))
-    w = split_fp16(torch.randn(n, k, device=device, generator=gen) / k ** 0.5)
-    a = a if products > 1 else (a[0], None)
-    w = w if products == 3 else (w[0], None)
-    bias = torch.randn(n, device=device, generator=gen)
-    residual = torch.randn(m, n, device=device, generator=gen)
-    valid = (torch.rand(m, device=device, generator=gen) > 0.2).to(torch.uint8)
+    a, w, bias, residual, valid = gemm_operands(m, n, k, products, device, gen)
 
     def run(tile, epilogue):
         nan = torch.full((m, n), math.nan, device=device)
