@@ -48,15 +48,34 @@ def test_no_kernel_has_a_problem(sass_rows):
 def test_forward_kernels_wait_for_the_kernel_before_them(sass_rows):
     """Every forward kernel waits for the kernel before it (griddepcontrol.wait: ACQBULK)
     before any global memory access and lets the next one launch (PREEXIT), as programmatic
-    dependent launches need; the probe and ceiling kernels, launched on their own, do not."""
+    dependent launches need; the probe and ceiling kernels, launched on their own, do not.
+    The GEMM and ffn_block kernels copy weights (LDGSTS) before the wait, and only those;
+    the others copy nothing before it."""
     forward = [row for row in sass_rows if row["forward"]]
     assert forward and len(forward) < len(sass_rows)
     for row in forward:
         assert row["dependency_wait"] >= 1 and row["dependents_launch"] >= 1, row["kernel"]
         assert row["global_before_wait"] == 0, row["kernel"]
+        assert (row["copies_before_wait"] > 0) == row["weights_first"], row["kernel"]
+    assert {row["kernel"].split("<")[0] for row in forward if row["weights_first"]} == set(
+        wmma_sass.WEIGHTS_FIRST_KERNELS)
     for row in sass_rows:
         if not row["forward"]:
             assert row["dependency_wait"] == 0, row["kernel"]
+
+
+def test_tiled_gemms_copy_only_weights_before_the_wait(sass_rows):
+    """A tiled GEMM copies exactly its first STAGES - 1 stages of weights before the wait:
+    16-byte vectors per thread BN / (threads / (BK / 8)) per part, one part (two with three
+    products), so no copy of the rows (which the kernel before writes) comes first."""
+    tiled = [row for row in sass_rows if row["kernel"].startswith("linear_tiled<")]
+    assert tiled
+    for row in tiled:
+        bm, bn, warps_m, warps_n, bk, stages, products = (
+            int(v) for v in row["kernel"].split("<")[1].split(",")[:7])
+        rows_per_pass = warps_m * warps_n * 32 // (bk // 8)
+        parts = 2 if products == 3 else 1
+        assert row["copies_before_wait"] == (stages - 1) * (bn // rows_per_pass) * parts, row
 
 
 def test_global_accesses_before_the_wait_are_counted():

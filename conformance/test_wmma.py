@@ -751,7 +751,9 @@ class _LaunchSettings:
 def test_programmatic_launches_give_the_same_bits(wmma_selected, number, fuse_ffn):
     """With pdl (each forward kernel a programmatic dependent of the one before it) the layer
     turns the launch setting on around its forward and back after it, and gives the bits of
-    ordinary launches, eager, captured and replayed, within the contract."""
+    ordinary launches, eager, captured and replayed, within the contract. Two inputs take
+    turns in the same buffer, so a kernel reading rows before the one before it has written
+    them (stale from the previous forward) shows."""
     from layerbench.common.shapes import CI
 
     if torch.cuda.get_device_capability()[0] < 9:
@@ -766,18 +768,24 @@ def test_programmatic_launches_give_the_same_bits(wmma_selected, number, fuse_ff
     assert layer.plan.pdl and not plain.plan.pdl
     assert WmmaBackend(pdl=None).build(cfg, state, device="cuda").plan.pdl
     layer.ext = plain.ext = _LaunchSettings(layer.ext)
+    inputs = (x.clone(), torch.randn_like(x))
     with torch.no_grad():
-        want = plain(x, mask).clone()
-        assert layer.ext.calls == [False, False]  # the plain layer: off, then restored
-        for _ in range(3):  # eager, captured, replayed
+        wants = []
+        for data in inputs:
+            x.copy_(data)
+            wants.append(plain(x, mask).clone())
+        assert layer.ext.calls == [False, False] * 2  # the plain layer: off, then restored
+        for turn in range(4):  # eager, captured, replayed twice
+            x.copy_(inputs[turn % 2])
             got = layer(x, mask)
-            assert torch.equal(got, want)
-            report = compare(got, expected)
-            assert report.passed, report.summary()
+            assert torch.equal(got, wants[turn % 2]), turn
+            if turn % 2 == 0:
+                report = compare(got, expected)
+                assert report.passed, report.summary()
     assert layer.graphed.graphs
-    # eager and the capture set it on and restore off; the replay launches nothing
-    assert layer.ext.calls[2:] == [True, False] * (len(layer.ext.calls[2:]) // 2)
-    assert len(layer.ext.calls) >= 6
+    # eager and the capture set it on and restore off; the replays launch nothing
+    assert layer.ext.calls[4:] == [True, False] * (len(layer.ext.calls[4:]) // 2)
+    assert len(layer.ext.calls) >= 8
 
 
 @needs_gpu

@@ -223,7 +223,6 @@ __device__ __forceinline__ void store_as(void* out, DType type, int64_t i, float
 // LayerNorm run on one warp, a lane holding columns lane + 32 i; a warp's rows unrolled.
 template <int PRODUCTS>
 __global__ void __launch_bounds__(kFfnWarps * 32, 1) ffn_block_kernel(FfnBlockParams p) {
-  start_after_previous();
   extern __shared__ __align__(128) unsigned char smem[];
   const FfnLayout L = ffn_layout(p.D, p.F);
   __half* p_hi = reinterpret_cast<__half*>(smem + L.p_hi);
@@ -237,12 +236,15 @@ __global__ void __launch_bounds__(kFfnWarps * 32, 1) ffn_block_kernel(FfnBlockPa
   const int D = p.D, F = p.F;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
-  // Group 0: the context and residual rows and out_proj's weight; group 1: ffn_in's weight.
+  // Group 0: out_proj's weight (requested before waiting for the kernel before this one: no
+  // kernel of the forward writes the weights), the context and residual rows; group 1:
+  // ffn_in's weight.
+  copy_tile_async(w0, L.ldw, p.wo, D, L.dp, L.dp, D, D);
+  start_after_previous();
   copy_tile_async(p_hi, L.ldp, p.ctx_hi + m0 * D, D, kFfnRows, L.dp, rows_left, D);
   if (PRODUCTS == 2) copy_tile_async(p_lo, L.ldp, p.ctx_lo + m0 * D, D, kFfnRows, L.dp,
                                      rows_left, D);
   copy_tile_async(x_s, L.ldc, p.residual + m0 * D, D, kFfnRows, L.dp, rows_left, D);
-  copy_tile_async(w0, L.ldw, p.wo, D, L.dp, L.dp, D, D);
   cp_async_commit();
   copy_tile_async(w1, L.ldw, p.wi, D, L.fp, L.dp, F, D);
   cp_async_commit();

@@ -219,10 +219,10 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int 
   return err != cudaSuccess ? err : cudaGetLastError();
 }
 
-// The first statement of every forward kernel, before any global memory access: wait until
-// the kernel before it in the stream has finished and its writes are visible, then let the
-// next kernel begin launching (griddepcontrol). Nothing to wait for in an ordinary launch;
-// compiled to nothing below sm_90.
+// In every forward kernel before any global memory access but copies of weights (which no
+// kernel of the forward writes): wait until the kernel before it in the stream has finished
+// and its writes are visible, then let the next kernel begin launching (griddepcontrol).
+// Nothing to wait for in an ordinary launch; compiled to nothing below sm_90.
 __device__ __forceinline__ void start_after_previous() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

@@ -598,7 +598,6 @@ template <int BM, int BN, int WARPS_M, int WARPS_N, int BK, int STAGES, int PROD
           bool PIPELINED, bool PERSISTENT>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MINB)
 linear_tiled(LinearParams p, int epilogue) {
-  start_after_previous();
   using T = Tiled<BM, BN, WARPS_M, WARPS_N, BK, STAGES, PRODUCTS>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   __half* smem = reinterpret_cast<__half*>(smem_raw);
@@ -629,7 +628,8 @@ linear_tiled(LinearParams p, int epilogue) {
   set_tile(tile);
   const int s_off = r0 * T::kLds + c;  // this thread's first shared vector in a part
 
-  auto load_stage = [&](int stage, int k0) {
+  // A stage's rows (load_rows) and weights (load_weights) of the K tile at k0.
+  auto load_rows = [&](int stage, int k0) {
     const int kc = k0 + c;
     const bool k_in = kc < p.K;
     const int kk = k_in ? kc : 0;
@@ -643,7 +643,12 @@ linear_tiled(LinearParams p, int epilogue) {
       cp_async16(dst, p.a_hi + off, bytes);
       if constexpr (T::kAParts == 2) cp_async16(dst + BM * T::kLds, p.a_lo + off, bytes);
     }
-    st += T::kAParts * BM * T::kLds;
+  };
+  auto load_weights = [&](int stage, int k0) {
+    const int kc = k0 + c;
+    const bool k_in = kc < p.K;
+    const int kk = k_in ? kc : 0;
+    __half* st = smem + stage * T::kStageHalves + T::kAParts * BM * T::kLds + s_off;
 #pragma unroll
     for (int q = 0; q < T::kWVecs; ++q) {
       const bool in = k_in && q < w_in;
@@ -655,18 +660,34 @@ linear_tiled(LinearParams p, int epilogue) {
       if constexpr (T::kWParts == 2) cp_async16(dst + BN * T::kLds, p.w_lo + off, bytes);
     }
   };
+  auto load_stage = [&](int stage, int k0) {
+    load_rows(stage, k0);
+    load_weights(stage, k0);
+  };
 
   // One commit group per K tile (empty past the end): at iteration kt, kt + STAGES - 1
   // groups are committed, and waiting until STAGES - 2 are pending means tile kt landed.
+  // weights_requested: the first stages' weights are in flight already (in group 0, which
+  // lands first), so each group takes the rows alone.
   const int k_tiles = (p.K + BK - 1) / BK;
-  auto load_first_stages = [&]() {
+  auto load_first_stages = [&](bool weights_requested) {
 #pragma unroll
     for (int t = 0; t < STAGES - 1; ++t) {
-      if (t < k_tiles) load_stage(t, t * BK);
+      if (t < k_tiles) {
+        load_rows(t, t * BK);
+        if (!weights_requested) load_weights(t, t * BK);
+      }
       cp_async_commit();
     }
   };
-  load_first_stages();
+  // No kernel of the forward writes the weights: their first stages are requested before
+  // waiting for the kernel before this one (which writes the rows).
+#pragma unroll
+  for (int t = 0; t < STAGES - 1; ++t) {
+    if (t < k_tiles) load_weights(t, t * BK);
+  }
+  start_after_previous();
+  load_first_stages(true);
   const int a_warp = wm * T::kFragsM * 16 * T::kLds;
   const int w_warp = T::kAParts * BM * T::kLds + wn * T::kFragsN * 16 * T::kLds;
   // Each pass: one output tile (PERSISTENT: while the CTA has tiles left; else once).
@@ -742,7 +763,7 @@ linear_tiled(LinearParams p, int epilogue) {
     const bool more = PERSISTENT && next < tiles;
     if (more) {  // the next tile's first stages, landing during this epilogue
       set_tile(next);
-      load_first_stages();
+      load_first_stages(false);
     }
     float* scratch = reinterpret_cast<float*>(
         smem_raw + (PERSISTENT ? T::kPersistentScratch : 0) + warp * kScratchBytes);
@@ -800,7 +821,6 @@ template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES, int PRODUCTS, in
           bool NORM, bool RESIDENT_B>
 __global__ void __launch_bounds__(WARPS_M * WARPS_N * 32, MINB)
 linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
-  start_after_previous();
   using T = Stream<BM, BN, WARPS_M, WARPS_N, STAGES, PRODUCTS>;
   static_assert(!RESIDENT_B || PRODUCTS <= 2, "resident weight fragments: the hi part only");
   constexpr int kSteps = kStreamMaxK / 16;  // k steps at most
@@ -826,7 +846,8 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
   const int r_first = threadIdx.x / chunks, c_first = threadIdx.x % chunks;
   const int r_step = T::kThreads / chunks, c_step = T::kThreads % chunks;
 
-  // The weight slice once (rows past N and columns past K zero-filled).
+  // The weight slice once (rows past N and columns past K zero-filled), requested before
+  // waiting for the kernel before this one: no kernel of the forward writes the weights.
   for (int v = threadIdx.x; v < BN * chunks; v += T::kThreads) {
     const int r = v / chunks, c = (v % chunks) * 8;
     const int row = n0 + r;
@@ -835,6 +856,7 @@ linear_stream(LinearParams p, int epilogue, LinearNormParams norm) {
     cp_async16(w_s + r * ld + c, p.w_hi + off, ok ? 16 : 0);
     if constexpr (T::kWParts == 2) cp_async16(w_s + (BN + r) * ld + c, p.w_lo + off, ok ? 16 : 0);
   }
+  start_after_previous();
   auto load_tile = [&](int stage, int64_t t) {
     __half* dst = a_s + stage * a_stage;
     const int64_t m0 = t * BM;
