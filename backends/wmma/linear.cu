@@ -1067,14 +1067,18 @@ cudaError_t resident_ctas(Kernel kernel, int threads, int bytes, const DeviceInf
   return cudaSuccess;
 }
 
+// The tiled variant V; a norm (only the stream tiles have the norm epilogue) is refused.
 template <class V, int PRODUCTS>
 LaunchResult launch_tiled(const LinearParams& p, Epilogue epilogue, cudaStream_t stream,
-                          const DeviceInfo& dev, const char* name) {
+                          const DeviceInfo& dev, const char* name,
+                          const LinearNormParams* norm) {
+  if (norm != nullptr)
+    return {cudaErrorInvalidValue, "linear (the norm epilogue needs a stream tile)"};
   constexpr int S = V::stages(PRODUCTS);
   using T = Tiled<V::BM, V::BN, V::WM, V::WN, V::BK, S, PRODUCTS>;
   if constexpr (!std::is_same_v<V, Fallback>) {
     if (T::kSmemBytes > dev.smem_limit)
-      return launch_tiled<Fallback, PRODUCTS>(p, epilogue, stream, dev, kFallbackName);
+      return launch_tiled<Fallback, PRODUCTS>(p, epilogue, stream, dev, kFallbackName, nullptr);
   }
   auto kernel = linear_tiled<V::BM, V::BN, V::WM, V::WN, V::BK, S, PRODUCTS, V::blocks(PRODUCTS),
                              V::PIPELINED, V::PERSISTENT>;
@@ -1109,7 +1113,7 @@ LaunchResult launch_stream_kernel(const LinearParams& p, const LinearNormParams&
     if constexpr (NORM) {
       return {cudaErrorInvalidValue, "linear_stream (norm epilogue: shared memory too large)"};
     } else {
-      return launch_tiled<Fallback, PRODUCTS>(p, epilogue, stream, dev, kFallbackName);
+      return launch_tiled<Fallback, PRODUCTS>(p, epilogue, stream, dev, kFallbackName, nullptr);
     }
   }
   cudaError_t err = allow_smem(reinterpret_cast<const void*>(kernel), bytes);
@@ -1151,34 +1155,34 @@ LaunchResult launch_stream(const LinearParams& p, Epilogue epilogue, cudaStream_
 template <int PRODUCTS>
 LaunchResult launch_tile(const LinearParams& p, GemmTile tile, Epilogue e, cudaStream_t s,
                          const LinearNormParams* norm) {
-  if (norm != nullptr && tile != GemmTile::kStream128x128 && tile != GemmTile::kStream64x128 &&
-      tile != GemmTile::kStream64x64 && tile != GemmTile::kStream32x128 &&
-      tile != GemmTile::kStream128x128w8r)
-    return {cudaErrorInvalidValue, "linear (the norm epilogue needs a stream tile)"};
   DeviceInfo dev;
   const cudaError_t err = device_info(dev);
   if (err != cudaSuccess) return {err, "linear (device query)"};
   switch (tile) {
     case GemmTile::kTiled128x128:
-      return launch_tiled<T128x128, PRODUCTS>(p, e, s, dev, "linear_tiled<128x128, 8 warps, bk32>");
+      return launch_tiled<T128x128, PRODUCTS>(
+          p, e, s, dev, "linear_tiled<128x128, 8 warps, bk32>", norm);
     case GemmTile::kTiled128x256:
-      return launch_tiled<T128x256, PRODUCTS>(p, e, s, dev, "linear_tiled<128x256, 8 warps, bk32>");
+      return launch_tiled<T128x256, PRODUCTS>(
+          p, e, s, dev, "linear_tiled<128x256, 8 warps, bk32>", norm);
     case GemmTile::kTiled128x128w4:
-      return launch_tiled<T128x128w4, PRODUCTS>(p, e, s, dev,
-                                            "linear_tiled<128x128, 4 warps, bk32>");
+      return launch_tiled<T128x128w4, PRODUCTS>(
+          p, e, s, dev, "linear_tiled<128x128, 4 warps, bk32>", norm);
     case GemmTile::kTiled128x128k64:
-      return launch_tiled<T128x128k64, PRODUCTS>(p, e, s, dev,
-                                            "linear_tiled<128x128, 8 warps, bk64>");
+      return launch_tiled<T128x128k64, PRODUCTS>(
+          p, e, s, dev, "linear_tiled<128x128, 8 warps, bk64>", norm);
     case GemmTile::kTiled64x64:
-      return launch_tiled<T64x64, PRODUCTS>(p, e, s, dev, "linear_tiled<64x64, 4 warps, bk32>");
+      return launch_tiled<T64x64, PRODUCTS>(
+          p, e, s, dev, "linear_tiled<64x64, 4 warps, bk32>", norm);
     case GemmTile::kTiled32x32:
-      return launch_tiled<T32x32, PRODUCTS>(p, e, s, dev, "linear_tiled<32x32, 4 warps, bk64>");
+      return launch_tiled<T32x32, PRODUCTS>(
+          p, e, s, dev, "linear_tiled<32x32, 4 warps, bk64>", norm);
     case GemmTile::kTiled128x128k64w4p:
       return launch_tiled<T128x128k64w4p, PRODUCTS>(
-          p, e, s, dev, "linear_tiled<128x128, 4 warps, bk64, pipelined>");
+          p, e, s, dev, "linear_tiled<128x128, 4 warps, bk64, pipelined>", norm);
     case GemmTile::kTiled128x128k64w4pp:
       return launch_tiled<T128x128k64w4pp, PRODUCTS>(
-          p, e, s, dev, "linear_tiled<128x128, 4 warps, bk64, pipelined, persistent>");
+          p, e, s, dev, "linear_tiled<128x128, 4 warps, bk64, pipelined, persistent>", norm);
     case GemmTile::kStream128x128:
       return launch_stream<S128x128, PRODUCTS>(p, e, s, dev, "linear_stream<128x128, 16 warps>",
                                                norm);
