@@ -1,4 +1,5 @@
-"""Float32 matmul precision (strict IEEE or TF32) as a context manager."""
+"""Float32 matmul precision (strict IEEE or TF32) as a context manager, and the default fp16
+product count of the split-fp16 stacks by depth."""
 from __future__ import annotations
 
 import contextlib
@@ -33,3 +34,16 @@ def fp32_matmul(mode: str):
         yield
     finally:
         _set(old)
+
+
+# Split-fp16 stacks (wmma, cupy, cutile) deeper than the official shapes' four blocks run
+# out_proj and the FFN at DEEP_STACK_PRODUCTS fp16 products by default: with fewer, the
+# rounding error grows with depth past the contract (bench/depth_study.py).
+DEEP_STACK_BLOCKS = 4
+DEEP_STACK_PRODUCTS = 3
+
+
+def default_products(config, shallow: int) -> int:
+    """fp16 products of out_proj and the FFN by default: shallow (the backend's choice for
+    the width) up to DEEP_STACK_BLOCKS blocks, DEEP_STACK_PRODUCTS beyond."""
+    return DEEP_STACK_PRODUCTS if config.num_layers > DEEP_STACK_BLOCKS else shallow

@@ -9,7 +9,7 @@ import torch
 
 from layerbench.common import runner
 from layerbench.common.errors import MemoryPlanError, Unsupported
-from layerbench.common.shapes import CI, noncausal
+from layerbench.common.shapes import CI, Shape, noncausal
 
 DETERMINISM_OUTPUTS = ("first output", "its copy", "second output")
 
@@ -97,4 +97,21 @@ def test_no_mask_other_shape(backend_name, number, causal, device, seed, allow_s
     x = torch.randn(cfg.batch_size + 1, cfg.seq_len // 2 + 3, cfg.d_model, generator=gen)
     other = replace(prepared, x=x.to(device), mask=None)
     report, _ = runner.check(layer, other, runner.oracle_reference(other))
+    assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("number", [1, 8], ids=["d128", "d1024"])
+def test_deep_stack(backend_name, number, device, seed, allow_slow):
+    """Twelve blocks (the official shapes have at most four), where the rounding error of
+    fp16 products grows with depth: the contract still holds. 8 sequences of 128 tokens on a
+    GPU; on a CPU the CI shape's sequences (the Triton interpreter takes about a minute)."""
+    small = CI[number].config
+    batch, seq_len = (8, 128) if torch.device(device).type == "cuda" else (
+        small.batch_size, small.seq_len)
+    cfg = replace(small, batch_size=batch, seq_len=seq_len, num_layers=12)
+    shape = Shape(number, f"{CI[number].name}-12-blocks", cfg, kind="ci")
+    _admit_or_skip(backend_name, cfg, torch.float32, device, allow_slow)
+    prepared = runner.prepare(shape, padding=0.25, dtype=torch.float32, seed=seed, device=device)
+    layer = _build_or_skip(backend_name, prepared)
+    report, _ = runner.check(layer, prepared)
     assert report.passed, report.summary()

@@ -440,6 +440,23 @@ def _size(arg) -> int:
     return arg.dtype.itemsize
 
 
+@pytest.mark.parametrize("d_model, blocks, products", [(128, 4, 3), (512, 4, 1), (512, 5, 3),
+                                                     (1024, 12, 3)])
+def test_default_products_follow_width_and_depth(cupy_selected, monkeypatch, d_model, blocks,
+                                                 products):
+    """out_proj and the FFN run one fp16 product from d_model 512 and three below, and three
+    in stacks deeper than four blocks; a fixed linear_products holds at any depth."""
+    from layerbench.backends.cupy import CupyBackend
+
+    class Hopper:  # stands in for ops.Kernels on an sm_90 device
+        has_wgmma, wgmma_problem, programmatic_problem, arch = True, None, None, "90"
+    monkeypatch.setattr(ops, "kernels_for", lambda device: Hopper())
+    cfg = LayerConfig(2, 16, d_model, 4, 64, blocks)
+    sd, cpu = make_reference(cfg, seed=3).state_dict(), torch.device("cpu")
+    assert CupyBackend()._build(cfg, sd, cpu, torch.float32).products == products
+    assert CupyBackend(linear_products=1)._build(cfg, sd, cpu, torch.float32).products == 1
+
+
 def test_programmatic_launch_follows_the_driver_layout(cupy_selected, monkeypatch):
     """driver.py's cuLaunchKernelEx structures have cuda.h's layout (CUlaunchAttribute: 72
     bytes, its value at 8; CUlaunchConfig: 56, stream at 32), the attribute id is

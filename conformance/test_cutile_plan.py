@@ -245,6 +245,19 @@ def test_whole_block_is_refused_where_the_build_lacks_it(cutile_selected, monkey
         backend.build(cfg, make_reference(cfg, seed=1).state_dict(), device="cpu")
 
 
+@pytest.mark.parametrize("d_model, blocks, products", [(128, 4, 3), (512, 4, 1), (512, 5, 3),
+                                                     (1024, 12, 3)])
+def test_default_products_follow_width_and_depth(cutile_selected, monkeypatch, d_model, blocks,
+                                                 products):
+    """out_proj and the FFN run one fp16 product from d_model 512 and three below, and three
+    in stacks deeper than four blocks; a fixed linear_products holds at any depth."""
+    cfg = LayerConfig(2, 16, d_model, 4, 64, blocks)
+    sd = make_reference(cfg, seed=1).state_dict()
+    for backend, want in ((CpuCutile(), products), (CpuCutile(linear_products=1), 1)):
+        monkeypatch.setattr(backend, "kernels", lambda device: TorchKernels(DEFAULT_BUILD))
+        assert backend.build(cfg, sd, device="cpu").products == want
+
+
 def test_default_options_follow_the_device_and_the_build(cutile_selected, monkeypatch):
     """By default a build without the whole-block kernel for the config runs the separate
     kernels instead of refusing, and PDL is off where the device lacks it (here the CPU)."""

@@ -79,6 +79,18 @@ def test_refuses_unsupported_sizes(wmma_selected, d_model, heads, ffn):
         WmmaBackend().check(LayerConfig(1, 16, d_model, heads, ffn, 1), "cuda", torch.float32)
 
 
+def test_products_follow_width_and_depth(wmma_selected):
+    """out_proj and the FFN by default: one fp16 product from d_model 512, two below (three
+    in forwards of many tokens), and three in every call of a stack deeper than four blocks;
+    a fixed linear_products holds in every call."""
+    from layerbench.backends.wmma.layer import plan_products
+
+    for d, blocks, want in ((128, 4, (2, 3)), (1024, 4, (1, 1)), (1024, 2, (1, 1)),
+                            (128, 5, (3, 3)), (1024, 12, (3, 3)), (512, 5, (3, 3))):
+        assert plan_products(LayerConfig(2, 16, d, 4, 64, blocks), None) == want, (d, blocks)
+    assert plan_products(LayerConfig(2, 16, 1024, 4, 64, 12), 1) == (1, None)
+
+
 def test_tile_choice(wmma_selected):
     """K > 128: the 4-warp 128x128 tiled variant where it fills the SMs (BK 64 pipelined with
     one or two products, BK 32 plain with three); K <= 128: the persistent stream variants

@@ -7,6 +7,7 @@ from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import MemoryPlan
 from layerbench.common.params import param_bytes
+from layerbench.common.precision import default_products
 
 from . import build
 from .layer import CupyLayer, linear_products_for, working_bytes_per_sequence
@@ -21,7 +22,8 @@ class CupyBackend(Backend):
 
     linear_products: fp16 products of out_proj and the FFN (1: activations and weights
     rounded to fp16; 2: activations split into fp16 pairs, weights rounded; 3: both split;
-    default 1 from d_model 512 on, 3 below). wgmma: the GEMMs and attention (head dims up
+    default 1 from d_model 512 on, 3 below, and 3 in stacks of more than four blocks:
+    common.precision.default_products). wgmma: the GEMMs and attention (head dims up
     to 256) on Hopper's wgmma.mma_async; None
     (default) uses it wherever the device and compiled module allow (sm_90), True requires
     it, False keeps mma.sync. fuse_norms: the
@@ -163,7 +165,8 @@ class CupyBackend(Backend):
     def _build(self, config, state_dict, device, dtype):
         from .ops import kernels_for, wgmma_attention_pad
 
-        products = self.linear_products or linear_products_for(config.d_model)
+        products = self.linear_products or default_products(
+            config, linear_products_for(config.d_model))
         kernels = kernels_for(device)
         if self.wgmma and not kernels.has_wgmma:
             raise Unsupported(f"{self.name}: wgmma needs an sm_90 device, not sm_{kernels.arch}")

@@ -6,6 +6,7 @@ from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import MemoryPlan
 from layerbench.common.params import param_bytes
+from layerbench.common.precision import default_products
 
 from . import specs
 from .launch import kernels_for
@@ -21,8 +22,9 @@ class CutileBackend(Backend):
     mode: "aot" (cubins exported by `python -m layerbench.backends.cutile.export`), "jit"
     (ct.launch; needs cuda-tile[tileiras]) or "auto" (a build of these sources for the
     device's architecture if there is one, else the JIT). linear_products: fp16 products of
-    out_proj and the FFN (1 or 3; default 1 from d_model 512 on, 3 below; 2 needs a build
-    exported with --sweep). fuse_norms: LayerNorms in the residual GEMMs' epilogues where
+    out_proj and the FFN (1 or 3; default 1 from d_model 512 on, 3 below, and 3 in stacks
+    of more than four blocks: common.precision.default_products; 2 needs a build exported
+    with --sweep). fuse_norms: LayerNorms in the residual GEMMs' epilogues where
     rows are at most 128 wide (5 launches per block instead of 7; measured 1-17% faster on
     the official shapes it applies to). fuse_ffn: with fused norms, the whole FFN in one
     kernel, its hidden rows kept on chip (4 launches per block; off: slower on 10 of the 11
@@ -98,7 +100,8 @@ class CutileBackend(Backend):
         return MemoryPlan({"one sequence": one, "parameters": param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):
-        products = self.linear_products or linear_products_for(config.d_model)
+        products = self.linear_products or default_products(
+            config, linear_products_for(config.d_model))
         kernels = self.kernels(device)
         (tm, tn, tk), variant = specs.GEMM_CHOICES["linear_gelu"][-1]
         if not kernels.has(specs.variant_name("linear_gelu", variant),

@@ -11,8 +11,7 @@ from layerbench.common.memory import MemoryPlan
 
 from . import block, build
 from .attention import max_seq_len, shared_bytes, supported_head_dim
-from .layer import (Plan, WmmaLayer, large_call_products_for, linear_products_for,
-                    weight_bytes, working_bytes_per_sequence)
+from .layer import Plan, WmmaLayer, plan_products, weight_bytes, working_bytes_per_sequence
 from .tiles import GEMM_TILES, choose_tiles, replaces_stream_tile
 
 
@@ -46,7 +45,8 @@ class WmmaBackend(Backend):
         if linear_products not in (None, 1, 2, 3):
             raise ValueError(f"linear_products must be 1, 2, 3 or None, not {linear_products}")
         # fp16 products of out_proj and the FFN in every call; None: linear_products_for
-        # (d_model), and large_call_products_for(d_model) in forwards of many tokens
+        # (d_model), and large_call_products_for(d_model) in forwards of many tokens, or
+        # three in stacks of more than four blocks (layer.plan_products)
         self.linear_products = linear_products
         # LayerNorms in the residual GEMMs' epilogues where a tile holds whole rows (see Plan);
         # not yet timed on a GPU against the separate norm_split kernels.
@@ -103,8 +103,7 @@ class WmmaBackend(Backend):
         if limit is not None and need > limit:
             raise Unsupported(f"wmma: attention needs {need} bytes of shared memory per block, "
                               f"the device allows {limit}")
-        products = self.linear_products or linear_products_for(config.d_model)
-        large = None if self.linear_products else large_call_products_for(config.d_model)
+        products, large = plan_products(config, self.linear_products)
         fuse_ffn = (self.fuse_ffn is not False
                     and block.fits(config.d_model, config.ffn_dim, products)
                     and (limit is None

@@ -12,6 +12,7 @@ from layerbench.common.cuda_host import (ChunkPlan, mask_bytes, max_shared_memor
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params, param_bytes
+from layerbench.common.precision import default_products
 
 from .attention import attention
 from .block import FFN_BLOCK_PRODUCTS, FFN_BLOCK_ROWS, ffn_block, norm_qkv
@@ -121,6 +122,16 @@ def large_call_products_for(d_model: int) -> int:
     LARGE_CALL_TOKENS tokens: 3 below d_model 512 (shape 6: 19.25 ms against 18.07 with
     two, for the margin above), else linear_products_for's 1."""
     return 1 if d_model >= 512 else 3
+
+
+def plan_products(config, linear_products: int | None) -> tuple[int, int | None]:
+    """(linear_products, large_call_products) of the plan for config: linear_products in every
+    call where given; else linear_products_for and large_call_products_for by width, or
+    three in every call of a stack deeper than common.precision.DEEP_STACK_BLOCKS."""
+    if linear_products:
+        return linear_products, None
+    return (default_products(config, linear_products_for(config.d_model)),
+            default_products(config, large_call_products_for(config.d_model)))
 
 
 def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dtype]]:
