@@ -9,7 +9,7 @@ import torch
 
 from .config import LayerConfig
 from .errors import Unsupported
-from .memory import MemoryPlan, check_fits
+from .memory import PARAMETERS, MemoryPlan, check_fits
 from .validation import validate_inputs, validate_output
 
 
@@ -58,8 +58,11 @@ class Backend(ABC):
         """Device bytes a forward of config needs beyond its input and output, or None if unknown."""
         return None
 
-    def check(self, config: LayerConfig, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Raise Unsupported with a clear reason if this backend cannot run the case."""
+    def check(self, config: LayerConfig, device: torch.device | str, dtype: torch.dtype, *,
+              built: bool = False) -> None:
+        """Raise Unsupported with a clear reason if this backend cannot run the case; built:
+        for a call of a layer already built, whose weights (the plan's PARAMETERS) are on the
+        device and need no room again."""
         device = torch.device(device)
         caps = self.capabilities
         if device.type not in caps.devices:
@@ -79,7 +82,8 @@ class Backend(ABC):
             )
         plan = self.memory_plan(config, dtype)
         if plan is not None:
-            check_fits(plan, device, what=f"{self.name} on {config}")
+            check_fits(plan.without(PARAMETERS) if built else plan, device,
+                       what=f"{self.name} on {config}")
 
     def build(self, config: LayerConfig, state_dict: Mapping[str, torch.Tensor], *,
               device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
@@ -142,7 +146,7 @@ class BuiltLayer(ABC):
         if x.shape[0] != self.config.batch_size or x.shape[1] != self.config.seq_len:
             # Another batch or length: the backend's limits and memory plan apply to it too.
             self.backend.check(replace(self.config, batch_size=x.shape[0], seq_len=x.shape[1]),
-                               self.device, self.dtype)
+                               self.device, self.dtype, built=True)
         return self.forward(x, valid_token_mask, out)
 
     @abstractmethod

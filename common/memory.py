@@ -13,6 +13,10 @@ GIB = 1024 ** 3
 USABLE_FRACTION = 0.92
 
 
+# A backend plan's item for the layer's packed weights, on the device once the layer is built.
+PARAMETERS = "parameters"
+
+
 @dataclass
 class MemoryPlan:
     """Named byte counts that a forward allocates on its device."""
@@ -28,6 +32,10 @@ class MemoryPlan:
         """Human-readable breakdown, largest first."""
         parts = sorted(self.items.items(), key=lambda kv: -kv[1])
         return ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in parts)
+
+    def without(self, *names: str) -> "MemoryPlan":
+        """A new plan without the named items."""
+        return MemoryPlan({k: v for k, v in self.items.items() if k not in names})
 
     def plus(self, other: "MemoryPlan | None", prefix: str = "") -> "MemoryPlan":
         """A new plan with other's items added, their names prefixed (same names summed)."""

@@ -1,6 +1,8 @@
 """Bad input is refused the same way by every backend (the checks live in common/)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -116,6 +118,33 @@ def test_other_shape_is_checked_again(device, seed):
         with pytest.raises(Unsupported, match="at most"):
             big = torch.zeros(3, CFG.seq_len, CFG.d_model, device=device)
             layer(big, None)
+
+
+def test_a_built_layer_is_checked_without_its_weights(device, seed, monkeypatch):
+    """A call of another batch or length is checked against the memory left beside the
+    built layer's weights, which are not counted again; a new build counts them."""
+    from layerbench.backends.torch_sdpa import TorchSdpaBackend
+    from layerbench.common import interface
+    from layerbench.common.memory import PARAMETERS, MemoryPlan
+
+    class WeightsOnly(TorchSdpaBackend):
+        name = "weights-only-sdpa"
+
+        def memory_plan(self, config, dtype):
+            return MemoryPlan({"one sequence": 1, PARAMETERS: 2 ** 60})
+
+    backend = WeightsOnly()
+    with pytest.raises(MemoryPlanError, match="parameters"):
+        backend.build(CFG, make_reference(CFG, seed=seed).state_dict(), device=device)
+    monkeypatch.setattr(interface, "check_fits", lambda plan, device, what: None)
+    layer = backend.build(CFG, make_reference(CFG, seed=seed).state_dict(), device=device)
+    monkeypatch.undo()
+    x, mask = make_inputs(CFG, seed=seed, device=device)
+    with torch.no_grad():
+        got = layer(x[:1], mask[:1])  # another batch: checked again, the weights not counted
+    assert got.shape == x[:1].shape
+    with pytest.raises(MemoryPlanError, match="parameters"):
+        backend.check(replace(CFG, batch_size=1), device, torch.float32)
 
 
 def test_out_buffer_is_checked(device, seed):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from layerbench.common.cuda_host import capability_shortfall
 from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
-from layerbench.common.memory import MemoryPlan
+from layerbench.common.memory import PARAMETERS, MemoryPlan
 from layerbench.common.params import param_bytes
 from layerbench.common.precision import default_products
 
@@ -160,7 +160,7 @@ class CupyBackend(Backend):
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
         return MemoryPlan({"one sequence": working_bytes_per_sequence(config),
-                           "parameters": param_bytes(config)})
+                           PARAMETERS: param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):
         from .ops import kernels_for, wgmma_attention_pad

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
-from layerbench.common.memory import MemoryPlan
+from layerbench.common.memory import PARAMETERS, MemoryPlan
 from layerbench.common.params import param_bytes
 from layerbench.common.precision import default_products
 
@@ -81,7 +81,7 @@ class CutileBackend(Backend):
             return str(exc)
         return None
 
-    def check(self, config, device, dtype):
+    def check(self, config, device, dtype, *, built=False):
         """The interface's checks, plus the widest LayerNorm row the kernels were built for
         and the 32-bit strides of one sequence's Q/K/V rows."""
         if config.d_model > specs.MAX_ROW_WIDTH:
@@ -90,14 +90,14 @@ class CutileBackend(Backend):
         if config.seq_len * 3 * config.d_model > specs.INT32_MAX:
             raise Unsupported(f"{self.name} indexes with 32 bits: seq_len x 3 x d_model must "
                               f"stay below 2^31, not {config.seq_len * 3 * config.d_model}")
-        super().check(config, device, dtype)
+        super().check(config, device, dtype, built=built)
 
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
         norms, ffn = fusions(config, self.fuse_norms, self.fuse_ffn)
         block = self.fuse_block is not False
         one = working_bytes_per_sequence(config, None, norms, ffn, block)
-        return MemoryPlan({"one sequence": one, "parameters": param_bytes(config)})
+        return MemoryPlan({"one sequence": one, PARAMETERS: param_bytes(config)})
 
     def _build(self, config, state_dict, device, dtype):
         products = self.linear_products or default_products(

@@ -6,7 +6,7 @@ from typing import Mapping
 import torch
 
 from layerbench.common.interface import Backend, BuiltLayer, Capabilities
-from layerbench.common.memory import MemoryPlan
+from layerbench.common.memory import PARAMETERS, MemoryPlan
 from layerbench.common.params import check_state_dict, param_bytes
 from layerbench.reference.model import BaselineStack, reference_forward
 
@@ -30,7 +30,7 @@ class TorchBaselineBackend(Backend):
         return MemoryPlan({
             "attention scores": 4 * b * h * s * s * 4,
             "activations": 4 * t * (10 * d + 3 * f),
-            "parameters": param_bytes(config),
+            PARAMETERS: param_bytes(config),
         })
 
     def _build(self, config, state_dict: Mapping[str, torch.Tensor], device, dtype):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from layerbench.common.interface import Backend, Capabilities
-from layerbench.common.memory import MemoryPlan
+from layerbench.common.memory import PARAMETERS, MemoryPlan
 from layerbench.common.params import param_bytes
 
 from .layer import SdpaLayer, working_bytes_per_sequence
@@ -26,7 +26,7 @@ class TorchSdpaBackend(Backend):
         """One sequence's working set (the layer streams the batch) plus a weight copy."""
         return MemoryPlan({
             "one sequence": working_bytes_per_sequence(config, general_mask=False),
-            "parameters": param_bytes(config),
+            PARAMETERS: param_bytes(config),
         })
 
     def _build(self, config, state_dict, device, dtype):

@@ -7,7 +7,7 @@ import os
 import torch
 
 from layerbench.common.interface import Backend, Capabilities
-from layerbench.common.memory import MemoryPlan
+from layerbench.common.memory import PARAMETERS, MemoryPlan
 from layerbench.common.params import param_bytes
 
 from .layer import DEFAULT_PRECISION, Precision, TritonLayer, working_bytes_per_sequence
@@ -45,7 +45,7 @@ class TritonBackend(Backend):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
         return MemoryPlan({
             "one sequence": working_bytes_per_sequence(config, self.precision),
-            "parameters": param_bytes(config),
+            PARAMETERS: param_bytes(config),
         })
 
     def _build(self, config, state_dict, device, dtype):

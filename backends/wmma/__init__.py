@@ -7,7 +7,7 @@ import torch
 from layerbench.common.cuda_host import capability_shortfall, max_shared_memory_per_block
 from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
-from layerbench.common.memory import MemoryPlan
+from layerbench.common.memory import PARAMETERS, MemoryPlan
 
 from . import block, build
 from .attention import max_seq_len, shared_bytes, supported_head_dim
@@ -77,9 +77,9 @@ class WmmaBackend(Backend):
         """One sequence's workspace (the layer streams the batch; the largest plan's) plus the
         packed weights."""
         return MemoryPlan({"one sequence": working_bytes_per_sequence(config),
-                           "parameters": weight_bytes(config)})
+                           PARAMETERS: weight_bytes(config)})
 
-    def check(self, config, device, dtype):
+    def check(self, config, device, dtype, *, built=False):
         """The shapes the kernels take, then the interface's checks."""
         if not supported_head_dim(config.head_dim):
             raise Unsupported(f"wmma: head dim {config.head_dim} is not a multiple of 8 in "
@@ -88,7 +88,7 @@ class WmmaBackend(Backend):
             raise Unsupported(f"wmma: ffn_dim {config.ffn_dim} is not a multiple of 8")
         if config.seq_len > max_seq_len():
             raise Unsupported(f"wmma: seq_len {config.seq_len} exceeds {max_seq_len()}")
-        super().check(config, device, dtype)
+        super().check(config, device, dtype, built=built)
         if self.pdl:
             short = capability_shortfall(torch.device(device), PROGRAMMATIC_CAPABILITY)
             if short:
