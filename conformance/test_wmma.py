@@ -62,6 +62,20 @@ def test_refuses_without_cuda_device(wmma_selected):
         backend.build(cfg, {}, device="cuda")
 
 
+def test_refuses_an_architecture_nvcc_lacks(wmma_selected, monkeypatch):
+    """A device whose architecture the toolkit's nvcc does not list is refused, naming it;
+    one it lists (or an nvcc that cannot say) is not."""
+    if build.nvcc_path() is None:
+        pytest.skip(build.toolkit_missing())
+    monkeypatch.setattr(build, "device_arch", lambda device: "999")
+    assert "sm_999" in build.arch_unsupported(torch.device("cuda"))
+    monkeypatch.setattr(build, "device_arch", lambda device: "90")
+    assert build.arch_unsupported(torch.device("cuda")) is None
+    monkeypatch.setattr(build, "_gpu_codes", lambda nvcc: None)
+    monkeypatch.setattr(build, "device_arch", lambda device: "999")
+    assert build.arch_unsupported(torch.device("cuda")) is None
+
+
 def test_refuses_without_toolkit(wmma_selected, monkeypatch):
     """Without nvcc the backend names the missing toolkit."""
     monkeypatch.setattr(build, "cuda_home", lambda: None)

@@ -68,10 +68,13 @@ class WmmaBackend(Backend):
         self.persistent_gemm = persistent_gemm
 
     def unavailable_reason(self, device):
-        """A CUDA toolkit must be found, and the device must have compute capability 8.0+."""
+        """A CUDA toolkit must be found, the device must have compute capability 8.0+, and
+        the toolkit's nvcc must compile for it."""
         if build.cuda_home() is None:
             return build.toolkit_missing()
-        return capability_shortfall(device)
+        return capability_shortfall(device) or (
+            build.arch_unsupported(device)
+            if device.type == "cuda" and torch.cuda.is_available() else None)
 
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch; the largest plan's) plus the

@@ -40,6 +40,29 @@ def nvcc_path() -> str | None:
     return str(Path(home) / "bin" / "nvcc") if home else None
 
 
+@functools.cache
+def _gpu_codes(nvcc: str) -> frozenset[str] | None:
+    """The sm_XX codes nvcc compiles for (nvcc --list-gpu-code), or None if it cannot say."""
+    import subprocess
+
+    try:
+        run = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return frozenset(run.stdout.split()) if run.returncode == 0 else None
+
+
+def arch_unsupported(device: torch.device) -> str | None:
+    """Why the toolkit's nvcc cannot compile for device's architecture, or None."""
+    nvcc = nvcc_path()
+    codes = _gpu_codes(nvcc) if nvcc else None
+    arch = device_arch(device)
+    if codes is None or f"sm_{arch}" in codes:
+        return None
+    return f"{nvcc} cannot compile for sm_{arch} (it lists {' '.join(sorted(codes))})"
+
+
 def device_arch(device: torch.device) -> str:
     """The compute capability of device as digits, e.g. '90' for an H100/H200."""
     major, minor = torch.cuda.get_device_capability(device)
