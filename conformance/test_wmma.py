@@ -757,6 +757,54 @@ def test_ffn_block_widths_and_rows(wmma_selected, cfg, dtype, products):
     assert report.passed, report.summary()
 
 
+@needs_gpu
+@pytest.mark.parametrize("fuse_ffn", [True, False], ids=["ffn-block", "separate"])
+@pytest.mark.parametrize("cfg", [
+    LayerConfig(2, 40, 136, 17, 520, 2), LayerConfig(2, 33, 264, 33, 24, 2),
+    LayerConfig(1, 17, 1032, 129, 4104, 1), LayerConfig(2, 17, 8, 1, 8, 2),
+    LayerConfig(1, 1, 128, 4, 128, 2), LayerConfig(3, 2, 64, 8, 64, 2),
+    LayerConfig(1, 2, 8192, 32, 16384, 1), LayerConfig(2, 200, 512, 2, 1536, 2, causal=False)],
+    ids=["d136-h17", "d264-f24", "d1032-f4104", "d8-f8", "one-token", "two-tokens",
+         "d8192-f16384", "hd256-full"])
+def test_configs_off_the_official_list(wmma_selected, cfg, fuse_ffn):
+    """Widths that are multiples of 8 but not of 16 or 64, head dim 8 with many heads, one-
+    and two-token sequences, d_model 8 and 8192: the contract holds with and without
+    ffn_block, and every output element is written (out starts as NaN)."""
+    from layerbench.common.inputs import make_inputs
+    from layerbench.reference import make_reference, reference_forward
+
+    model = make_reference(cfg, seed=21)
+    x, mask = make_inputs(cfg, padding_ratio=0.3, seed=22, device="cuda")
+    layer = WmmaBackend(fuse_ffn=fuse_ffn).build(cfg, model.state_dict(), device="cuda")
+    expected = reference_forward(model.to("cuda"), x, mask)
+    out = torch.full_like(x, math.nan)
+    with torch.no_grad():
+        layer(x, mask, out=out)
+    report = compare(out, expected)
+    assert report.passed, report.summary()
+
+
+@needs_gpu
+@pytest.mark.parametrize("number", [1, 8], ids=["d128", "d1024"])
+def test_masks_of_no_and_every_token(wmma_selected, number):
+    """A mask with no valid token gives zeros everywhere; an all-true mask gives the output
+    of mask=None within the strict preset, and both keep the contract."""
+    from layerbench.common.shapes import CI
+    from layerbench.reference import reference_forward
+
+    cfg = CI[number].config
+    layer, x, _, _ = _layer_and_reference(cfg)
+    model = _layer_and_reference.model.to("cuda")
+    none = torch.zeros(x.shape[:2], dtype=torch.bool, device="cuda")
+    every = torch.ones_like(none)
+    with torch.no_grad():
+        assert torch.equal(layer(x, none), torch.zeros_like(x))
+        with_mask, without = layer(x, every).clone(), layer(x, None)
+    assert compare(with_mask, without, "strict").passed
+    report = compare(with_mask, reference_forward(model, x, every))
+    assert report.passed, report.summary()
+
+
 class _LaunchSettings:
     """The extension, recording each set_programmatic_launches call."""
 
