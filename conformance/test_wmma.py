@@ -805,6 +805,30 @@ def test_masks_of_no_and_every_token(wmma_selected, number):
     assert report.passed, report.summary()
 
 
+@needs_gpu
+def test_first_call_inside_a_callers_capture(wmma_selected):
+    """A layer whose first call is captured into the caller's own CUDA graph (the build asked
+    the device what that call would ask) replays it: the contract holds on the replay, and
+    again on new input values in the same buffers."""
+    cfg = LayerConfig(2, 40, 128, 4, 128, 2)
+    layer, x, mask, expected = _layer_and_reference(cfg)
+    first = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = layer(x, mask)
+        graph.replay()
+        report = compare(out, expected)
+        assert report.passed, report.summary()
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = WmmaBackend().build(cfg, _layer_and_reference.model.state_dict(),
+                                   device="cuda")(x, mask)
+    assert torch.equal(out, want)
+    assert not torch.equal(x, first)
+
+
 class _LaunchSettings:
     """The extension, recording each set_programmatic_launches call."""
 

@@ -14,7 +14,7 @@ from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params, param_bytes
 from layerbench.common.precision import default_products
 
-from .attention import attention
+from .attention import attention, layout_ok
 from .block import FFN_BLOCK_PRODUCTS, FFN_BLOCK_ROWS, ffn_block, norm_qkv
 from .linear import GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE, RowNorm, linear
 from .norm import norm_out, norm_split
@@ -177,6 +177,11 @@ class WmmaLayer(BuiltLayer):
         self.multiprocessors = multiprocessor_count(device)
         self.smem_limit = max_shared_memory_per_block(device)
         self.graphed = GraphedForward(self._forward)
+        # What a first forward would ask the device (the attention layout probe synchronises,
+        # the chunk plan reads free memory), asked now: that forward may be inside a caller's
+        # CUDA-graph capture.
+        layout_ok(ext, device)
+        self.chunks(config.batch_size, config.seq_len)
 
     @staticmethod
     def _weights(p, products: int) -> dict:
