@@ -42,13 +42,19 @@ def _linear(a: torch.Tensor, sd: dict, name: str, products: int) -> torch.Tensor
     return _half(a, products == 1) @ w.T + sd[f"{name}.bias"]
 
 
+# Roundings a study may leave out (--exact), to see what each costs.
+ROUNDINGS = ("qkv-operands", "qkv-output", "probabilities")
+
+
 @torch.no_grad()
-def emulated_forward(model, x: torch.Tensor, valid: torch.Tensor, products: int
-                     ) -> torch.Tensor:
-    """The stack's output in float64 with the split-fp16 roundings (none for EXACT)."""
+def emulated_forward(model, x: torch.Tensor, valid: torch.Tensor, products: int,
+                     exact: tuple[str, ...] = ()) -> torch.Tensor:
+    """The stack's output in float64 with the split-fp16 roundings (none for EXACT; those in
+    exact, a subset of ROUNDINGS, left out)."""
     cfg = model.config
     sd = {k: v.double() for k, v in model.state_dict().items()}
     rounded = products != EXACT
+    qkv_products = 3 if not rounded or "qkv-operands" in exact else 1
     b, s, d = x.shape
     heads, hd = cfg.num_heads, d // cfg.num_heads
     hidden = ~valid[:, None, None, :]
@@ -59,13 +65,15 @@ def emulated_forward(model, x: torch.Tensor, valid: torch.Tensor, products: int
     for i in range(cfg.num_layers):
         p = f"layers.{i}"
         rows = _norm(x, sd, f"{p}.norm1")
-        q, k, v = (_half(_linear(rows, sd, f"{p}.attention.{n}_proj", 1 if rounded else EXACT),
-                         rounded).view(b, s, heads, hd).transpose(1, 2) for n in "qkv")
+        q, k, v = (_half(_linear(rows, sd, f"{p}.attention.{n}_proj", qkv_products),
+                         rounded and "qkv-output" not in exact).view(b, s, heads, hd)
+                   .transpose(1, 2) for n in "qkv")
         scores = (q @ k.transpose(-1, -2) * hd ** -0.5).masked_fill(hidden, -math.inf)
         top = scores.amax(-1, keepdim=True).clamp_min(-1e300)  # rows with no visible key
         weights = torch.exp(scores - top)
         total = weights.sum(-1, keepdim=True)
-        ctx = torch.nan_to_num((_half(weights, rounded) @ v) / total)
+        ctx = torch.nan_to_num(
+            (_half(weights, rounded and "probabilities" not in exact) @ v) / total)
         ctx = ctx.transpose(1, 2).reshape(b, s, d)
         x = x + _linear(ctx, sd, f"{p}.attention.out_proj", products) * keep
         h = _norm(x, sd, f"{p}.norm2")
@@ -75,8 +83,9 @@ def emulated_forward(model, x: torch.Tensor, valid: torch.Tensor, products: int
 
 
 def study(config: LayerConfig, layers: list[int], products: list[int], seeds: int,
-          padding: float) -> list[dict]:
-    """Rows of (blocks, products, worst error/allowed over the seeds, failed seeds)."""
+          padding: float, exact: tuple[str, ...] = ()) -> list[dict]:
+    """Rows of (blocks, products, worst error/allowed over the seeds, failed seeds), the
+    roundings in exact left out."""
     rows = []
     for blocks in layers:
         cfg = LayerConfig(config.batch_size, config.seq_len, config.d_model, config.num_heads,
@@ -87,7 +96,7 @@ def study(config: LayerConfig, layers: list[int], products: list[int], seeds: in
             x, mask = make_inputs(cfg, padding_ratio=padding, seed=seed + 1)
             cases.append((model, x, mask, reference_forward(model, x, mask)))
         for n in products:
-            reports = [compare(emulated_forward(model, x, mask, n).float(), expected)
+            reports = [compare(emulated_forward(model, x, mask, n, exact).float(), expected)
                        for model, x, mask, expected in cases]
             row = {"blocks": blocks, "products": n,
                    "worst_ratio": max(r.worst_ratio for r in reports),
@@ -108,11 +117,17 @@ def main() -> int:
     parser.add_argument("--products", default="1,2,3", help="0: no rounding (model check)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--padding", type=float, default=0.25)
+    parser.add_argument("--exact", default="",
+                        help=f"roundings left out, comma-separated: {', '.join(ROUNDINGS)}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    exact = tuple(name for name in args.exact.split(",") if name)
+    unknown = set(exact) - set(ROUNDINGS)
+    if unknown:
+        parser.error(f"unknown roundings {sorted(unknown)}; have {', '.join(ROUNDINGS)}")
     b, s, d, h, f = (int(v) for v in args.config.split(","))
     rows = study(LayerConfig(b, s, d, h, f, 1), [int(v) for v in args.layers.split(",")],
-                 [int(v) for v in args.products.split(",")], args.seeds, args.padding)
+                 [int(v) for v in args.products.split(",")], args.seeds, args.padding, exact)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -96,13 +96,23 @@ def test_refuses_unsupported_sizes(wmma_selected, d_model, heads, ffn):
 def test_products_follow_width_and_depth(wmma_selected):
     """out_proj and the FFN by default: one fp16 product from d_model 512, two below (three
     in forwards of many tokens), and three in every call of a stack deeper than four blocks;
-    a fixed linear_products holds in every call."""
-    from layerbench.backends.wmma.layer import plan_products
+    a fixed linear_products holds in every call. Q/K/V: one, three in those deep stacks."""
+    from layerbench.backends.wmma.layer import Plan, plan_products, qkv_products_for
+    from layerbench.backends.wmma.tiles import TILED_128x128_BK64_PIPELINED, TILED_128x128_W4
 
     for d, blocks, want in ((128, 4, (2, 3)), (1024, 4, (1, 1)), (1024, 2, (1, 1)),
                             (128, 5, (3, 3)), (1024, 12, (3, 3)), (512, 5, (3, 3))):
-        assert plan_products(LayerConfig(2, 16, d, 4, 64, blocks), None) == want, (d, blocks)
+        cfg = LayerConfig(2, 16, d, 4, 64, blocks)
+        assert plan_products(cfg, None) == want, (d, blocks)
+        assert qkv_products_for(cfg) == (3 if blocks > 4 else 1)
     assert plan_products(LayerConfig(2, 16, 1024, 4, 64, 12), 1) == (1, None)
+    # Q/K/V at three products: its tile takes three (not the one-product pipelined form),
+    # and neither ffn_block nor norm_qkv (which write norm1 as hi alone) runs
+    for count, tile in ((1, TILED_128x128_BK64_PIPELINED), (3, TILED_128x128_W4)):
+        assert choose_tiles(8192, 1024, 1024, 256, 132, qkv_products=count).qkv == tile
+    deep = Plan(False, True, 1, qkv_products=3)
+    assert not deep.runs_ffn_block(8192, 132, 1) and not deep.always_ffn_block()
+    assert Plan(False, True, 1).always_ffn_block()
 
 
 def test_tile_choice(wmma_selected):

@@ -11,7 +11,8 @@ from layerbench.common.memory import PARAMETERS, MemoryPlan
 
 from . import block, build
 from .attention import max_seq_len, shared_bytes, supported_head_dim
-from .layer import Plan, WmmaLayer, plan_products, weight_bytes, working_bytes_per_sequence
+from .layer import (Plan, WmmaLayer, plan_products, qkv_products_for, weight_bytes,
+                    working_bytes_per_sequence)
 from .tiles import GEMM_TILES, choose_tiles, replaces_stream_tile
 
 
@@ -112,10 +113,12 @@ class WmmaBackend(Backend):
                     and (limit is None
                          or block.shared_bytes(ext, config.d_model, config.ffn_dim) <= limit))
         programmatic = not capability_shortfall(torch.device(device), PROGRAMMATIC_CAPABILITY)
-        plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH, fuse_ffn,
+        qkv_products = qkv_products_for(config)
+        plan = Plan(self.fuse_qkv and config.d_model <= block.MAX_QKV_WIDTH and qkv_products == 1,
+                    fuse_ffn,
                     products, self.fuse_norms, ffn_auto=self.fuse_ffn is None,
                     large_call_products=large, stream_tile=self.stream_tile,
                     norm_in_registers=self.norm_in_registers,
                     pdl=programmatic if self.pdl is None else self.pdl,
-                    persistent_gemm=self.persistent_gemm)
+                    persistent_gemm=self.persistent_gemm, qkv_products=qkv_products)
         return WmmaLayer(self, config, state_dict, device, dtype, ext, plan)

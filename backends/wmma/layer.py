@@ -12,7 +12,7 @@ from layerbench.common.cuda_host import (ChunkPlan, mask_bytes, max_shared_memor
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params, param_bytes
-from layerbench.common.precision import default_products
+from layerbench.common.precision import DEEP_STACK_BLOCKS, default_products
 
 from .attention import attention, layout_ok
 from .block import FFN_BLOCK_PRODUCTS, FFN_BLOCK_ROWS, ffn_block, norm_qkv
@@ -47,6 +47,9 @@ class Plan:
     pdl: every kernel of the forward launches as a programmatic dependent of the one before
     it (sm_90 on): it may begin launching while that kernel runs, and waits for it before
     touching memory; the replayed CUDA graph keeps these edges.
+    qkv_products: fp16 products of Q/K/V: 1, or 3 (qkv_products_for: deep stacks), where
+    norm1 writes its rows as (hi, lo) pairs and neither norm_qkv nor ffn_block (which write
+    them as hi alone) runs.
     """
     fuse_qkv: bool
     fuse_ffn: bool
@@ -58,6 +61,7 @@ class Plan:
     norm_in_registers: bool = False
     pdl: bool = False
     persistent_gemm: bool = False
+    qkv_products: int = 1
 
     def products_for(self, tokens: int) -> int:
         """fp16 products of out_proj and the FFN in a forward of this many tokens:
@@ -72,12 +76,12 @@ class Plan:
 
     def runs_ffn_block(self, rows: int, multiprocessors: int, products: int) -> bool:
         """Whether a call of this many rows and products runs ffn_block."""
-        return (self.fuse_ffn and products in FFN_BLOCK_PRODUCTS
+        return (self.fuse_ffn and products in FFN_BLOCK_PRODUCTS and self.qkv_products == 1
                 and (not self.ffn_auto or ffn_block_pays(rows, multiprocessors)))
 
     def always_ffn_block(self) -> bool:
         """Whether every call runs ffn_block (then no call needs the hidden-row buffers)."""
-        return (self.fuse_ffn and not self.ffn_auto
+        return (self.fuse_ffn and not self.ffn_auto and self.qkv_products == 1
                 and self.weight_products() in FFN_BLOCK_PRODUCTS)
 
 
@@ -134,6 +138,13 @@ def plan_products(config, linear_products: int | None) -> tuple[int, int | None]
             default_products(config, large_call_products_for(config.d_model)))
 
 
+def qkv_products_for(config) -> int:
+    """fp16 products of Q/K/V: three in stacks deeper than common.precision.DEEP_STACK_BLOCKS
+    (bench/depth_study.py, 24 blocks of width 512 at three products for out_proj and the FFN:
+    error/allowed 0.88 with one-product Q/K/V, 0.55 with exact Q/K/V operands), else one."""
+    return 3 if config.num_layers > DEEP_STACK_BLOCKS else 1
+
+
 def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dtype]]:
     """Per-token workspace buffers of the plan (None: the largest): name -> (columns, dtype).
     "rows" holds the normed rows and then the context, as an fp16 (hi, lo) pair."""
@@ -153,9 +164,11 @@ def working_bytes_per_sequence(config, plan: Plan | None = None,
 
 
 def weight_bytes(config) -> int:
-    """Bytes of the packed fp32 parameters plus the fp16 weight parts (Q/K/V: hi only)."""
+    """Bytes of the packed fp32 parameters plus the fp16 weight parts (Q/K/V: hi only, but
+    with three products)."""
     d, f = config.d_model, config.ffn_dim
-    split = config.num_layers * (3 * d * d * 2 + (d * d + 2 * d * f) * 4)
+    qkv_parts = 2 if qkv_products_for(config) == 3 else 1
+    split = config.num_layers * (3 * d * d * 2 * qkv_parts + (d * d + 2 * d * f) * 4)
     return param_bytes(config) + split
 
 
@@ -171,7 +184,8 @@ class WmmaLayer(BuiltLayer):
         self.ext = ext
         self.plan = plan
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
-        self.weights = [self._weights(p, plan.weight_products()) for p in self.params.layers]
+        self.weights = [self._weights(p, plan.weight_products(), plan.qkv_products)
+                        for p in self.params.layers]
         self.chunks = ChunkPlan(device, lambda s: working_bytes_per_sequence(config, plan, s),
                                 weight_bytes(config), MAX_GRID_X // config.num_heads)
         self.multiprocessors = multiprocessor_count(device)
@@ -184,16 +198,14 @@ class WmmaLayer(BuiltLayer):
         self.chunks(config.batch_size, config.seq_len)
 
     @staticmethod
-    def _weights(p, products: int) -> dict:
-        """fp16 (hi, lo) parts of the weights; Q/K/V keeps hi only (one product), and so do
-        the other linears with one or two products."""
-        def hi_only(w):
-            return w.to(torch.float16).contiguous(), None
-
-        def parts(w):
-            return split_fp16(w) if products == 3 else hi_only(w)
-        return {"qkv": hi_only(p.qkv_weight), "out": parts(p.out_weight),
-                "ffn_in": parts(p.ffn_in_weight), "ffn_out": parts(p.ffn_out_weight)}
+    def _weights(p, products: int, qkv_products: int) -> dict:
+        """fp16 (hi, lo) parts of the weights; hi only where their linear runs one or two
+        products."""
+        def parts(w, count):
+            return split_fp16(w) if count == 3 else (w.to(torch.float16).contiguous(), None)
+        return {"qkv": parts(p.qkv_weight, qkv_products), "out": parts(p.out_weight, products),
+                "ffn_in": parts(p.ffn_in_weight, products),
+                "ffn_out": parts(p.ffn_out_weight, products)}
 
     def forward(self, x, valid_token_mask, out=None):
         """Run the kernels, through a CUDA graph once these input buffers repeat."""
@@ -226,7 +238,8 @@ class WmmaLayer(BuiltLayer):
         tiles = choose_tiles(x2.shape[0], cfg.d_model, cfg.ffn_dim, cfg.head_dim,
                              self.multiprocessors, fuse_norms=plan.fuse_norms and not fused,
                              products=products, smem_limit=self.smem_limit,
-                             stream_tile=plan.stream_tile, persistent=plan.persistent_gemm)
+                             stream_tile=plan.stream_tile, persistent=plan.persistent_gemm,
+                             qkv_products=plan.qkv_products)
         if tiles.norm_ffn_out and plan.fuse_qkv:  # ffn_out norms only the final rows
             plain_ffn_out = gemm_tile(x2.shape[0], cfg.d_model, cfg.ffn_dim,
                                       self.multiprocessors, products, plan.stream_tile,
@@ -245,6 +258,8 @@ class WmmaLayer(BuiltLayer):
         def weight(pair):
             """The fp16 parts of a weight the linears multiply (hi only below three)."""
             return pair if products == 3 else (pair[0], None)
+        # norm1's rows: a pair where Q/K/V takes three products, else hi alone
+        norm1_rows = rows if plan.qkv_products == 3 else (rows[0], None)
         normed = False  # rows[0] holds this block's norm1 (from the last ffn_out's epilogue)
         done = fused  # out2 written
         for i, (p, w) in enumerate(zip(layers, self.weights)):
@@ -255,9 +270,9 @@ class WmmaLayer(BuiltLayer):
                 norm_qkv(ext, src, p, w["qkv"][0], qkv, copy=copy)
             else:
                 if not normed:
-                    norm_split(ext, src, p.norm1_weight, p.norm1_bias, (rows[0], None),
+                    norm_split(ext, src, p.norm1_weight, p.norm1_bias, norm1_rows,
                                copy=copy, in_registers=plan.norm_in_registers)
-                linear(ext, (rows[0], None), w["qkv"], p.qkv_bias, epilogue=HALF,
+                linear(ext, norm1_rows, w["qkv"], p.qkv_bias, epilogue=HALF,
                        tile=tiles.qkv, out_pair=(qkv, None))
             src = src if copy is None else res
             attention(ext, qkv, rows, valid, batch=batch, seq_len=s, num_heads=cfg.num_heads,
@@ -292,7 +307,7 @@ class WmmaLayer(BuiltLayer):
                     after = RowNorm(*final, out2, zero_invalid=True)
                 elif tiles.norm_ffn_out and not plan.fuse_qkv:
                     after = RowNorm(layers[i + 1].norm1_weight, layers[i + 1].norm1_bias,
-                                    rows[0])
+                                    *norm1_rows)
                 linear(ext, operand(hidden), weight(w["ffn_out"]), p.ffn_out_bias,
                        epilogue=RESIDUAL_SUM,
                        tile=tiles.ffn_out if after is not None else plain_ffn_out,

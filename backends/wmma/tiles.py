@@ -164,14 +164,16 @@ def norm_gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: in
 def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
                  multiprocessors: int, *, fuse_norms: bool = False,
                  products: int = 3, smem_limit: int | None = None,
-                 stream_tile: int = STREAM_128x128, persistent: bool = False) -> Tiles:
+                 stream_tile: int = STREAM_128x128, persistent: bool = False,
+                 qkv_products: int = 1) -> Tiles:
     """Per linear, gemm_tile for its (rows, N, K): Q/K/V (3 d_model, d_model), out_proj
     (d_model, d_model), ffn_in (ffn_dim, d_model), ffn_out (d_model, ffn_dim). Attention key
     blocks of 64, or 32 above head dim 128 so that one block's shared memory stays near
     150 KB. fuse_norms: out_proj and ffn_out (products fp16 products) take norm_gemm_tile
     where it applies, and their norm flags are set. stream_tile: the stream variant taken
     where gemm_tile and norm_gemm_tile would take the 16-warp 128x128 one (a stream variant
-    holding 128 columns; anything else raises ValueError). persistent: gemm_tile's."""
+    holding 128 columns; anything else raises ValueError). persistent: gemm_tile's.
+    qkv_products: Q/K/V's fp16 products (one, or three in deep stacks)."""
     if not replaces_stream_tile(stream_tile):
         raise ValueError(f"stream_tile {stream_tile} ({GEMM_TILES[stream_tile].name}) is not a "
                          "stream variant holding 128 columns")
@@ -185,7 +187,7 @@ def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
                               stream_tile)
 
     out_proj, ffn_out = fused(d_model), fused(ffn_dim)
-    return Tiles(gemm(3 * d_model, d_model, 1),
+    return Tiles(gemm(3 * d_model, d_model, qkv_products),
                  gemm(d_model, d_model) if out_proj is None else out_proj,
                  gemm(ffn_dim, d_model),
                  gemm(d_model, ffn_dim) if ffn_out is None else ffn_out,
