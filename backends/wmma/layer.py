@@ -140,8 +140,9 @@ def plan_products(config, linear_products: int | None) -> tuple[int, int | None]
 
 def qkv_products_for(config) -> int:
     """fp16 products of Q/K/V: three in stacks deeper than common.precision.DEEP_STACK_BLOCKS
-    (bench/depth_study.py, 24 blocks of width 512 at three products for out_proj and the FFN:
-    error/allowed 0.88 with one-product Q/K/V, 0.55 with exact Q/K/V operands), else one."""
+    (bench/depth_study.py, three products for out_proj and the FFN: 24 blocks of width 512
+    at error/allowed 0.88 with one-product Q/K/V, 0.55 with exact Q/K/V operands; 32 blocks
+    of width 1024 at 1.17 against 0.62), else one."""
     return 3 if config.num_layers > DEEP_STACK_BLOCKS else 1
 
 
