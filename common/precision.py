@@ -47,3 +47,22 @@ def default_products(config, shallow: int) -> int:
     """fp16 products of out_proj and the FFN by default: shallow (the backend's choice for
     the width) up to DEEP_STACK_BLOCKS blocks, DEEP_STACK_PRODUCTS beyond."""
     return DEEP_STACK_PRODUCTS if config.num_layers > DEEP_STACK_BLOCKS else shallow
+
+
+# A Q/K/V of one fp16 product (cupy's and cutile's) errs past the contract in deeper stacks
+# of these widths even with three products elsewhere (bench/depth_study.py: error/allowed
+# 0.94-0.97 at 24 blocks of d_model 512 and 1024, 1.17 at 32 of d_model 1024; at d_model 128,
+# 0.51-0.92 up to 64 blocks).
+ONE_PRODUCT_QKV_MAX_BLOCKS = 24
+ONE_PRODUCT_QKV_MIN_WIDTH = 512
+
+
+def one_product_qkv_refusal(config) -> str | None:
+    """Why a stack whose Q/K/V runs one fp16 product cannot keep the contract, or None."""
+    if (config.num_layers > ONE_PRODUCT_QKV_MAX_BLOCKS
+            and config.d_model >= ONE_PRODUCT_QKV_MIN_WIDTH):
+        return (f"{config.num_layers} blocks of d_model {config.d_model}: with one fp16 product "
+                f"for Q/K/V the error grows past the contract beyond "
+                f"{ONE_PRODUCT_QKV_MAX_BLOCKS} blocks at d_model {ONE_PRODUCT_QKV_MIN_WIDTH} "
+                f"and above (bench/depth_study.py)")
+    return None

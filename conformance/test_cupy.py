@@ -3733,3 +3733,19 @@ def test_after_attention_kernel_keeps_the_contract(kernels, cfg, mask, rows, mon
     with torch.no_grad():
         report = compare(layer(x2, valid2), reference_forward(model.cuda(), x2, valid2))
     assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("d_model, blocks, refused", [(512, 24, False), (512, 25, True),
+                                                      (1024, 32, True), (128, 64, False)])
+def test_deep_wide_stacks_are_refused(cupy_selected, d_model, blocks, refused):
+    """Past 24 blocks at d_model 512 and above the one-product Q/K/V cannot keep the
+    contract: refused, naming the depth; narrower or shallower stacks are not."""
+    from layerbench.backends.cupy import CupyBackend
+
+    cfg = LayerConfig(2, 16, d_model, 4, 64, blocks)
+    if refused:
+        with pytest.raises(Unsupported, match=f"{blocks} blocks"):
+            CupyBackend().check(cfg, "cpu", torch.float32)
+    else:
+        with pytest.raises(Unsupported, match="runs on cuda"):  # the device, not the depth
+            CupyBackend().check(cfg, "cpu", torch.float32)

@@ -305,3 +305,16 @@ def test_chunks_staging_and_output_buffers(cutile_selected, fuse_norms, fuse_ffn
         assert all(c.startswith("block_narrow") for c in kernels.calls)
     else:
         assert not any(c.startswith("block_narrow") for c in kernels.calls)
+
+
+@pytest.mark.parametrize("d_model, blocks, refused", [(512, 24, False), (512, 25, True),
+                                                      (1024, 32, True), (128, 64, False)])
+def test_deep_wide_stacks_are_refused(cutile_selected, d_model, blocks, refused):
+    """Past 24 blocks at d_model 512 and above the one-product Q/K/V cannot keep the
+    contract: refused, naming the depth; narrower or shallower stacks build."""
+    cfg = LayerConfig(2, 16, d_model, 4, 64, blocks)
+    if refused:
+        with pytest.raises(Unsupported, match=f"{blocks} blocks"):
+            CpuCutile().check(cfg, "cpu", torch.float32)
+    else:
+        CpuCutile().check(cfg, "cpu", torch.float32)

@@ -7,7 +7,7 @@ from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import PARAMETERS, MemoryPlan
 from layerbench.common.params import param_bytes
-from layerbench.common.precision import default_products
+from layerbench.common.precision import default_products, one_product_qkv_refusal
 
 from . import build
 from .layer import CupyLayer, linear_products_for, working_bytes_per_sequence
@@ -156,6 +156,13 @@ class CupyBackend(Backend):
         except Unsupported as exc:
             return str(exc)
         return capability_shortfall(device)
+
+    def check(self, config, device, dtype, *, built=False):
+        """The interface's checks, after the depth its one-product Q/K/V keeps the contract to."""
+        refusal = one_product_qkv_refusal(config)
+        if refusal:
+            raise Unsupported(f"{self.name}: {refusal}")
+        super().check(config, device, dtype, built=built)
 
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""

@@ -6,7 +6,7 @@ from layerbench.common.errors import Unsupported
 from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import PARAMETERS, MemoryPlan
 from layerbench.common.params import param_bytes
-from layerbench.common.precision import default_products
+from layerbench.common.precision import default_products, one_product_qkv_refusal
 
 from . import specs
 from .launch import kernels_for
@@ -82,8 +82,12 @@ class CutileBackend(Backend):
         return None
 
     def check(self, config, device, dtype, *, built=False):
-        """The interface's checks, plus the widest LayerNorm row the kernels were built for
-        and the 32-bit strides of one sequence's Q/K/V rows."""
+        """The interface's checks, plus the widest LayerNorm row the kernels were built for,
+        the 32-bit strides of one sequence's Q/K/V rows and the depth its one-product Q/K/V
+        keeps the contract to."""
+        refusal = one_product_qkv_refusal(config)
+        if refusal:
+            raise Unsupported(f"{self.name}: {refusal}")
         if config.d_model > specs.MAX_ROW_WIDTH:
             raise Unsupported(f"{self.name} handles d_model up to {specs.MAX_ROW_WIDTH}, "
                               f"not {config.d_model}")
