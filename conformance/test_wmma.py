@@ -751,20 +751,26 @@ def test_ffn_block_widths_and_rows(wmma_selected, cfg, dtype, products):
     """ffn_block on widths that are not multiples of 16, row counts that are not multiples of
     its 64-row blocks, non-causal attention and fp16 input keeps the contract, and writes
     every output element (out starts as NaN)."""
+    layer, report = _contract_into_nan_buffer(
+        WmmaBackend(fuse_ffn=True, linear_products=products), cfg, 11, 0.25, dtype)
+    assert layer.plan.fuse_ffn
+    assert report.passed, report.summary()
+
+
+def _contract_into_nan_buffer(backend, cfg, seed, padding, dtype=torch.float32):
+    """(layer, contract report) of backend's layer for cfg run into a NaN-filled out= buffer
+    against the strict reference, on seeded inputs."""
     from layerbench.common.inputs import make_inputs
     from layerbench.reference import make_reference, reference_forward
 
-    model = make_reference(cfg, seed=11, randomize_norms=True)
-    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=12, device="cuda", dtype=dtype)
-    layer = WmmaBackend(fuse_ffn=True, linear_products=products).build(
-        cfg, model.state_dict(), device="cuda", dtype=dtype)
-    assert layer.plan.fuse_ffn
+    model = make_reference(cfg, seed=seed)
+    x, mask = make_inputs(cfg, padding_ratio=padding, seed=seed + 1, device="cuda", dtype=dtype)
+    layer = backend.build(cfg, model.state_dict(), device="cuda", dtype=dtype)
     expected = reference_forward(model.to("cuda"), x.float(), mask)
     out = torch.full_like(x, math.nan)
     with torch.no_grad():
         layer(x, mask, out=out)
-    report = compare(out, expected)
-    assert report.passed, report.summary()
+    return layer, compare(out, expected)
 
 
 @needs_gpu
@@ -780,17 +786,7 @@ def test_configs_off_the_official_list(wmma_selected, cfg, fuse_ffn):
     """Widths that are multiples of 8 but not of 16 or 64, head dim 8 with many heads, one-
     and two-token sequences, d_model 8 and 8192: the contract holds with and without
     ffn_block, and every output element is written (out starts as NaN)."""
-    from layerbench.common.inputs import make_inputs
-    from layerbench.reference import make_reference, reference_forward
-
-    model = make_reference(cfg, seed=21)
-    x, mask = make_inputs(cfg, padding_ratio=0.3, seed=22, device="cuda")
-    layer = WmmaBackend(fuse_ffn=fuse_ffn).build(cfg, model.state_dict(), device="cuda")
-    expected = reference_forward(model.to("cuda"), x, mask)
-    out = torch.full_like(x, math.nan)
-    with torch.no_grad():
-        layer(x, mask, out=out)
-    report = compare(out, expected)
+    _, report = _contract_into_nan_buffer(WmmaBackend(fuse_ffn=fuse_ffn), cfg, 21, 0.3)
     assert report.passed, report.summary()
 
 
