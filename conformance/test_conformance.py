@@ -9,6 +9,7 @@ import torch
 
 from layerbench.common import runner
 from layerbench.common.errors import MemoryPlanError, Unsupported
+from layerbench.common.registry import PEERS
 from layerbench.common.shapes import CI, Shape, noncausal
 
 DETERMINISM_OUTPUTS = ("first output", "its copy", "second output")
@@ -104,7 +105,12 @@ def test_no_mask_other_shape(backend_name, number, causal, device, seed, allow_s
 def test_deep_stack(backend_name, number, device, seed, allow_slow):
     """Twelve blocks (the official shapes have at most four), where the rounding error of
     fp16 products grows with depth: the contract still holds. 8 sequences of 128 tokens on a
-    GPU; on a CPU the CI shape's sequences (the Triton interpreter takes about a minute)."""
+    GPU; on a CPU the CI shape's sequences (the Triton interpreter takes about a minute).
+    The PyTorch peers, yardsticks on the official shapes, are not held to it: TF32 and fp16
+    autocast round every product, which bench/depth_study.py puts past the contract here."""
+    if backend_name in PEERS:
+        pytest.skip(f"{backend_name} is a peer (TF32 or fp16 products): measured on the "
+                    "official shapes, not held to the contract on deep stacks")
     small = CI[number].config
     batch, seq_len = (8, 128) if torch.device(device).type == "cuda" else (
         small.batch_size, small.seq_len)
