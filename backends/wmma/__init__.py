@@ -36,7 +36,7 @@ class WmmaBackend(Backend):
     def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool | None = None,
                  linear_products: int | None = None, fuse_norms: bool = True,
                  stream_tile: str = "stream 128x128 16w", norm_in_registers: bool = False,
-                 pdl: bool | None = False, persistent_gemm: bool = False):
+                 pdl: bool | None = None, persistent_gemm: bool = False):
         # norm_qkv is off by default: on an H200 the separate kernels run every official
         # shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
         self.fuse_qkv = fuse_qkv  # norm_qkv where d_model allows (see Plan)
@@ -61,9 +61,8 @@ class WmmaBackend(Backend):
         self.stream_tile = names.index(stream_tile)
         # norm_split reading each row once into registers (see norm.norm_split); not yet timed.
         self.norm_in_registers = norm_in_registers
-        # programmatic dependent launches (Plan.pdl): None on from sm_90, True requires
-        # sm_90, False (the default; not yet timed on a GPU) launches each kernel after the
-        # one before it has finished
+        # programmatic dependent launches (Plan.pdl): None (the default) on from sm_90, True
+        # requires sm_90, False launches each kernel after the one before it has finished
         self.pdl = pdl
         # the linears with K > 128 on the persistent pipelined tile (Plan); not yet timed
         self.persistent_gemm = persistent_gemm
