@@ -78,6 +78,24 @@ def test_tiled_gemms_copy_only_weights_before_the_wait(sass_rows):
         assert row["copies_before_wait"] == (stages - 1) * (bn // rows_per_pass) * parts, row
 
 
+def test_stream_gemms_and_ffn_block_copy_only_weights_before_the_wait(sass_rows):
+    """The stream GEMMs copy the same number of vectors before the wait whatever their tile,
+    warps, stages or epilogue (the weight slice's loop), twice that with three products (its
+    lo part); ffn_block as many with one product as with two (which copies the context's lo
+    part too): a copy of the rows before the wait would vary with them."""
+    def counts(prefix, key):
+        found = {}
+        for row in sass_rows:
+            if row["kernel"].startswith(prefix):
+                found.setdefault(key(row["kernel"]), set()).add(row["copies_before_wait"])
+        return found
+    stream = counts("linear_stream<", lambda k: int(k.split("<")[1].split(",")[5]) == 3)
+    assert len(stream[False]) == len(stream[True]) == 1, stream
+    assert stream[True] == {2 * next(iter(stream[False]))}
+    ffn = counts("ffn_block_kernel<", lambda k: "ffn")
+    assert len(ffn["ffn"]) == 1 and ffn["ffn"] != {0}, ffn
+
+
 def test_global_accesses_before_the_wait_are_counted():
     """global_before_wait (bench/sass.py) counts global and generic accesses (not shared
     ones) up to the first ACQBULK, all of them in a body without one, and not the allowed

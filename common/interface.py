@@ -1,6 +1,7 @@
 """The backend interface: what a backend declares, how it builds a layer, how a layer is called."""
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Mapping
@@ -41,6 +42,12 @@ def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _takes_built(check) -> bool:
+    """Whether a backend's check method accepts built=."""
+    params = inspect.signature(check).parameters.values()
+    return any(p.name == "built" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 class Backend(ABC):
@@ -145,8 +152,11 @@ class BuiltLayer(ABC):
             return torch.empty_like(x) if out is None else out
         if x.shape[0] != self.config.batch_size or x.shape[1] != self.config.seq_len:
             # Another batch or length: the backend's limits and memory plan apply to it too.
-            self.backend.check(replace(self.config, batch_size=x.shape[0], seq_len=x.shape[1]),
-                               self.device, self.dtype, built=True)
+            other = replace(self.config, batch_size=x.shape[0], seq_len=x.shape[1])
+            if _takes_built(self.backend.check):
+                self.backend.check(other, self.device, self.dtype, built=True)
+            else:  # an override without built= (older out-of-tree backends)
+                self.backend.check(other, self.device, self.dtype)
         return self.forward(x, valid_token_mask, out)
 
     @abstractmethod

@@ -147,6 +147,26 @@ def test_a_built_layer_is_checked_without_its_weights(device, seed, monkeypatch)
         backend.check(replace(CFG, batch_size=1), device, torch.float32)
 
 
+def test_a_check_override_without_built_still_runs(device, seed):
+    """An out-of-tree backend whose check override predates built= is called without it
+    when a built layer meets another batch or length."""
+    from layerbench.backends.torch_sdpa import TorchSdpaBackend
+
+    class OldCheck(TorchSdpaBackend):
+        name = "old-check-sdpa"
+        seen = []
+
+        def check(self, config, device, dtype):
+            self.seen.append(config.batch_size)
+            super().check(config, device, dtype)
+
+    layer = OldCheck().build(CFG, make_reference(CFG, seed=seed).state_dict(), device=device)
+    x, mask = make_inputs(CFG, seed=seed, device=device)
+    with torch.no_grad():
+        layer(x[:1], mask[:1])
+    assert OldCheck.seen == [CFG.batch_size, 1]
+
+
 def test_out_buffer_is_checked(device, seed):
     """out= must match x and must not be x itself."""
     model = make_reference(CFG, seed=seed)

@@ -791,6 +791,24 @@ def test_configs_off_the_official_list(wmma_selected, cfg, fuse_ffn):
 
 
 @needs_gpu
+def test_deep_stack_on_stream_tiles(wmma_selected):
+    """Twelve blocks of 16384 rows at d_model 128: Q/K/V at three products on a stream tile
+    and ffn_out's norm epilogue writing the next block's norm1 as a pair keep the contract."""
+    from layerbench.common.cuda_host import multiprocessor_count
+
+    cfg = LayerConfig(128, 128, 128, 4, 128, 12)
+    sms = multiprocessor_count(torch.device("cuda"))
+    layer, report = _contract_into_nan_buffer(WmmaBackend(), cfg, 31, 0.25)
+    plan = layer.plan
+    tiles = choose_tiles(cfg.tokens, 128, 128, 32, sms, fuse_norms=True,
+                         products=plan.linear_products, stream_tile=plan.stream_tile,
+                         qkv_products=plan.qkv_products)
+    assert plan.qkv_products == 3 and plan.linear_products == 3
+    assert GEMM_TILES[tiles.qkv].kind == "stream" and tiles.norm_ffn_out
+    assert report.passed, report.summary()
+
+
+@needs_gpu
 @pytest.mark.parametrize("number", [1, 8], ids=["d128", "d1024"])
 def test_masks_of_no_and_every_token(wmma_selected, number):
     """A mask with no valid token gives zeros everywhere; an all-true mask gives the output

@@ -63,6 +63,10 @@ class Plan:
     persistent_gemm: bool = False
     qkv_products: int = 1
 
+    def __post_init__(self):
+        if self.qkv_products == 3 and self.fuse_qkv:
+            raise ValueError("Plan: norm_qkv (fuse_qkv) runs Q/K/V at one product, not three")
+
     def products_for(self, tokens: int) -> int:
         """fp16 products of out_proj and the FFN in a forward of this many tokens:
         large_call_products above LARGE_CALL_TOKENS (where set), else linear_products."""
