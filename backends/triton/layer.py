@@ -8,7 +8,7 @@ import torch
 from layerbench.common.cuda_host import ChunkPlan, mask_bytes, run_in_chunks, split_fp16
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
-from layerbench.common.params import pack_params, param_bytes
+from layerbench.common.params import pack_params
 
 from .attention import flash_attention, key_extent
 from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear, split_linear
@@ -96,9 +96,10 @@ class TritonLayer(BuiltLayer):
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [self._weights(p) for p in self.params.layers]
         # The attention grid's second dimension (sequences x heads) is at most MAX_GRID_Y.
+        # Free memory is asked after the weights are packed: nothing fixed to add.
         self.chunks = ChunkPlan(
             device, lambda s: working_bytes_per_sequence(replace(config, seq_len=s), precision),
-            param_bytes(config), MAX_GRID_Y // config.num_heads)
+            0, MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
     def _weights(self, p) -> dict:

@@ -191,8 +191,9 @@ class WmmaLayer(BuiltLayer):
         self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
         self.weights = [self._weights(p, plan.weight_products(), plan.qkv_products)
                         for p in self.params.layers]
+        # Free memory is asked after the weights are packed: nothing fixed to add.
         self.chunks = ChunkPlan(device, lambda s: working_bytes_per_sequence(config, plan, s),
-                                weight_bytes(config), MAX_GRID_X // config.num_heads)
+                                0, MAX_GRID_X // config.num_heads)
         self.multiprocessors = multiprocessor_count(device)
         self.smem_limit = max_shared_memory_per_block(device)
         self.graphed = GraphedForward(self._forward)
