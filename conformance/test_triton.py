@@ -99,6 +99,18 @@ def test_qkv_in_fp16_passes(triton_backend_class, number, device):
     _assert_keeps_contract(layer, prepared, device)
 
 
+@pytest.mark.parametrize("blocks, qkv_products", [(4, 1), (5, 3), (12, 3)])
+def test_deep_stacks_run_qkv_at_three_products(triton_backend_class, blocks, qkv_products):
+    """By default Q/K/V takes one fp16 product, and three in stacks deeper than four blocks;
+    a precision given by the caller holds at any depth."""
+    from layerbench.backends.triton.layer import Precision
+
+    cfg = LayerConfig(2, 16, 64, 2, 64, blocks)
+    assert triton_backend_class().precision_for(cfg).qkv_products == qkv_products
+    chosen = Precision("fp16x3", "fp16", qkv="fp16")
+    assert triton_backend_class(chosen).precision_for(cfg) == chosen
+
+
 def test_batch_chunks_respect_the_attention_grid(triton_backend_class, device):
     """A batch whose sequences x heads exceed the grid limit is streamed in smaller chunks."""
     from layerbench.backends.triton.layer import MAX_GRID_Y
