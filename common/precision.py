@@ -43,10 +43,15 @@ DEEP_STACK_BLOCKS = 4
 DEEP_STACK_PRODUCTS = 3
 
 
+def deep_stack(config) -> bool:
+    """Whether config has more blocks than DEEP_STACK_BLOCKS."""
+    return config.num_layers > DEEP_STACK_BLOCKS
+
+
 def default_products(config, shallow: int) -> int:
     """fp16 products of out_proj and the FFN by default: shallow (the backend's choice for
     the width) up to DEEP_STACK_BLOCKS blocks, DEEP_STACK_PRODUCTS beyond."""
-    return DEEP_STACK_PRODUCTS if config.num_layers > DEEP_STACK_BLOCKS else shallow
+    return DEEP_STACK_PRODUCTS if deep_stack(config) else shallow
 
 
 # A Q/K/V of one fp16 product (cupy's and cutile's) errs past the contract in deeper stacks

@@ -10,7 +10,7 @@ import torch
 from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import PARAMETERS, MemoryPlan
 from layerbench.common.params import param_bytes
-from layerbench.common.precision import DEEP_STACK_BLOCKS
+from layerbench.common.precision import deep_stack
 
 from .layer import DEFAULT_PRECISION, Precision, TritonLayer, working_bytes_per_sequence
 
@@ -57,7 +57,7 @@ class TritonBackend(Backend):
         Q/K/V at three fp16 products (not one) in stacks deeper than
         common.precision.DEEP_STACK_BLOCKS, where its rounding error grows past the contract
         (bench/depth_study.py)."""
-        if self.depth_aware and config.num_layers > DEEP_STACK_BLOCKS:
+        if self.depth_aware and deep_stack(config):
             return replace(self.precision, qkv=None)
         return self.precision
 

@@ -12,7 +12,7 @@ from layerbench.common.cuda_host import (ChunkPlan, mask_bytes, max_shared_memor
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params, param_bytes
-from layerbench.common.precision import DEEP_STACK_BLOCKS, default_products
+from layerbench.common.precision import DEEP_STACK_PRODUCTS, deep_stack, default_products
 
 from .attention import attention, layout_ok
 from .block import FFN_BLOCK_PRODUCTS, FFN_BLOCK_ROWS, ffn_block, norm_qkv
@@ -147,7 +147,7 @@ def qkv_products_for(config) -> int:
     (bench/depth_study.py, three products for out_proj and the FFN: 24 blocks of width 512
     at error/allowed 0.88 with one-product Q/K/V, 0.55 with exact Q/K/V operands; 32 blocks
     of width 1024 at 1.17 against 0.62), else one."""
-    return 3 if config.num_layers > DEEP_STACK_BLOCKS else 1
+    return DEEP_STACK_PRODUCTS if deep_stack(config) else 1
 
 
 def workspace(config, plan: Plan | None = None) -> dict[str, tuple[int, torch.dtype]]:
