@@ -171,11 +171,12 @@ class ChunkPlan:
         self.max_sequences = max_sequences
         self.chunks: dict[tuple[int, int], int] = {}
 
-    def __call__(self, batch: int, seq_len: int) -> int:
-        """Sequences per chunk for a [batch, seq_len] input (at least 1)."""
+    def __call__(self, batch: int, seq_len: int, reserve_bytes: int = 0) -> int:
+        """Sequences per chunk for a [batch, seq_len] input (at least 1); reserve_bytes: buffers
+        not yet allocated when the plan is made (the output, when planned before a forward)."""
         if (batch, seq_len) not in self.chunks:
-            chunk = sequences_per_chunk(self.per_sequence_bytes(seq_len), self.fixed_bytes,
-                                        batch, self.device)
+            chunk = sequences_per_chunk(self.per_sequence_bytes(seq_len),
+                                        self.fixed_bytes + reserve_bytes, batch, self.device)
             if self.max_sequences is not None:
                 chunk = min(chunk, self.max_sequences)
             self.chunks[(batch, seq_len)] = max(1, chunk)

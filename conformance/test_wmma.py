@@ -896,7 +896,9 @@ def test_programmatic_launches_give_the_same_bits(wmma_selected, number, fuse_ff
         for data in inputs:
             x.copy_(data)
             wants.append(plain(x, mask).clone())
-        assert layer.ext.calls == [False, False] * 2  # the plain layer: off, then restored
+        # The plain layer (eager, then captured): each forward sets off and restores off.
+        plain_calls = len(layer.ext.calls)
+        assert plain_calls >= 4 and layer.ext.calls == [False] * plain_calls
         for turn in range(4):  # eager, captured, replayed twice
             x.copy_(inputs[turn % 2])
             got = layer(x, mask)
@@ -906,8 +908,9 @@ def test_programmatic_launches_give_the_same_bits(wmma_selected, number, fuse_ff
                 assert report.passed, report.summary()
     assert layer.graphed.graphs
     # eager and the capture set it on and restore off; the replays launch nothing
-    assert layer.ext.calls[4:] == [True, False] * (len(layer.ext.calls[4:]) // 2)
-    assert len(layer.ext.calls) >= 8
+    calls = layer.ext.calls[plain_calls:]
+    assert calls == [True, False] * (len(calls) // 2)
+    assert len(calls) >= 4
 
 
 @needs_gpu

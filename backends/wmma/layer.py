@@ -199,9 +199,11 @@ class WmmaLayer(BuiltLayer):
         self.graphed = GraphedForward(self._forward)
         # What a first forward would ask the device (the attention layout probe synchronises,
         # the chunk plan reads free memory), asked now: that forward may be inside a caller's
-        # CUDA-graph capture.
+        # CUDA-graph capture. The output that forward allocates is not there yet: reserved.
         layout_ok(ext, device)
-        self.chunks(config.batch_size, config.seq_len)
+        output_bytes = (config.batch_size * config.seq_len * config.d_model
+                        * dtype.itemsize)
+        self.chunks(config.batch_size, config.seq_len, reserve_bytes=output_bytes)
 
     @staticmethod
     def _weights(p, products: int, qkv_products: int) -> dict:
