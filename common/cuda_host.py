@@ -183,20 +183,45 @@ class ChunkPlan:
         return self.chunks[(batch, seq_len)]
 
 
-def run_in_chunks(x: torch.Tensor, out: torch.Tensor, chunk: int,
+def run_in_chunks(x: torch.Tensor, out: torch.Tensor, chunks: ChunkPlan,
                   workspace: dict[str, tuple[int, torch.dtype]], run: Callable) -> None:
-    """Allocate a workspace for chunk sequences (name -> (columns per token, dtype)), then
-    call run(b0, b1, x2, out2, work) for each chunk of sequences [b0, b1), with x2 and out2
-    the chunk's rows as [tokens, d_model] views and work sliced to its tokens."""
+    """Allocate a workspace for chunks(batch, seq_len) sequences (name -> (columns per token,
+    dtype)), then call run(b0, b1, x2, out2, work) for each chunk of sequences [b0, b1), with
+    x2 and out2 the chunk's rows as [tokens, d_model] views and work sliced to its tokens."""
     b, s, d = x.shape
-    rows = min(chunk, b) * s
-    work = {name: torch.empty(rows, cols, device=x.device, dtype=dtype)
-            for name, (cols, dtype) in workspace.items()}
+    work = allocate_workspace(chunks, b, s, workspace, x.device)
+    chunk = chunks(b, s)
     for b0 in range(0, b, chunk):
         b1 = min(b, b0 + chunk)
         tokens = (b1 - b0) * s
         run(b0, b1, x[b0:b1].view(-1, d), out[b0:b1].view(-1, d),
             {k: v[:tokens] for k, v in work.items()})
+
+
+def allocate_workspace(chunks: ChunkPlan, batch: int, seq_len: int,
+                       workspace: dict[str, tuple[int, torch.dtype]],
+                       device: torch.device) -> dict[str, torch.Tensor]:
+    """The workspace buffers for the plan's chunk of a [batch, seq_len] input. Where they do
+    not fit (the caching allocator's free blocks may be fragmented, or memory was taken since
+    the plan), cached blocks are released, then the chunk is halved until they fit; the plan
+    keeps the chunk that fitted. Never while a CUDA graph is being captured."""
+    released = False
+    while True:
+        rows = min(chunks(batch, seq_len), batch) * seq_len
+        try:
+            return {name: torch.empty(rows, cols, device=device, dtype=dtype)
+                    for name, (cols, dtype) in workspace.items()}
+        except torch.OutOfMemoryError:
+            if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+                raise
+            if released and chunks(batch, seq_len) == 1:
+                raise
+        # Out of the handler, so the buffers allocated before the failure are freed.
+        if not released:
+            torch.cuda.empty_cache()
+            released = True
+        else:
+            chunks.chunks[(batch, seq_len)] = max(1, min(chunks(batch, seq_len), batch) // 2)
 
 
 def forward_in_chunks(x: torch.Tensor, valid_token_mask: torch.Tensor | None,
@@ -214,5 +239,5 @@ def forward_in_chunks(x: torch.Tensor, valid_token_mask: torch.Tensor | None,
     def run_chunk(b0, b1, x2, out2, work):
         masks = (None, None) if valid is None else (valid[b0:b1], info[b0:b1])
         run(x2, masks, out2, b1 - b0, s, work)
-    run_in_chunks(x, out, chunks(b, s), workspace, run_chunk)
+    run_in_chunks(x, out, chunks, workspace, run_chunk)
     return out

@@ -301,3 +301,43 @@ def test_background_jobs_hand_over_results_and_errors():
         background.result("test-error", lambda: None)
     folder = background.scratch("layerbench-test-")
     assert folder.is_dir() and not any(folder.iterdir())
+
+
+def test_a_workspace_that_does_not_fit_releases_the_cache_then_halves_the_chunk(monkeypatch):
+    """allocate_workspace, where the planned workspace does not fit: cached blocks are
+    released once, then the chunk halves until it fits and the plan keeps that chunk, which
+    run_in_chunks then runs over every sequence once; one sequence that does not fit raises
+    the device's error."""
+    from layerbench.common import cuda_host
+
+    cuda = torch.device("cuda")
+    plan = cuda_host.ChunkPlan(cuda, lambda s: 1, 0)
+    plan.chunks[(10, 4)] = 16
+    real_empty, released, fits_rows = torch.empty, [], [12]
+
+    def empty(rows, cols, device=None, dtype=None):
+        if rows > fits_rows[0]:
+            raise torch.OutOfMemoryError("out of memory")
+        return real_empty(rows, cols, dtype=dtype)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    space = {"w": (3, torch.float32)}
+    work = cuda_host.allocate_workspace(plan, 10, 4, space, cuda)
+    assert released == [True] and plan(10, 4) == 2 and work["w"].shape == (8, 3)
+
+    x = torch.arange(10 * 4 * 2, dtype=torch.float32).view(10, 4, 2)
+    out, seen = torch.zeros_like(x), []
+
+    def run(b0, b1, x2, out2, work):
+        assert work["w"].shape == ((b1 - b0) * 4, 3)
+        seen.append((b0, b1))
+        out2.copy_(x2 + 1)
+
+    cuda_host.run_in_chunks(x, out, plan, space, run)
+    assert seen == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)] and torch.equal(out, x + 1)
+    fits_rows[0] = 3
+    with pytest.raises(torch.OutOfMemoryError):
+        cuda_host.allocate_workspace(plan, 10, 4, space, cuda)
+    assert plan(10, 4) == 1

@@ -126,7 +126,7 @@ class TritonLayer(BuiltLayer):
         def run_chunk(b0, b1, x2, out2, work):
             masks = (None, None) if valid is None else (valid[b0:b1], key_end[b0:b1])
             run(x2, masks, out2, b1 - b0, s, work)
-        run_in_chunks(x, out, self.chunks(b, s), workspace(self.config, self.precision),
+        run_in_chunks(x, out, self.chunks, workspace(self.config, self.precision),
                       run_chunk)
         return out
 

@@ -231,7 +231,7 @@ class WmmaLayer(BuiltLayer):
             self._run(x2, None if valid is None else valid[b0:b1], out2, b1 - b0, s, work,
                       products)
         with programmatic_launches(self.ext, self.plan.pdl):
-            run_in_chunks(x, out, self.chunks(b, s), workspace(self.config, self.plan),
+            run_in_chunks(x, out, self.chunks, workspace(self.config, self.plan),
                           run_chunk)
         return out
 
