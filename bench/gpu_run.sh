@@ -210,6 +210,7 @@ if [[ $stage == sanitize ]]; then
     # limited to SANITIZE_LIMIT seconds (exit 124 where it ran out).
     for shape in ${SANITIZE_SHAPES:-2 7 13}; do
         for check in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+            echo "## shape $shape $check" | tee -a "$OUT/sanitize.log"
             timeout "${SANITIZE_LIMIT:-900}" compute-sanitizer --tool "$check" --error-exitcode 9 \
                 python3 bench/one_forward.py \
                 --backend "${SANITIZE_BACKEND:-wmma}" --shape "$shape" --forwards 1 \
