@@ -182,6 +182,10 @@ class ChunkPlan:
             self.chunks[(batch, seq_len)] = max(1, chunk)
         return self.chunks[(batch, seq_len)]
 
+    def halve(self, batch: int, seq_len: int) -> None:
+        """Halve the planned chunk of a [batch, seq_len] input (at least 1 sequence)."""
+        self.chunks[(batch, seq_len)] = max(1, min(self(batch, seq_len), batch) // 2)
+
 
 def run_in_chunks(x: torch.Tensor, out: torch.Tensor, chunks: ChunkPlan,
                   workspace: dict[str, tuple[int, torch.dtype]], run: Callable) -> None:
@@ -221,7 +225,7 @@ def allocate_workspace(chunks: ChunkPlan, batch: int, seq_len: int,
             torch.cuda.empty_cache()
             released = True
         else:
-            chunks.chunks[(batch, seq_len)] = max(1, min(chunks(batch, seq_len), batch) // 2)
+            chunks.halve(batch, seq_len)
 
 
 def forward_in_chunks(x: torch.Tensor, valid_token_mask: torch.Tensor | None,
