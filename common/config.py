@@ -19,8 +19,11 @@ class LayerConfig:
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "d_model", "num_heads", "ffn_dim", "num_layers"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"LayerConfig.{name} must be a non-negative int, got {value!r}")
+        # A string such as "False" would read as causal, None as full attention: bools only.
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"LayerConfig.causal must be True or False, got {self.causal!r}")
         for name in ("seq_len", "d_model", "num_heads", "ffn_dim", "num_layers"):
             if getattr(self, name) == 0:
                 raise ValueError(f"LayerConfig.{name} must be positive")

@@ -45,13 +45,13 @@ class GraphedForward:
                  out: torch.Tensor | None = None) -> torch.Tensor:
         """Forward of (x, mask) into out (or a new tensor), through a graph once these
         buffers have been seen twice."""
-        if (x.device.type != "cuda" or x.numel() > self.max_elements
-                or torch.cuda.is_current_stream_capturing()):
+        if x.device.type != "cuda":
             return self.forward(x, mask, out)
-        # Capture and replay on x's device, also where another device is current (the
-        # kernels launch on their tensors' device).
+        eager = x.numel() > self.max_elements or torch.cuda.is_current_stream_capturing()
+        # Launch, capture and replay on x's device, also where another device is current:
+        # launchers such as Triton's take the current device, not their tensors'.
         with torch.cuda.device(x.device):
-            return self._graphed(x, mask, out)
+            return self.forward(x, mask, out) if eager else self._graphed(x, mask, out)
 
     def _graphed(self, x, mask, out):
         """__call__ for CUDA inputs on the current device."""

@@ -147,7 +147,7 @@ class BuiltLayer(ABC):
             raise RuntimeError(f"{who}: layers are inference-only and compute no gradient; "
                                "call under torch.no_grad() or pass x.detach()")
         if out is not None:
-            validate_output(out, x, who=who)
+            validate_output(out, x, valid_token_mask, who=who)
         if x.shape[0] == 0:
             return torch.empty_like(x) if out is None else out
         if x.shape[0] != self.config.batch_size or x.shape[1] != self.config.seq_len:

@@ -16,6 +16,7 @@ def validate_inputs(x, valid_token_mask, *, config: LayerConfig, device: torch.d
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{who}: x must be a torch.Tensor, got {type(x).__name__}")
+    _check_strided(x, "x", who)
     if x.dim() != 3:
         raise ValueError(f"{who}: x must have shape [batch, seq, d_model], got rank {x.dim()}")
     if x.shape[2] != config.d_model:
@@ -33,6 +34,7 @@ def validate_inputs(x, valid_token_mask, *, config: LayerConfig, device: torch.d
         return
     if not isinstance(valid_token_mask, torch.Tensor):
         raise TypeError(f"{who}: valid_token_mask must be a torch.Tensor or None")
+    _check_strided(valid_token_mask, "valid_token_mask", who)
     if valid_token_mask.dtype != torch.bool:
         raise TypeError(f"{who}: valid_token_mask must be bool, got {valid_token_mask.dtype}")
     if tuple(valid_token_mask.shape) != tuple(x.shape[:2]):
@@ -47,10 +49,11 @@ def validate_inputs(x, valid_token_mask, *, config: LayerConfig, device: torch.d
         raise ValueError(f"{who}: this backend takes no valid_token_mask (pass None)")
 
 
-def validate_output(out, x, *, who: str = "layer") -> None:
-    """Raise TypeError/ValueError unless out is a contiguous tensor like x that does not overlap it."""
+def validate_output(out, x, valid_token_mask=None, *, who: str = "layer") -> None:
+    """Raise TypeError/ValueError unless out is a contiguous tensor like x, apart from x and the mask."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{who}: out must be a torch.Tensor, got {type(out).__name__}")
+    _check_strided(out, "out", who)
     if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"{who}: out must match x ({tuple(x.shape)}, {x.dtype}, {x.device}); "
                          f"got ({tuple(out.shape)}, {out.dtype}, {out.device})")
@@ -58,13 +61,21 @@ def validate_output(out, x, *, who: str = "layer") -> None:
         raise ValueError(f"{who}: out must be contiguous")
     if _overlap(out, x):
         raise ValueError(f"{who}: out must not overlap x (the stack reads x until the end)")
+    if valid_token_mask is not None and _overlap(out, valid_token_mask):
+        raise ValueError(f"{who}: out must not overlap valid_token_mask (the stack reads the "
+                         "mask until the end)")
+
+
+def _check_strided(t, name: str, who: str) -> None:
+    """Raise TypeError unless t is a dense (strided) tensor."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{who}: {name} must be a dense tensor, got layout {t.layout}")
 
 
 def _overlap(a, b) -> bool:
-    """Whether the memory spans of two contiguous tensors share a byte."""
+    """Whether the memory spans of two contiguous tensors on one device share a byte."""
+    # Addresses, not storage objects: two storages may wrap one buffer (torch.from_dlpack).
     if not a.numel() or not b.numel():
-        return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

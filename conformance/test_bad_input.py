@@ -183,3 +183,57 @@ def test_out_buffer_is_checked(device, seed):
             layer(buffer[:x.shape[0]], mask, out=buffer[1:x.shape[0] + 1])
         with pytest.raises(ValueError, match="contiguous"):
             layer(x, mask, out=torch.empty_like(x).transpose(0, 1).contiguous().transpose(0, 1))
+
+
+def _aliases(base, start, like):
+    """A tensor shaped like `like` over base's memory from element start, held by a storage
+    object of its own (as torch.from_dlpack or torch.from_numpy of one buffer make)."""
+    return torch.from_dlpack(base[start:start + like.numel()]).view(like.shape)
+
+
+def test_out_aliasing_x_through_another_storage_is_refused(built, device):
+    """out over x's memory shifted by one row, held by another storage object, is refused:
+    a kernel that writes out while it still reads x would give a wrong answer silently."""
+    layer, _, x, mask = built
+    base = torch.zeros(x.numel() + CFG.d_model, device=device)
+    shared_x = _aliases(base, 0, x)
+    shared_x.copy_(x)
+    out = _aliases(base, CFG.d_model, x)
+    assert out.untyped_storage().data_ptr() != shared_x.untyped_storage().data_ptr()
+    with torch.no_grad(), pytest.raises(ValueError, match="not overlap x"):
+        layer(shared_x, mask, out=out)
+
+
+def test_out_overlapping_the_mask_is_refused(built, device):
+    """out whose memory holds the mask is refused: the mask is read until the end."""
+    layer, _, x, mask = built
+    out = torch.empty_like(x)
+    shared = out.view(-1).view(torch.uint8)[:mask.numel()].view(torch.bool).view(mask.shape)
+    shared.copy_(mask)
+    with torch.no_grad(), pytest.raises(ValueError, match="not overlap valid_token_mask"):
+        layer(x, shared, out=out)
+
+
+def test_sparse_tensors_are_refused(built):
+    """A sparse x, mask or out raises TypeError naming the layout."""
+    layer, _, x, mask = built
+    with torch.no_grad():
+        with pytest.raises(TypeError, match="dense"):
+            layer(x.to_sparse(), mask)
+        with pytest.raises(TypeError, match="dense"):
+            layer(x, mask.to_sparse())
+        with pytest.raises(TypeError, match="dense"):
+            layer(x, mask, out=torch.zeros_like(x).to_sparse())
+
+
+@pytest.mark.parametrize("causal", ["False", None, 0, 1.0])
+def test_causal_must_be_a_bool(causal):
+    """A causal flag that is not a bool is refused (the string "False" would read as causal)."""
+    with pytest.raises(TypeError, match="causal"):
+        LayerConfig(2, 16, 32, 2, 32, 1, causal)
+
+
+def test_sizes_must_not_be_bools():
+    """True is an int to Python, but not a size."""
+    with pytest.raises(ValueError, match="batch_size"):
+        LayerConfig(True, 16, 32, 2, 32, 1)

@@ -107,3 +107,60 @@ def test_failed_capture_leaves_cached_memory_releasable():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+class _CudaStandIn:
+    """An input that reports a CUDA device and a size, for the dispatch of GraphedForward on
+    a machine without one."""
+
+    def __init__(self, index: int, elements: int):
+        self.device = torch.device("cuda", index)
+        self._elements = elements
+
+    def numel(self) -> int:
+        """The element count GraphedForward compares with max_elements."""
+        return self._elements
+
+
+def test_eager_paths_run_on_the_inputs_device(monkeypatch):
+    """Inputs too large for a graph, and calls inside a caller's capture, run eagerly with
+    the input's device current (Triton launches on the current device, not its tensors')."""
+    import contextlib
+
+    current = ["cuda:0"]
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current[0] = current[0], str(torch.device(d))
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    seen = []
+    graphed = GraphedForward(lambda x, mask, out=None: seen.append(current[0]), max_elements=4)
+    graphed(_CudaStandIn(1, 5), None)  # above max_elements
+    capturing[0] = True
+    graphed(_CudaStandIn(1, 3), None)  # inside a capture
+    assert seen == ["cuda:1", "cuda:1"] and current[0] == "cuda:0"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_large_input_on_a_device_that_is_not_current():
+    """An input above max_elements on cuda:1 while cuda:0 is current runs with cuda:1
+    current, and its result is right."""
+    seen = []
+
+    def forward(x, mask, out=None):
+        seen.append(torch.cuda.current_device())
+        return _forward([])(x, mask, out)
+
+    graphed = GraphedForward(forward, max_elements=1)
+    x = torch.randn(2, 3, 4, device="cuda:1")
+    mask = torch.ones(2, 3, dtype=torch.bool, device="cuda:1")
+    with torch.cuda.device(0):
+        assert torch.equal(graphed(x, mask), _expected(x, mask))
+    assert seen == [1]
