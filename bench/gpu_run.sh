@@ -11,7 +11,7 @@
 #   bash bench/gpu_run.sh kernels     # wmma kernel tests, GEMM tiles, attention kernels, ceiling
 #   WMMA_PLANS="pdl:2,1 persistent:8" bash bench/gpu_run.sh plans  # wmma options on and off
 #   OLD_TREE=scratch_old/layerbench bash bench/gpu_run.sh compare  # kernel times, old and new
-#   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, profile
+#   bash bench/gpu_run.sh cutile      # cutile kernel tests and kernel sweeps, products, plans, profile
 #   bash bench/gpu_run.sh cutile-jit  # the AOT-against-JIT test (bench/pack_tileiras.sh)
 #   bash bench/gpu_run.sh cupy        # cupy kernel tests, an option on/off, attention and GEMM sweeps, GPU time per kernel
 #   NCU_BACKEND=cupy NCU_SHAPE=13 NCU_KERNEL=flash_attention [NCU_SOURCE=1] bash bench/gpu_run.sh ncu
@@ -32,7 +32,7 @@ SHAPES=${SHAPES:-}  # default: conformance on the suite's GPU selection, bench o
 EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# The cutile backend runs the cubins exported into build/cutile (carried to this machine).
+# The cutile backend runs the cubins exported into build/cutile (copied to this machine).
 export LAYERBENCH_CUTILE_BUILD=${LAYERBENCH_CUTILE_BUILD:-$PWD/build/cutile}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
     || { cat "$OUT/install.log"; exit 1; }
@@ -105,7 +105,7 @@ if [[ $stage == compare ]]; then
     # The current tree against an older one in OLD_TREE, a layerbench copy without results
     # (`git archive <commit> backends bench common conformance reference conftest.py
     # pyproject.toml | tar -x -C scratch_old/layerbench`; scratch_old/ is ignored by git, so
-    # the device call carries it by name): GPU time per kernel of one forward of
+    # copy it to the GPU machine by name): GPU time per kernel of one forward of
     # COMPARE_BACKEND (wmma) on COMPARE_SHAPES (13,6,2,8) in each, the old tree first, to
     # $OUT/compare-old.json and compare-new.json.
     old=$(cd "${OLD_TREE:?OLD_TREE: a folder holding an older layerbench}" && pwd)
@@ -122,8 +122,8 @@ fi
 if [[ $stage == cutile ]]; then
     # The cutile kernels on their own: kernel tests, then each GEMM, attention, LayerNorm and
     # fused residual-norm choice of the build (exported with --sweep) on the official shapes'
-    # sizes, two product counts, and the GPU time per kernel of one forward of the shapes
-    # still behind a peer.
+    # sizes, two product counts, lean pairs, programmatic launches and the whole-block kernel
+    # on and off, and the GPU time per kernel of one forward of shapes 5, 8 and 13.
     log="$OUT/cutile.log"
     python3 -m pytest conformance/test_cutile.py --backend cutile -q -p no:cacheprovider \
         2>&1 | tail -15 | tee -a "$log"

@@ -1,4 +1,5 @@
-"""Run a few eager forwards of one backend on one official shape, for ncu or compute-sanitizer.
+"""Run a few eager forwards of one backend on one shape (an official shape number, or any
+shape --shapes names, such as ci1), for ncu or compute-sanitizer.
 
     ncu --clock-control none -k regex:attention_ffn --launch-skip 4 --launch-count 1 \
         --section WarpStateStats python bench/one_forward.py --shape 2

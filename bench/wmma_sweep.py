@@ -16,9 +16,12 @@ every fp16 product. A GEMM case is MxNxK:products:epilogue (epilogues 0 half, 1 
 of any tile, into NaN-filled outputs, against a float64 product of the same fp16 parts.
 "attention" times each attention kernel and compares it with fp32 attention of one sequence.
 "precision" builds the layer with each count of linear products and prints the contract's
-worst error/allowed ratio and the median forward time; "plans" does the same for LayerNorms
-in the GEMM epilogues against separate norm kernels (--plan ffn: the ffn_block kernel on
-every call against never), timed in alternating rounds. "peak"
+worst error/allowed ratio and the median forward time; "plans" does the same for one layer
+option on against off, timed in alternating rounds: --plan norms (the default) the LayerNorms
+in the GEMM epilogues against separate norm kernels, ffn the ffn_block kernel on every call
+against never, resident and narrow the resident-weight or the 64x128 stream tile against the
+16-warp 128x128 one, norm-registers norm_split's row-in-registers kernel, pdl programmatic
+dependent launches, persistent the persistent pipelined tile for K > 128. "peak"
 times register-resident wmma products alone (no memory traffic) at several CTAs per SM and
 warps per CTA: the ceiling the GEMM and attention kernels are measured against.
 """

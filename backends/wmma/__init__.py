@@ -49,8 +49,8 @@ class WmmaBackend(Backend):
         # (d_model), and large_call_products_for(d_model) in forwards of many tokens, or
         # three in stacks of more than four blocks (layer.plan_products)
         self.linear_products = linear_products
-        # LayerNorms in the residual GEMMs' epilogues where a tile holds whole rows (see Plan);
-        # not yet timed on a GPU against the separate norm_split kernels.
+        # LayerNorms in the residual GEMMs' epilogues where a tile holds whole rows (see Plan
+        # and choose_tiles, which takes them only where such tiles fill the SMs).
         self.fuse_norms = fuse_norms
         # The stream GEMM variant (a GEMM_TILES name) of the linears with K <= 128 whose
         # rows give each SM two 128x128 tiles; any stream variant holding 128 columns.
