@@ -628,11 +628,15 @@ linear_tiled(LinearParams p, int epilogue) {
   set_tile(tile);
   const int s_off = r0 * T::kLds + c;  // this thread's first shared vector in a part
 
+  // This thread's column of the K tile at k0 (0 where it is past K, which k_in tells).
+  auto k_column = [&](int k0, bool& k_in) {
+    k_in = k0 + c < p.K;
+    return k_in ? k0 + c : 0;
+  };
   // A stage's rows (load_rows) and weights (load_weights) of the K tile at k0.
   auto load_rows = [&](int stage, int k0) {
-    const int kc = k0 + c;
-    const bool k_in = kc < p.K;
-    const int kk = k_in ? kc : 0;
+    bool k_in;
+    const int kk = k_column(k0, k_in);
     __half* st = smem + stage * T::kStageHalves + s_off;
 #pragma unroll
     for (int q = 0; q < T::kAVecs; ++q) {
@@ -645,9 +649,8 @@ linear_tiled(LinearParams p, int epilogue) {
     }
   };
   auto load_weights = [&](int stage, int k0) {
-    const int kc = k0 + c;
-    const bool k_in = kc < p.K;
-    const int kk = k_in ? kc : 0;
+    bool k_in;
+    const int kk = k_column(k0, k_in);
     __half* st = smem + stage * T::kStageHalves + T::kAParts * BM * T::kLds + s_off;
 #pragma unroll
     for (int q = 0; q < T::kWVecs; ++q) {
