@@ -47,7 +47,7 @@ def test_forward(benchmark, bench_case, shape_state, bench_results_log, pytestco
     benchmark.extra_info.update({"backend": name, "shape": shape.number,
                                  "shape_kind": shape.kind, "padding": state.padding,
                                  "dtype": str(state.dtype).replace("torch.", ""),
-                                 "passed": report.passed,
+                                 "seed": state.seed, "passed": report.passed,
                                  "max_abs_error": report.max_abs_error,
                                  "peak_memory_bytes": report.peak_memory_bytes})
     if not report.passed:

@@ -202,3 +202,97 @@ def test_heatmap_fits_its_title_and_has_colour_bars(tmp_path):
     assert text_colour((0.9, 0.9, 0.6, 1.0)) == "black"
     png = heatmap(_ci_rows(True), tmp_path / "speedup.png")
     assert png.stat().st_size > 1000
+
+
+def _kept_run(raw, name: str, medians: dict, cases: list[dict], date: str = "2026-01-01"):
+    """A run-*/ folder of collect --raw: bench.json, conformance.jsonl and provenance.json."""
+    run = raw / name
+    run.mkdir(parents=True)
+    run.joinpath("bench.json").write_text(json.dumps(_bench_json(medians)))
+    run.joinpath("conformance.jsonl").write_text("".join(json.dumps(c) + "\n" for c in cases))
+    run.joinpath("provenance.json").write_text(json.dumps(
+        {"commit": name, "date": date, "driver": "1", "gpu": "G", "versions": {}}))
+
+
+def _case(backend: str, shape: int, passed: bool, source: str = "conformance",
+          dtype: str = "float32", padding: float = 0.0) -> dict:
+    return {"backend": backend, "shape": shape, "shape_kind": "official", "dtype": dtype,
+            "padding": padding, "source": source, "passed": passed,
+            "failed_elements": 0 if passed else 1, "total_elements": 10,
+            "max_abs_error": 1e-3, "worst_ratio": 0.5 if passed else 1.1,
+            "oracle_sequences": None}
+
+
+def test_run_failures_mark_times_and_leave_peers_out(tmp_path):
+    """A failed case of the run that timed a row marks its time FAIL in that run's table and
+    in results.json, keeps it out of geomeans, and a peer that failed any case of the shape
+    in that run is not the best peer; an untimed peer whose benchmark check failed reads FAIL."""
+    raw = tmp_path / "raw"
+    medians = {("torch-baseline", 1): 2.0, ("torch-fp16", 1): 0.5, ("triton", 1): 0.25,
+               ("torch-baseline", 2): 4.0, ("triton", 2): 1.0}
+    cases = [
+        # torch-fp16 passed the benchmark's check on shape 1 but failed a conformance case.
+        _case("torch-fp16", 1, True, source="bench"),
+        _case("torch-fp16", 1, False, padding=0.25),
+        # torch-fp16 missed the benchmark's check on shape 2, so it was not timed there.
+        _case("torch-fp16", 2, False, source="bench"),
+        # triton failed one check of shape 2 and passed the same check later in the run.
+        _case("triton", 2, False, source="bench"),
+        _case("triton", 2, True, source="bench"),
+    ]
+    _kept_run(raw, "run-a", medians, cases)
+    assert cli_main(["collect", "--raw", str(raw), "--out", str(tmp_path / "out")]) == 0
+    rows = {(r["backend"], r["shape"]): r
+            for r in json.loads((tmp_path / "out" / "results.json").read_text())["rows"]}
+    fp16, triton1, triton2 = rows[("torch-fp16", 1)], rows[("triton", 1)], rows[("triton", 2)]
+    assert fp16["passed"] is False and fp16["bench_check_passed"] is True
+    assert triton1["best_peer"] == "torch-baseline" and triton1["speedup_vs_best_peer"] == 8.0
+    assert triton2["passed"] is False and triton2["bench_check_passed"] is True
+    text = (tmp_path / "out" / "results.md").read_text()
+    run = text[text.index("Run 0:"):text.index("Conformance (")]
+    assert "| 1 | 2.000 ms (1.00x) | 0.500 ms (4.00x), FAIL | 0.250 ms (8.00x) |" in run
+    assert "| 2 | 4.000 ms (1.00x) | FAIL | 1.000 ms (4.00x), FAIL |" in run
+    assert "| 1 | - | FAIL | 8.00x (torch-baseline) |" in run
+    assert "| geomean speedup, shapes 1, 2 | 1.00x | - | 8.00x (1 shape, not 2) |" in run
+    assert "timed here: torch-baseline, torch-fp16, triton" in text
+
+
+def test_geomeans_name_the_shapes_they_leave_out():
+    """A shape without a passing peer (or a failed row) is left out of that column's geomean,
+    and the footer cell says which shapes it leaves out."""
+    medians = {(b, s): ms for s in (1, 6, 13) for b, ms in (("torch-baseline", 2.0),
+                                                            ("triton", 0.5))}
+    rows = rows_from_benchmark_json(_bench_json(medians))
+    for row in rows:
+        if row["backend"] == "triton":
+            row["best_peer"] = None if row["shape"] == 6 else "torch-baseline"
+            row["speedup_vs_best_peer"] = None if row["shape"] == 6 else 4.0
+        if row["backend"] == "torch-baseline" and row["shape"] == 13:
+            row["passed"] = False
+    lines = markdown_table(rows).splitlines()
+    assert lines[-1] == ("| geomean vs best peer, shapes 1, 6, 13 | - | "
+                         "4.00x (2 shapes, not 6) |")
+    speed = next(line for line in lines if line.startswith("| geomean speedup"))
+    assert speed == "| geomean speedup, shapes 1, 6, 13 | 1.00x (2 shapes, not 13) | 4.00x |"
+
+
+def test_results_keep_the_speedup_method_and_inputs(tmp_path):
+    """results.json rows say how their speedup was taken and on which inputs, and the newest
+    times' table says it too; each case names the log it came from."""
+    data = _bench_json(MEDIANS)
+    for bench in data["benchmarks"]:
+        bench["extra_info"].update(speedup_method="alternating CUDA events", seed=7,
+                                   dtype="float32")
+    raw = tmp_path / "raw"
+    _kept_run(raw, "run-a", MEDIANS, [_case("triton", 1, True, source="bench")])
+    (raw / "run-a" / "bench.json").write_text(json.dumps(data))
+    assert cli_main(["collect", "--raw", str(raw), "--out", str(tmp_path / "out")]) == 0
+    rows = {(r["backend"], r["shape"]): r
+            for r in json.loads((tmp_path / "out" / "results.json").read_text())["rows"]}
+    row = rows[("triton", 1)]
+    assert row["speedup_method"] == "alternating CUDA events"
+    assert row["bench_seed"] == 7 and row["bench_dtype"] == "float32"
+    assert row["cases"][0]["log"] == "run-a/conformance.jsonl"
+    text = (tmp_path / "out" / "results.md").read_text()
+    newest = text[text.index("Newest time"):text.index("Run 0:")]
+    assert "Speedup over torch-baseline from alternating CUDA events." in newest

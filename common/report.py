@@ -24,6 +24,8 @@ def rows_from_benchmark_json(data: dict) -> list[dict]:
             "shape": info["shape"],
             "shape_kind": info.get("shape_kind", "official"),
             "padding": info.get("padding", 0.0),
+            "dtype": info.get("dtype", "float32"),
+            "seed": info.get("seed"),
             "passed": info.get("passed"),
             "max_abs_error": info.get("max_abs_error"),
             "median_ms": stats["median"] * 1e3 if "median" in stats else info.get(
@@ -145,9 +147,18 @@ def _grid_table(rows: list[dict], cell, key: str, footer: str) -> list[str]:
     counted = [s for s in shapes if _in_geomean(s)]
     means = []
     for b in backends:
-        g = geomean(index[(b, s)].get(key) for s in counted
-                    if (b, s) in index and index[(b, s)].get("passed") is not False)
-        means.append("-" if g is None else fmt_speedup(g))
+        # A shape without a passing value (failed, not timed, no passing peer) is left out of
+        # this column's geomean, and the cell names it: the footer's span covers every column.
+        used = [s for s in counted if (b, s) in index
+                and index[(b, s)].get("passed") is not False
+                and (index[(b, s)].get(key) or 0) > 0]
+        g = geomean(index[(b, s)][key] for s in used)
+        text = "-" if g is None else fmt_speedup(g)
+        if g is not None and len(used) < len(counted):
+            missing = [s for s in counted if s not in used]
+            text += (f" ({len(used)} shape{'s' if len(used) > 1 else ''}, "
+                     f"not {shape_span(missing)})")
+        means.append(text)
     lines.append(f"| {footer}, shapes {shape_span(counted) or '-'} | " + " | ".join(means) + " |")
     return lines
 

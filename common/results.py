@@ -33,13 +33,43 @@ def add_best_peer(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def _failed_checks(log: Path) -> set[tuple[str, int]]:
-    """(backend, official shape) pairs with a failed case in a run's conformance log."""
+def _failed_cases(log: Path) -> dict[tuple[str, int], list[dict]]:
+    """The failed cases of official shapes in a run's conformance log, by (backend, shape)."""
     if not log.is_file():
-        return set()
-    cases = [json.loads(line) for line in log.read_text().splitlines()]
-    return {(c["backend"], c["shape"]) for c in cases
-            if c.get("shape_kind", "official") == "official" and not c["passed"]}
+        return {}
+    failed: dict[tuple[str, int], list[dict]] = {}
+    for line in log.read_text().splitlines():
+        case = json.loads(line)
+        if case.get("shape_kind", "official") == "official" and not case["passed"]:
+            failed.setdefault((case["backend"], case["shape"]), []).append(case)
+    return failed
+
+
+def run_rows(bench_rows: list[dict], failed: dict[tuple[str, int], list[dict]]) -> list[dict]:
+    """One run's official rows with the run's own verdicts, ranked against its passing peers.
+
+    A row keeps its benchmark check in bench_check_passed; passed is False where any case of
+    the run failed for that backend and shape (its conformance suite or any benchmark check),
+    so such a time is marked FAIL, left out of geomeans and never used as the best peer. A
+    backend whose benchmark check failed (not timed, absent from the benchmark file) gets a
+    row without a median, so its cell reads FAIL rather than '-'.
+    """
+    rows = []
+    for row in bench_rows:
+        if row["shape_kind"] != "official":
+            continue
+        row = {**row, "bench_check_passed": row.get("passed")}
+        if (row["backend"], row["shape"]) in failed:
+            row["passed"] = False
+        rows.append(row)
+    timed = {(r["backend"], r["shape"]) for r in rows}
+    for (backend, shape), cases in sorted(failed.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        checks = [c for c in cases if c.get("source") == "bench"]
+        if (backend, shape) not in timed and checks:
+            rows.append({"backend": backend, "shape": shape, "shape_kind": "official",
+                         "padding": checks[0].get("padding", 0.0), "passed": False,
+                         "bench_check_passed": False, "median_ms": None, "speedup": None})
+    return add_best_peer(rows)
 
 
 def raw_inputs(raw: Path) -> tuple[list[Path], list[Path], list[Path]]:
@@ -81,14 +111,16 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
     """Merge conformance cases and benchmark rows of official shapes; write json, md and png.
 
     Several runs may be merged: a later conformance log or benchmark file replaces the earlier
-    rows of the same backend and shape. provenance_jsons pair with bench_jsons (the files
-    the GPU runs wrote); without them, this machine's provenance is collected. Each row names
-    its benchmark run in "run", an index into "runs".
+    rows of the same backend and shape. Each run's table and best peers use that run's own
+    verdicts (run_rows): a failed case in the run's conformance.jsonl marks the time FAIL.
+    provenance_jsons pair with bench_jsons (the files the GPU runs wrote); without them, this
+    machine's provenance is collected. Each row names its benchmark run in "run", an index
+    into "runs", and each of its cases the log it came from.
     """
     cases: dict[tuple[str, int], dict[tuple, dict]] = {}
     for log in conformance_logs:
         for line in log.read_text().splitlines():
-            case = json.loads(line)
+            case = {**json.loads(line), "log": f"{log.parent.name}/{log.name}"}
             if case.get("shape_kind", "official") == "official":
                 # A benchmark's own check sits beside the suite's case of the same inputs.
                 cases.setdefault((case["backend"], case["shape"]), {})[
@@ -100,16 +132,17 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
     bench: dict[tuple[str, int], dict] = {}
     per_run: list[list[dict]] = []
     for index, path in enumerate(bench_jsons):
-        timed_here = add_best_peer([row for row in rows_from_benchmark_json(
-            json.loads(path.read_text())) if row["shape_kind"] == "official"])
+        failed = _failed_cases(path.parent / "conformance.jsonl")
+        timed_here = run_rows(rows_from_benchmark_json(json.loads(path.read_text())), failed)
         # A backend this run checked and found wrong keeps no earlier run's time.
-        for key in _failed_checks(path.parent / "conformance.jsonl"):
+        for key in failed:
             bench.pop(key, None)
         baseline = {r["shape"]: r["median_ms"] for r in timed_here
                     if r["backend"] == "torch-baseline"}
         for row in timed_here:
-            bench[(row["backend"], row["shape"])] = {
-                **row, "run": index, "baseline_ms": baseline.get(row["shape"])}
+            if row["median_ms"] is not None:
+                bench[(row["backend"], row["shape"])] = {
+                    **row, "run": index, "baseline_ms": baseline.get(row["shape"])}
         per_run.append(timed_here)
     rows = []
     for key in sorted(set(cases) | set(bench), key=lambda k: (k[1], k[0])):
@@ -118,8 +151,11 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
         rows.append({
             "backend": backend,
             "shape": shape,
-            "passed": (all(c["passed"] for c in checked) if checked else timed.get("passed")),
-            "bench_check_passed": timed.get("passed"),
+            # False where the run that timed it had a failed case, even if a later log
+            # passed the same case.
+            "passed": (timed.get("passed") if not checked or timed.get("passed") is False
+                       else all(c["passed"] for c in checked)),
+            "bench_check_passed": timed.get("bench_check_passed"),
             "failed_elements": sum(c["failed_elements"] for c in checked) if checked else None,
             "max_abs_error": max((c["max_abs_error"] for c in checked), default=timed.get(
                 "max_abs_error")),
@@ -127,6 +163,7 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
             "median_ms": timed.get("median_ms"),
             "events_median_ms": timed.get("events_median_ms"),
             "speedup": timed.get("speedup"),
+            "speedup_method": timed.get("speedup_method"),
             "speedup_vs_best_peer": timed.get("speedup_vs_best_peer"),
             "best_peer": timed.get("best_peer"),
             "baseline_ms": timed.get("baseline_ms"),
@@ -136,10 +173,13 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
             "peak_memory_bytes": timed.get("peak_memory_bytes"),
             "run": timed.get("run"),
             "bench_padding": timed.get("padding"),
+            "bench_dtype": timed.get("dtype"),
+            "bench_seed": timed.get("seed"),
             "cases": [{k: c.get(k) for k in ("dtype", "padding", "source", "passed",
                                              "failed_elements", "total_elements",
                                              "max_abs_error", "worst_ratio",
-                                             "oracle_sequences")} for c in checked],
+                                             "oracle_sequences", "seed", "log")}
+                      for c in checked],
         })
     out_dir.mkdir(parents=True, exist_ok=True)
     info = runs[-1] if runs else provenance.collect()
@@ -147,7 +187,8 @@ def collect_results(conformance_logs: list[Path], bench_jsons: list[Path], out_d
         {"provenance": info, "runs": runs, "rows": rows}, indent=1) + "\n")
     lines = [f"# Results on {info.get('gpu')}", ""]
     for index, run in enumerate(runs):
-        names = sorted({r["backend"] for r in per_run[index]}) if index < len(per_run) else []
+        names = (sorted({r["backend"] for r in per_run[index] if r["median_ms"] is not None})
+                 if index < len(per_run) else [])
         lines.append(f"- run {index}: commit `{run.get('commit')}`, {run.get('date')}, driver "
                      f"{run.get('driver')}, " + ", ".join(f"{k} {v}" for k, v in
                                                          run["versions"].items())
