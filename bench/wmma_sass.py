@@ -25,7 +25,8 @@ from sass import functions, global_before_wait, kernels  # noqa: E402
 from layerbench.backends.wmma import build  # noqa: E402
 
 # Sources whose every kernel multiplies on the tensor cores (norm.cu has none).
-TENSOR_CORE_SOURCES = ("linear.cu", "attention.cu", "block.cu", "peak.cu")
+TENSOR_CORE_SOURCES = ("linear.cu", "linear_two_products.cu", "linear_three_products.cu",
+                       "attention.cu", "block.cu", "peak.cu")
 # Kernels outside the forward (launched on their own, never as programmatic dependents).
 STANDALONE_KERNELS = ("attention_layout_probe_kernel", "mma_peak_kernel")
 # Forward kernels that copy weights to shared memory (LDGSTS) before the wait.

@@ -51,6 +51,12 @@ def capability_shortfall(device: torch.device, minimum: tuple[int, int] = (8, 0)
     return None
 
 
+def device_arch(device: torch.device) -> str:
+    """The compute capability of a CUDA device as digits, e.g. '90' for an H100/H200."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
 def cuda_tool(name: str) -> str:
     """Path of a CUDA binary tool (cuobjdump, nvdisasm): the toolkit's on PATH, else the copy
     bundled with Triton, else the NVIDIA pip package's; the bare name if none is found."""

@@ -622,14 +622,6 @@ def compile_every_arch_with_nvrtc() -> dict[str, tuple[bytes, dict[str, str]]]:
         return dict(zip(ARCHES, pool.map(compile_with_nvrtc, ARCHES)))
 
 
-def device_arch(device) -> str:
-    """The compute capability of device as digits, e.g. '90'."""
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}{minor}"
-
-
 @functools.cache
 def module_for(arch: str):
     """The cupy.RawModule of the kernels for the current device, whose architecture is

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import torch
 
-from layerbench.common.cuda_host import cdiv, max_shared_memory_per_block, multiprocessor_count
+from layerbench.common.cuda_host import (cdiv, device_arch, max_shared_memory_per_block,
+                                         multiprocessor_count)
 from layerbench.reference.model import LN_EPS
 
 from . import build, driver, tensor_maps
@@ -90,7 +91,7 @@ class Kernels:
         self.cupy = cupy
         index = torch.cuda.current_device() if device.index is None else device.index
         self.device = torch.device("cuda", index)
-        self.arch = build.device_arch(self.device)
+        self.arch = device_arch(self.device)
         self.has_wgmma = build.nvrtc_arch(self.arch) == build.HOPPER
         with cupy.cuda.Device(index):
             self.module = build.module_for(self.arch)

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 
+from layerbench.common.cuda_host import device_arch
 from layerbench.common.errors import Unsupported
 
 SOURCE_DIR = Path(__file__).resolve().parent
-SOURCES = ("ops.cpp", "norm.cu", "linear.cu", "attention.cu", "block.cu", "peak.cu")  # compiled and linked
-HEADERS = ("common.cuh",)
+SOURCES = ("ops.cpp", "norm.cu", "linear.cu", "linear_two_products.cu",
+           "linear_three_products.cu", "attention.cu", "block.cu", "peak.cu")  # compiled and linked
+HEADERS = ("common.cuh", "linear.cuh")
 ARCHES = ("80", "90")  # compute capabilities the CPU test compiles for
 CACHE_ENV = "LAYERBENCH_WMMA_CACHE"
 
@@ -61,12 +63,6 @@ def arch_unsupported(device: torch.device) -> str | None:
     if codes is None or f"sm_{arch}" in codes:
         return None
     return f"{nvcc} cannot compile for sm_{arch} (it lists {' '.join(sorted(codes))})"
-
-
-def device_arch(device: torch.device) -> str:
-    """The compute capability of device as digits, e.g. '90' for an H100/H200."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}{minor}"
 
 
 def cuda_flags(arch: str) -> list[str]:

@@ -149,7 +149,7 @@ struct FfnBlockParams {
   float eps;
 };
 
-// GEMM variants the host passes down (tiles.py GEMM_TILES describes each; linear.cu sets
+// GEMM variants the host passes down (tiles.py GEMM_TILES describes each; linear.cuh sets
 // their stages): kTiled* take any K, one output tile per CTA (kTiled128x128k64w4pp: a
 // persistent grid, each CTA taking tiles in turn); kStream* (K <= 128) are persistent, with
 // a weight column slice resident in shared memory (kStream128x128w8r: its fragments

@@ -5,7 +5,7 @@ from typing import NamedTuple
 
 
 class GemmVariant(NamedTuple):
-    """One GEMM kernel variant of linear.cu (a GemmTile value of common.cuh).
+    """One GEMM kernel variant of linear.cuh (a GemmTile value of common.cuh).
 
     kind "tiled": one rows x cols output tile per CTA, operand tiles bk deep through the
     stages; any K. kind "stream" (K <= 128): a persistent CTA keeps a cols-wide weight slice
@@ -32,7 +32,7 @@ class GemmVariant(NamedTuple):
     persistent: bool = False
 
 
-# Index = the GemmTile value in common.cuh (the variants' template arguments in linear.cu).
+# Index = the GemmTile value in common.cuh (the variants' template arguments in linear.cuh).
 GEMM_TILES = (
     GemmVariant("tiled 128x128 bk32 8w", "tiled", 128, 128, 8, (32, 64), 32, (4, 4, 4), (2, 1, 1)),
     GemmVariant("tiled 128x256 bk32 8w", "tiled", 128, 256, 8, (64, 64), 32, (4, 4, 3), (1, 1, 1)),
@@ -57,7 +57,7 @@ TILED_64x64, TILED_32x32, STREAM_128x128, STREAM_64x128, STREAM_64x64 = 4, 5, 6,
 STREAM_32x128, TILED_128x128_BK64_PIPELINED, STREAM_128x128_RESIDENT = 9, 10, 11
 TILED_128x128_BK64_PERSISTENT = 12
 STREAM_MAX_K = 128  # the stream variants keep K whole in one shared-memory stage
-SCRATCH_BYTES = 16 * 20 * 4  # one warp's epilogue scratch (kScratchBytes in linear.cu)
+SCRATCH_BYTES = 16 * 20 * 4  # one warp's epilogue scratch (kScratchBytes in linear.cuh)
 
 ATTENTION_BLOCK_M = 64  # query rows per attention block (kBlockM in attention.cu)
 MAX_HEAD_DIM = 256
@@ -121,7 +121,7 @@ def gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int = 1
 
 
 def stream_smem_bytes(tile: int, products: int, k: int) -> int:
-    """Dynamic shared memory of a stream variant at K (Stream::smem_bytes in linear.cu): the
+    """Dynamic shared memory of a stream variant at K (Stream::smem_bytes in linear.cuh): the
     warps' scratch, the weight slice (hi, and lo with three products) and the activation
     ring (hi, and lo from two products on), rows of K rounded up to 16 plus 8 halves."""
     v = GEMM_TILES[tile]
