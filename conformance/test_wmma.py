@@ -155,10 +155,10 @@ def test_tile_choice(wmma_selected):
     for tiles, d, f in ((big, 1024, 1024), (small, 128, 128), (mid, 128, 128), (long, 128, 512)):
         for t, k in zip(tiles[:4], (d, d, d, f)):  # stream variants only where K <= 128
             assert GEMM_TILES[t].kind == "tiled" or k <= 128
-    # GEMM_TILES describes the GemmTile values (common.cuh) as linear.cu instantiates them.
+    # GEMM_TILES describes the GemmTile values (common.cuh) as linear.cuh instantiates them.
     import re
 
-    source = (build.SOURCE_DIR / "linear.cu").read_text()
+    source = (build.SOURCE_DIR / "linear.cuh").read_text()
     header = (build.SOURCE_DIR / "common.cuh").read_text()
     enum = re.search(r"enum class GemmTile : int \{(.*?)\};", header, re.S).group(1)
     names = re.findall(r"(k\w+) = (\d+)", enum)
@@ -577,6 +577,82 @@ def test_layer_on_a_device_that_is_not_current(wmma_selected):
 
 
 @needs_gpu
+def test_runs_on_the_callers_stream(wmma_selected):
+    """Called on a non-default stream whose work is still pending (a long sleep, then the
+    copy of the input into the buffer the layer reads), every kernel runs behind that work on
+    that stream, eager, captured and replayed: a kernel on any other stream would read the
+    buffer before the copy lands (zeros)."""
+    cfg = LayerConfig(2, 40, 128, 4, 128, 2)
+    layer, x, mask, expected = _layer_and_reference(cfg)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    buffer = torch.zeros_like(x)
+    with torch.no_grad(), torch.cuda.stream(side):
+        for turn in range(4):  # eager, captured (and replayed), replayed twice
+            buffer.zero_()
+            torch.cuda._sleep(50_000_000)
+            buffer.copy_(x)
+            got = layer(buffer, mask)
+            report = compare(got, expected)
+            assert report.passed, f"turn {turn}: {report.summary()}"
+    torch.cuda.current_stream().wait_stream(side)
+    assert layer.graphed.graphs
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_kernels_run_on_their_tensors_device_and_stream(wmma_selected):
+    """The bindings launch on the tensors' device (a device guard) and on that device's
+    current stream: norm_out, a linear and every attention kernel with their tensors on
+    cuda:1 while cuda:0 is current and cuda:1's current stream is a side stream with pending
+    work (a long sleep, then the copy of the input)."""
+    from layerbench.backends.wmma import attention as wmma_attention
+    from layerbench.backends.wmma.linear import HALF, linear
+    from layerbench.backends.wmma.norm import LN_EPS, norm_out
+    from layerbench.backends.wmma.tiles import TILED_32x32
+
+    device = torch.device("cuda", 1)
+    ext = build.load(device)
+    gen = torch.Generator(device=device).manual_seed(11)
+    x = torch.randn(37, 64, generator=gen, device=device)
+    weight, bias = (torch.randn(64, generator=gen, device=device) for _ in range(2))
+    w = torch.randn(48, 64, generator=gen, device=device).half()
+    w_bias = torch.randn(48, generator=gen, device=device)
+    batch, seq_len, heads, head_dim = 2, 70, 2, 32
+    qkv_source = torch.randn(batch * seq_len, 3 * heads * head_dim, generator=gen,
+                             device=device).half()
+    kernels = wmma_attention.kernel_names(ext, device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.no_grad(), torch.cuda.device(device), torch.cuda.stream(side):
+        rows, qkv = torch.zeros_like(x), torch.zeros_like(qkv_source)
+        torch.cuda._sleep(50_000_000)
+        rows.copy_(x)
+        qkv.copy_(qkv_source)
+        with torch.cuda.device(0):
+            assert torch.cuda.current_device() == 0
+            assert torch.cuda.current_stream(device) == side
+            normed = torch.full_like(rows, math.nan)
+            norm_out(ext, rows, weight, bias, normed, None)
+            a = rows.half()
+            y = torch.full((37, 48), math.nan, device=device).half()
+            linear(ext, (a, None), (w, None), w_bias, epilogue=HALF, tile=TILED_32x32,
+                   out_pair=(y, None))
+            contexts = {kernel: _attention_context(kernel, qkv, None, batch=batch,
+                                                   seq_len=seq_len, heads=heads, causal=True)
+                        for kernel in kernels}
+    side.synchronize()
+    torch.testing.assert_close(
+        normed, torch.nn.functional.layer_norm(x, (64,), weight, bias, LN_EPS),
+        atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y.float(), x.half().float() @ w.float().T + w_bias,
+                               atol=2e-2, rtol=1e-2)
+    expected = packed_attention(qkv_source, None, batch=batch, seq_len=seq_len, heads=heads,
+                                causal=True)[0]
+    for kernel, got in contexts.items():
+        torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-2, msg=kernel)
+
+
+@needs_gpu
 def test_writes_into_out(wmma_selected):
     """With out= every element of out is written (it starts as NaN) and out is returned."""
     cfg = LayerConfig(2, 40, 128, 4, 128, 2)
@@ -649,6 +725,59 @@ def test_attention_kernel_choice(monkeypatch):
     assert [choose(hd) for hd in (32, 64, 128, 256)] == ["flash_m64", "flash", "flash", "flash"]
     per_sm["bytes"] = None  # unknown: no flash_m64 on the shared-memory argument
     assert choose(256) == "flash"
+
+
+# Shared memory per block at head_pad 128 (attention.cu's layout and FlashCfg): the legacy
+# kernel (key block 64), the 128-row flash variants and flash_m64.
+LEGACY_128, FLASH_128, FLASH_M64_128 = 112_896, 104_464, 87_056
+
+
+def test_attention_kernel_within_99kb_of_shared_memory(monkeypatch):
+    """On a device of 99 KB of shared memory per block (sm_86, sm_89) at head_pad 128, where
+    neither the 128-row flash blocks nor the legacy kernel fit, choose_kernel takes
+    flash_m64, which fits; the build refuses only where the layout probe fails (the legacy
+    kernel would then run), naming the bytes."""
+    from layerbench.backends.wmma import attention as wmma_attention
+
+    class FakeExt:
+        def attention_instance(self, variant, head_pad):
+            kernel = wmma_attention.FLASH_VARIANTS[variant]
+            return (kernel, head_pad, 0, 0, 0,
+                    FLASH_M64_128 if kernel == "flash_m64" else FLASH_128)
+
+        def attention_smem_bytes(self, head_pad, block_n):
+            return LEGACY_128
+
+    probe = {"ok": True}
+    monkeypatch.setattr(wmma_attention, "layout_ok", lambda ext, device: probe["ok"])
+    monkeypatch.setattr(wmma_attention, "multiprocessor_count", lambda device: 128)
+    monkeypatch.setattr(wmma_attention, "max_shared_memory_per_block", lambda device: 99 * 1024)
+    monkeypatch.setattr(wmma_attention, "shared_memory_per_multiprocessor",
+                        lambda device: 100 * 1024)
+    device = torch.device("cuda")
+    assert wmma_attention.choose_kernel(FakeExt(), device, batch=64, seq_len=1024, num_heads=8,
+                                        head_dim=128) == "flash_m64"
+    assert wmma_attention.shared_memory_refusal(FakeExt(), device, 128, 64) is None
+    probe["ok"] = False
+    assert wmma_attention.choose_kernel(FakeExt(), device, batch=64, seq_len=1024, num_heads=8,
+                                        head_dim=128) == "legacy"
+    refusal = wmma_attention.shared_memory_refusal(FakeExt(), device, 128, 64)
+    assert refusal and str(LEGACY_128) in refusal and str(99 * 1024) in refusal
+    monkeypatch.setattr(wmma_attention, "max_shared_memory_per_block", lambda device: 227 * 1024)
+    assert wmma_attention.shared_memory_refusal(FakeExt(), device, 128, 64) is None
+
+
+@needs_gpu
+def test_attention_shared_bytes_as_the_cpu_tests_assume(wmma_selected):
+    """The shared-memory figures test_attention_kernel_within_99kb_of_shared_memory assumes
+    are the extension's."""
+    from layerbench.backends.wmma import attention as wmma_attention
+
+    ext = build.load(torch.device("cuda"))
+    assert wmma_attention.shared_bytes(ext, 128, 64) == LEGACY_128
+    for kernel in ("flash", "flash_w8"):
+        assert wmma_attention.instance(ext, kernel, 128)[5] == FLASH_128
+    assert wmma_attention.instance(ext, "flash_m64", 128)[5] == FLASH_M64_128
 
 
 PLANS = [(True, False, True, 3), (True, True, True, 2), (False, False, True, None),

@@ -10,7 +10,7 @@ from layerbench.common.interface import Backend, Capabilities
 from layerbench.common.memory import PARAMETERS, MemoryPlan
 
 from . import block, build
-from .attention import max_seq_len, shared_bytes, supported_head_dim
+from .attention import max_seq_len, shared_memory_refusal, supported_head_dim
 from .layer import (Plan, WmmaLayer, plan_products, qkv_products_for, weight_bytes,
                     working_bytes_per_sequence)
 from .tiles import GEMM_TILES, choose_tiles, replaces_stream_tile
@@ -102,10 +102,9 @@ class WmmaBackend(Backend):
         block_n = choose_tiles(1, config.d_model, config.ffn_dim, config.head_dim,
                                1).attention_block_n
         limit = max_shared_memory_per_block(device)
-        need = shared_bytes(ext, config.head_dim, block_n)
-        if limit is not None and need > limit:
-            raise Unsupported(f"wmma: attention needs {need} bytes of shared memory per block, "
-                              f"the device allows {limit}")
+        refusal = shared_memory_refusal(ext, device, config.head_dim, block_n)
+        if refusal:
+            raise Unsupported(f"wmma: {refusal}")
         products, large = plan_products(config, self.linear_products)
         fuse_ffn = (self.fuse_ffn is not False
                     and block.fits(config.d_model, config.ffn_dim, products)

@@ -14,7 +14,8 @@ Two kernel families compute the same thing:
 attention(..., kernel=None) picks: legacy where the probe fails; else "flash_m64" (64 query
 rows per block) when 128-row blocks would leave multiprocessors idle, the head dim is at
 most 32, or it is above 128 and two 64-row blocks fit one multiprocessor's shared memory;
-"flash" otherwise.
+"flash" otherwise; "flash_m64" also where the chosen variant exceeds the device's shared memory
+per block (99 KB devices at head_pad 112 and 128), legacy where that one does too.
 """
 from __future__ import annotations
 
@@ -112,9 +113,30 @@ def choose_kernel(ext, device: torch.device, *, batch: int, seq_len: int, num_he
                           2 * (instance(ext, "flash_m64", head_dim)[5] + 1024) <= per_sm)
     kernel = "flash_m64" if small else "flash"
     limit = max_shared_memory_per_block(device)
-    if limit is not None and instance(ext, kernel, head_dim)[5] > limit:
-        return LEGACY
-    return kernel
+    if limit is None:
+        return kernel
+    # Where the 128-row blocks exceed the device's shared memory per block (99 KB devices
+    # such as sm_86 and sm_89 at head_pad 112 and 128), the 64-row blocks may still fit.
+    for candidate in dict.fromkeys((kernel, "flash_m64")):
+        if instance(ext, candidate, head_dim)[5] <= limit:
+            return candidate
+    return LEGACY
+
+
+def shared_memory_refusal(ext, device: torch.device, head_dim: int, block_n: int) -> str | None:
+    """Why no attention kernel that attention(kernel=None) may run at head_dim fits the
+    device's shared memory per block, or None: the legacy kernel (key block block_n) fits, or
+    the layout probe passes and flash_m64 (the smallest flash variant) fits, so that
+    choose_kernel never picks the legacy kernel."""
+    limit = max_shared_memory_per_block(device)
+    need = shared_bytes(ext, head_dim, block_n)
+    if limit is None or need <= limit:
+        return None
+    if layout_ok(ext, device) and instance(ext, "flash_m64", head_dim)[5] <= limit:
+        return None
+    return (f"attention needs {need} bytes of shared memory per block (legacy kernel, key "
+            f"block {block_n}; no flash variant runs within the limit here), the device "
+            f"allows {limit}")
 
 
 def attention_kernel_name(ext, device: torch.device, *, head_dim: int, batch: int = 1,
