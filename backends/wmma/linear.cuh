@@ -192,18 +192,12 @@ __device__ __forceinline__ uint4 pack_halves(const __half (&h)[8]) {
   return u;
 }
 
-// The norm epilogue's residual step (store_row's residual epilogues, same arithmetic) for
-// this lane's part of one output row (FN groups of 8 columns, group j at col + 16 j; values v
-// = accumulator + bias): o = residual + (valid ? v : 0) (update) or valid ? residual + v : 0
-// (sum), written to out_f32 unless it is null; o is 0 past N. Every group's residual is read
-// before any is written (out may alias residual).
+// The residual of this lane's FN groups of 8 columns of one row (group j at column col + 16 j,
+// element index idx + 16 j): two 16-byte loads a group where vec holds and the group is inside
+// N, else element by element (0 past N).
 template <int FN>
-__device__ __forceinline__ void residual_row(const LinearParams& p, int64_t row, int col,
-                                             const float (&v)[FN][8], bool vec, bool update,
-                                             float (&o)[FN][8]) {
-  const int64_t idx = row * p.N + col;
-  const bool valid = p.valid == nullptr || p.valid[row] != 0;
-  float res[FN][8];
+__device__ __forceinline__ void load_residual(const LinearParams& p, int64_t idx, int col,
+                                              bool vec, float (&res)[FN][8]) {
 #pragma unroll
   for (int j = 0; j < FN; ++j) {
     const int cj = col + 16 * j;
@@ -218,6 +212,21 @@ __device__ __forceinline__ void residual_row(const LinearParams& p, int64_t row,
       for (int e = 0; e < 8; ++e) res[j][e] = cj + e < p.N ? p.residual[at + e] : 0.f;
     }
   }
+}
+
+// The norm epilogue's residual step (store_row's residual epilogues, same arithmetic) for
+// this lane's part of one output row (FN groups of 8 columns, group j at col + 16 j; values v
+// = accumulator + bias): o = residual + (valid ? v : 0) (update) or valid ? residual + v : 0
+// (sum), written to out_f32 unless it is null; o is 0 past N. Every group's residual is read
+// before any is written (out may alias residual).
+template <int FN>
+__device__ __forceinline__ void residual_row(const LinearParams& p, int64_t row, int col,
+                                             const float (&v)[FN][8], bool vec, bool update,
+                                             float (&o)[FN][8]) {
+  const int64_t idx = row * p.N + col;
+  const bool valid = p.valid == nullptr || p.valid[row] != 0;
+  float res[FN][8];
+  load_residual<FN>(p, idx, col, vec, res);
 #pragma unroll
   for (int j = 0; j < FN; ++j) {
     const int cj = col + 16 * j;
@@ -286,20 +295,7 @@ __device__ __forceinline__ void store_row(const LinearParams& p, int64_t row, in
   } else {
     const bool valid = p.valid == nullptr || p.valid[row] != 0;
     float res[FN][8];
-#pragma unroll
-    for (int j = 0; j < FN; ++j) {
-      const int cj = col + 16 * j;
-      const int64_t at = idx + 16 * j;
-      if (vec && cj + 8 <= p.N) {
-        const float4 r0 = *reinterpret_cast<const float4*>(p.residual + at);
-        const float4 r1 = *reinterpret_cast<const float4*>(p.residual + at + 4);
-        res[j][0] = r0.x, res[j][1] = r0.y, res[j][2] = r0.z, res[j][3] = r0.w;
-        res[j][4] = r1.x, res[j][5] = r1.y, res[j][6] = r1.z, res[j][7] = r1.w;
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) res[j][e] = cj + e < p.N ? p.residual[at + e] : 0.f;
-      }
-    }
+    load_residual<FN>(p, idx, col, vec, res);
 #pragma unroll
     for (int j = 0; j < FN; ++j) {
       const int cj = col + 16 * j;
