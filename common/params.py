@@ -76,12 +76,16 @@ class StackParams:
 def pack_params(config: LayerConfig, state_dict: Mapping[str, torch.Tensor], *,
                 device, dtype: torch.dtype = torch.float32,
                 weight_dtype: torch.dtype | None = None) -> StackParams:
-    """Check and pack a state_dict; matrices in weight_dtype (default dtype), vectors in dtype."""
+    """Check and pack a state_dict; matrices in weight_dtype (default dtype), vectors in dtype.
+
+    Every tensor is a fresh allocation (so aligned as the allocator aligns, and independent of
+    the caller's tensors, which may be views at any offset of a larger buffer)."""
     check_state_dict(config, state_dict)
     weight_dtype = weight_dtype or dtype
 
     def get(key, dt):
-        return state_dict[key].detach().to(device=device, dtype=dt).contiguous()
+        return state_dict[key].detach().to(device=device, dtype=dt, copy=True,
+                                           memory_format=torch.contiguous_format)
 
     layers = []
     for i in range(config.num_layers):

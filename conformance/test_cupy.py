@@ -3749,3 +3749,244 @@ def test_deep_wide_stacks_are_refused(cupy_selected, d_model, blocks, refused):
     else:
         with pytest.raises(Unsupported, match="runs on cuda"):  # the device, not the depth
             CupyBackend().check(cfg, "cpu", torch.float32)
+
+
+class FakeCupy:
+    """Stands in for the cupy module in ops.Kernels: a current device (cupy.cuda.Device sets
+    it for its block), a current stream (cupy.cuda.ExternalStream likewise), from_dlpack
+    tagging each tensor with both, and a module whose functions record the device they are
+    taken on and each launch's device, stream, grid and arguments. fail: the error each
+    launch raises (a CUDADriverError), or None."""
+
+    class CUDADriverError(RuntimeError):
+        """cupy.cuda.driver.CUDADriverError."""
+
+    class CUDARuntimeError(RuntimeError):
+        """cupy.cuda.runtime.CUDARuntimeError."""
+
+    def __init__(self, current_device: int = 0):
+        fake = self
+        self.current, self.stream, self.taken, self.launches, self.fail = (
+            current_device, None, [], [], None)
+
+        class Device:
+            def __init__(self, index):
+                self.index = index
+
+            def __enter__(self):
+                self.before, fake.current = fake.current, self.index
+
+            def __exit__(self, *exc):
+                fake.current = self.before
+
+        class ExternalStream:
+            def __init__(self, ptr):
+                self.ptr = ptr
+
+            def __enter__(self):
+                self.before, fake.stream = fake.stream, self.ptr
+
+            def __exit__(self, *exc):
+                fake.stream = self.before
+
+        class Kernel:
+            num_regs = 100
+            max_dynamic_shared_size_bytes = 48 * 1024
+
+            def __init__(self, name):
+                self.name, self.kernel = name, type("Function", (), {"ptr": 0x5EED})()
+
+            def __call__(self, grid, block, args, shared_mem=0):
+                if fake.fail is not None:
+                    raise fake.fail
+                fake.launches.append(("cupy", self.name, fake.current, fake.stream, grid,
+                                      args))
+
+        class Module:
+            def get_function(self, name):
+                fake.taken.append((name, fake.current))
+                return Kernel(name)
+
+        self.module = Module()
+        self.cuda = type("cuda", (), {
+            "Device": Device, "ExternalStream": ExternalStream,
+            "driver": type("driver", (), {"CUDADriverError": FakeCupy.CUDADriverError}),
+            "runtime": type("runtime", (), {"CUDARuntimeError": FakeCupy.CUDARuntimeError})})
+
+    def from_dlpack(self, t):
+        """The tensor, with the device and stream current at its export."""
+        return ("dlpack", t.data_ptr(), self.current, self.stream)
+
+
+def test_launches_run_on_torchs_stream_of_the_layers_device(cupy_selected, monkeypatch):
+    """Kernels.launch takes PyTorch's current stream of the kernels' device (not the current
+    device's, nor CuPy's), launches inside that device (both paths: through CuPy with the
+    tensors exported on that stream, and programmatic through the driver), and turns a
+    driver or runtime error of either path into a RuntimeError naming the kernel; the
+    module is compiled and probed for wgmma on the kernels' device, not the current one."""
+    import sys
+
+    from layerbench.backends.cupy import driver
+
+    assert driver.error_name(1).endswith("CUresult 1")  # named where a driver is at hand
+    fake = FakeCupy(current_device=0)
+    asked = []
+
+    def current_stream(device=None):
+        asked.append(device)
+        return type("Stream", (), {"cuda_stream": 0x1000 + (device.index if device else 0)})()
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(ops, "device_arch", lambda device: "90")
+    monkeypatch.setattr(build, "module_for", lambda arch: fake.module)
+    k = ops.Kernels(torch.device("cuda", 1))
+    assert k.wgmma_problem is None and fake.taken and all(dev == 1 for _, dev in fake.taken)
+
+    x = torch.zeros(4, 8)
+    k.launch("lb::probe<1>", (2, 3, 1), 64, 0, (x, None, np.int32(7)))
+    assert asked == [torch.device("cuda", 1)]
+    _, name, device, stream, grid, args = fake.launches[-1]
+    assert (name, device, stream, grid) == ("lb::probe<1>", 1, 0x1001, (2, 3, 1))
+    assert args[0] == ("dlpack", x.data_ptr(), 1, 0x1001)  # exported on that stream
+    assert args[1] == ops.NULL and args[2] == np.int32(7)
+    assert fake.current == 0 and fake.stream is None  # CuPy's own state left as it was
+
+    seen = []
+
+    def programmatic(function, grid, block, shared, stream, args):
+        seen.append((function, stream, fake.current))
+        return 0
+    monkeypatch.setattr(driver, "launch_programmatic", programmatic)
+    ops.ProgrammaticKernels(k).launch("lb::probe<1>", (1, 1, 1), 32, 0, (x,))
+    assert seen == [(0x5EED, 0x1001, 1)]
+
+    monkeypatch.setattr(driver, "launch_programmatic", lambda *args: 719)
+    monkeypatch.setattr(driver, "error_name", lambda result: f"CUDA_ERROR_{result}")
+    with pytest.raises(RuntimeError, match=r"lb::probe<2> failed to launch: CUDA_ERROR_719"):
+        ops.ProgrammaticKernels(k).launch("lb::probe<2>", (1, 1, 1), 32, 0, (x,))
+    for error in (FakeCupy.CUDADriverError("CUDA_ERROR_INVALID_VALUE"),
+                  FakeCupy.CUDARuntimeError("cudaErrorInvalidDevice")):
+        fake.fail = error
+        with pytest.raises(RuntimeError, match=rf"lb::probe<3> failed to launch: {error}"):
+            k.launch("lb::probe<3>", (1, 1, 1), 32, 0, (x,))
+
+
+def test_parameter_vectors_are_aligned_copies(cupy_selected, monkeypatch):
+    """A state_dict whose tensors are views into one buffer at offsets off 16 bytes builds a
+    layer whose bias and norm vectors are fresh 16-byte-aligned tensors of the same values,
+    none sharing the caller's memory (the kernels read them as float2 and float4)."""
+    from layerbench.backends.cupy import CupyBackend
+
+    class Hopper:  # stands in for ops.Kernels on an sm_90 device
+        has_wgmma, wgmma_problem, programmatic_problem, arch = True, None, None, "90"
+    monkeypatch.setattr(ops, "kernels_for", lambda device: Hopper())
+    cfg = LayerConfig(2, 12, 64, 2, 36, 2)
+    sd = make_reference(cfg, seed=3).state_dict()
+    flat = torch.cat([torch.zeros(1)] + [t.detach().reshape(-1) for t in sd.values()])
+    views, offset = {}, 1  # every tensor starts 4 bytes past a 16-byte boundary or more
+    for key, t in sd.items():
+        views[key] = flat[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    assert views["layers.0.norm1.weight"].data_ptr() % 16 == 4
+    layer = CupyBackend()._build(cfg, views, torch.device("cpu"), torch.float32)
+    vectors = [(f"layers.{i}.", p) for i, p in enumerate(layer.params.layers)]
+    names = {"norm1_weight": "norm1.weight", "norm1_bias": "norm1.bias",
+             "out_bias": "attention.out_proj.bias", "norm2_weight": "norm2.weight",
+             "norm2_bias": "norm2.bias", "ffn_out_bias": "ffn_out.bias"}
+    shared = flat.untyped_storage().data_ptr()
+    for prefix, p in vectors:
+        for attr, key in names.items():
+            t = getattr(p, attr)
+            assert t.data_ptr() % 16 == 0 and torch.equal(t, sd[prefix + key]), prefix + key
+            assert t.untyped_storage().data_ptr() != shared, prefix + key
+        assert p.qkv_bias.data_ptr() % 16 == 0
+    for t, key in ((layer.params.final_weight, "final_norm.weight"),
+                   (layer.params.final_bias, "final_norm.bias")):
+        assert t.data_ptr() % 16 == 0 and torch.equal(t, sd[key])
+        assert t.untyped_storage().data_ptr() != shared
+
+
+def test_residual_gemm_needs_matching_row_strides(cupy_selected):
+    """The residual GEMMs address res with out's row stride: ops.linear refuses a res whose
+    rows lie another distance apart, or a res without out."""
+    m, d = 40, 64
+    pair = (torch.zeros(m, d, dtype=torch.float16),) * 2
+    wide = torch.zeros(m, d + 8)[:, :d]
+    with pytest.raises(ValueError, match="row stride"):
+        ops.linear(Recorder(), pair, weight_pair(torch.zeros(d, d)), torch.zeros(d), "residual",
+                   3, res=wide, out=torch.zeros(m, d))
+    with pytest.raises(ValueError, match="row stride"):
+        ops.linear(Recorder(), pair, weight_pair(torch.zeros(d, d)), torch.zeros(d), "residual",
+                   3, res=torch.zeros(m, d))
+    k = Recorder()
+    ops.linear(k, pair, weight_pair(torch.zeros(d, d)), torch.zeros(d), "residual", 3,
+               res=wide, out=torch.zeros(m, d + 8)[:, :d])
+    assert len(k.calls) == 1
+
+
+def _stream_case(cfg, seed: int):
+    """(layer model, x, valid, expected) on the GPU for the stream tests."""
+    model = make_reference(cfg, seed=seed)
+    x, valid = make_inputs(cfg, padding_ratio=0.25, seed=seed + 1, device="cuda")
+    return model, x, valid, reference_forward(model.cuda(), x, valid)
+
+
+@needs_gpu
+@pytest.mark.parametrize("pdl", [False, None], ids=["cupy-launch", "default"])
+@pytest.mark.parametrize("number", [1, 7, 8], ids=["d128", "d32", "d1024"])
+def test_layer_runs_on_the_current_stream(kernels, number, pdl):
+    """On a non-default stream whose input is written after a long sleep on that stream,
+    the layer (eager, captured and replayed; launched through CuPy or, by default on sm_90,
+    programmatically) reads the input only once it is written, so every kernel runs on that
+    stream: a kernel on any other stream would read the NaN-filled input."""
+    from layerbench.backends.cupy import CupyBackend
+    from layerbench.common.shapes import CI
+
+    cfg = CI[number].config
+    model, x, valid, expected = _stream_case(cfg, seed=61)
+    layer = CupyBackend(pdl=pdl).build(cfg, model.state_dict(), device="cuda")
+    side = torch.cuda.Stream()
+    staged = torch.full_like(x, math.nan)
+    out = torch.full_like(x, math.nan)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):  # eager, captured, replayed
+            staged.fill_(math.nan)
+            out.fill_(math.nan)
+            torch.cuda._sleep(50_000_000)  # tens of milliseconds before the input is there
+            staged.copy_(x)
+            layer(staged, valid, out=out)
+            got = out.clone()
+            side.synchronize()
+            report = compare(got, expected)
+            assert report.passed, report.summary()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("pdl", [False, None], ids=["cupy-launch", "default"])
+def test_layer_runs_on_a_device_that_is_not_current(cupy_selected, pdl):
+    """A layer on the second device, called while the first is current and with a
+    non-default stream current on the second, keeps the contract eager, captured and
+    replayed, and leaves the first device's stream idle."""
+    pytest.importorskip("cupy")
+    from layerbench.backends.cupy import CupyBackend
+
+    cfg = LayerConfig(2, 48, 128, 4, 128, 2)
+    model = make_reference(cfg, seed=71)
+    x, valid = make_inputs(cfg, padding_ratio=0.25, seed=72, device="cuda:1")
+    expected = reference_forward(model.to("cuda:1"), x, valid)
+    torch.cuda.set_device(0)
+    layer = CupyBackend(pdl=pdl).build(cfg, model.state_dict(), device="cuda:1")
+    side = torch.cuda.Stream(device="cuda:1")
+    side.wait_stream(torch.cuda.current_stream("cuda:1"))
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):
+            staged = torch.full_like(x, math.nan)
+            torch.cuda._sleep(50_000_000)
+            staged.copy_(x)
+            got = layer(staged, valid)
+            side.synchronize()
+            assert torch.cuda.current_device() == 0
+            report = compare(got, expected)
+            assert report.passed, report.summary()

@@ -341,3 +341,27 @@ def test_a_workspace_that_does_not_fit_releases_the_cache_then_halves_the_chunk(
     with pytest.raises(torch.OutOfMemoryError):
         cuda_host.allocate_workspace(plan, 10, 4, space, cuda)
     assert plan(10, 4) == 1
+
+
+def test_packed_parameters_are_fresh_copies():
+    """pack_params copies every tensor, also one already in the wanted dtype and device that
+    is a view at an odd offset of a larger buffer: the result is 16-byte aligned and shares
+    no memory with the caller's tensors, so a later change to the model leaves it alone."""
+    from layerbench.common.params import pack_params
+
+    cfg = LayerConfig(1, 8, 16, 2, 24, 1)
+    sd = make_reference(cfg, seed=5).state_dict()
+    flat = torch.cat([torch.zeros(1)] + [t.detach().reshape(-1) for t in sd.values()])
+    views, offset = {}, 1
+    for key, t in sd.items():
+        views[key] = flat[offset:offset + t.numel()].view(t.shape)
+        offset += t.numel()
+    params = pack_params(cfg, views, device="cpu")
+    tensors = [params.final_weight, params.final_bias] + [
+        t for layer in params.layers for t in vars(layer).values()]
+    for t in tensors:
+        assert t.data_ptr() % 16 == 0 and t.is_contiguous()
+        assert t.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+    before = params.layers[0].norm1_weight.clone()
+    views["layers.0.norm1.weight"].add_(1.0)
+    assert torch.equal(params.layers[0].norm1_weight, before)

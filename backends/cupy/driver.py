@@ -40,6 +40,18 @@ def libcuda():
     return lib
 
 
+def error_name(result: int) -> str:
+    """The driver's name of a CUresult (cuGetErrorName), with its number."""
+    name = ctypes.c_char_p()
+    try:
+        known = libcuda().cuGetErrorName(ctypes.c_int(int(result)), ctypes.byref(name)) == 0
+    except (OSError, AttributeError):  # no driver library here
+        known = False
+    if known and name.value:
+        return f"{name.value.decode()} (CUresult {int(result)})"
+    return f"CUresult {int(result)}"
+
+
 def argument_buffers(args) -> list[np.ndarray]:
     """Each kernel argument as the bytes the kernel takes: a tensor or None as its 64-bit
     device address (0 for None), a NumPy scalar or 0-d array (a tensor map) as itself;

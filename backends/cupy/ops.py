@@ -93,11 +93,13 @@ class Kernels:
         self.device = torch.device("cuda", index)
         self.arch = device_arch(self.device)
         self.has_wgmma = build.nvrtc_arch(self.arch) == build.HOPPER
-        with cupy.cuda.Device(index):
-            self.module = build.module_for(self.arch)
         self.functions: dict[str, object] = {}
         self.tensor_maps = tensor_maps.TensorMapCache()
-        self.wgmma_problem = self._wgmma_problem() if self.has_wgmma else None
+        # Compiled, loaded and probed on this device: CuPy builds a module for the device
+        # current when a function is first taken from it, which may be another one.
+        with cupy.cuda.Device(index):
+            self.module = build.module_for(self.arch)
+            self.wgmma_problem = self._wgmma_problem() if self.has_wgmma else None
         # why kernels cannot launch as programmatic dependents here, or None
         self.programmatic_problem = (
             None if int(self.arch) >= 90
@@ -144,15 +146,17 @@ class Kernels:
                     result = driver.launch_programmatic(kernel.kernel.ptr, grid, block, shared,
                                                         stream, args)
                     if result != 0:
-                        raise RuntimeError(f"cupy kernel {name} failed to launch: CUresult "
-                                           f"{result}")
+                        raise RuntimeError(f"cupy kernel {name} failed to launch: "
+                                           f"{driver.error_name(result)} (an asynchronous "
+                                           "error of an earlier kernel also surfaces here)")
                     return
                 with cupy.cuda.ExternalStream(stream):
                     packed = tuple(NULL if a is None else cupy.from_dlpack(a.detach())
                                    if isinstance(a, torch.Tensor) else a for a in args)
                     kernel(tuple(grid), (block,), packed, shared_mem=shared)
-        except cupy.cuda.driver.CUDADriverError as exc:
-            raise RuntimeError(f"cupy kernel {name} failed to launch: {exc}") from exc
+        except (cupy.cuda.driver.CUDADriverError, cupy.cuda.runtime.CUDARuntimeError) as exc:
+            raise RuntimeError(f"cupy kernel {name} failed to launch: {exc} (an asynchronous "
+                               "error of an earlier kernel also surfaces here)") from exc
 
 
 class ProgrammaticKernels:
@@ -243,6 +247,11 @@ def linear(k: Kernels, a, weight, bias, epilogue: str, products: int, *, out_pai
         return
     m, kdim = a[0].shape
     n = weight[0].shape[0]
+    if res is not None and (out is None or res.stride(0) != out.stride(0)):
+        # the kernels address res with out's row stride (linear.cu, linear_wgmma.cu)
+        raise ValueError(f"cupy residual GEMM reads res with out's row stride: res rows "
+                         f"{res.stride(0)} apart, out rows "
+                         f"{None if out is None else out.stride(0)} apart")
     if not build.gemm_compiled(epilogue, products):
         raise ValueError(f"cupy GEMMs are not compiled for {epilogue} at {products} products "
                          f"(two products: {', '.join(build.TWO_PRODUCT_EPILOGUES)} only)")
