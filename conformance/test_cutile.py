@@ -64,6 +64,7 @@ def test_every_specialisation_exports(cutile_selected, cutile_build, arch):
     for entry in found["entries"]:
         assert entry["param_sizes"] == expected_sizes(entry["kernel"]), entry
         assert entry["threads"][0] % 32 == 0 and entry["threads"][1:] == [1, 1], entry
+    assert launch.manifest_problem(found, arch) is None  # what AotKernels checks on opening
 
 
 def test_variants_compile_their_hints(cutile_selected, cutile_compiles, tmp_path):
@@ -199,6 +200,148 @@ def test_packing_refuses_what_the_build_assumes_otherwise(cutile_selected, case)
             "count": (x, w, b, hi)}[case]
     with pytest.raises(ValueError, match="layer_norm_split|zip"):
         launch.pack("layer_norm_split", args)
+
+
+def test_manifest_entries_must_match_the_launcher(cutile_selected):
+    """A build is refused where it was exported for another architecture, or where an entry
+    names a kernel, constants, symbol or parameter sizes other than the launcher's own
+    (launch.manifest_problem, checked when the build is opened, before any launch)."""
+    def entry(name, constants, change=None):
+        found = {"kernel": name, "symbol": specs.symbol(name, constants),
+                 "constants": constants, "cubin": f"{name}.cubin", "threads": [128, 1, 1],
+                 "param_sizes": launch.param_sizes(name)}
+        return {**found, **(change or {})}
+    norm = ("layer_norm_out_occ4", {"BM": 32, "BD": 128})
+    attention = ("flash_attention", {"TM": 64, "TN": 64, "HP": 8})
+    good = {"arch": "sm_90", "entries": [entry(*norm), entry(*attention)]}
+    assert launch.manifest_problem(good, "sm_90") is None
+    assert "exported for sm_90" in launch.manifest_problem(good, "sm_100")
+    for change, reason in (({"param_sizes": launch.param_sizes("flash_attention")[:-1]},
+                            "launcher packs"),
+                           ({"kernel": "flash_attention_v2"}, "not one the launcher knows"),
+                           ({"constants": {"BM": 32}}, "constants"),
+                           ({"symbol": "layer_norm_out_occ4_BM64_BD128"}, "not the symbol")):
+        stale = {"arch": "sm_90", "entries": [entry(*norm, change), entry(*attention)]}
+        assert reason in launch.manifest_problem(stale, "sm_90"), change
+    for name in specs.KERNELS:
+        assert launch.param_sizes(name) == expected_sizes(name)
+
+
+def test_launch_refuses_tensors_on_another_device(cutile_selected):
+    """Every array argument must lie on the launcher's device (its context and current
+    stream are the launch's): a tensor elsewhere raises, naming the kernel and parameter."""
+    x, w, b = torch.zeros(40, 32), torch.zeros(32), torch.zeros(32)
+    hi, lo = torch.zeros(2, 40, 32, dtype=torch.float16)
+    launch.check_device("layer_norm_split", (x, w, b, hi, lo), torch.device("cpu"))
+    with pytest.raises(ValueError, match="layer_norm_split: X is on cpu"):
+        launch.check_device("layer_norm_split", (x, w, b, hi, lo), torch.device("cuda", 1))
+
+
+class _FakeCore:
+    """A stand-in for cuda.core whose load or launch fails as the driver would."""
+
+    class CUDAError(Exception):
+        """cuda.core's error type: an Exception, not a RuntimeError."""
+
+    def __init__(self, fail_load=False, pdl=True):
+        self.fail_load, self.pdl, self.launched = fail_load, pdl, []
+        fake = self
+
+        class Device:
+            def __init__(self, index):
+                self.index = index
+
+            def set_current(self):
+                return None
+
+        class ObjectCode:
+            @staticmethod
+            def from_cubin(data):
+                if fake.fail_load:
+                    raise fake.CUDAError("CUDA_ERROR_NO_BINARY_FOR_GPU: no kernel image")
+                return ObjectCode()
+
+            def get_kernel(self, symbol):
+                return symbol
+
+        class LaunchConfig:
+            def __init__(self, grid, block, **extra):
+                if extra and not fake.pdl:
+                    raise TypeError("unexpected keyword programmatic_stream_serialization")
+                self.grid, self.block, self.extra = grid, block, extra
+
+        def launch_kernel(stream, config, kernel, *values):
+            fake.launched.append((kernel, config.extra))
+            raise fake.CUDAError("CUDA_ERROR_INVALID_VALUE: invalid argument")
+
+        self.Device, self.ObjectCode, self.LaunchConfig = Device, ObjectCode, LaunchConfig
+        self.launch, self.__version__ = launch_kernel, "0.0"
+
+
+def _fake_aot(monkeypatch, tmp_path, core):
+    """An AotKernels on the CPU over a one-kernel build in tmp_path, cuda.core faked."""
+    import contextlib
+    import sys
+    import types
+
+    module = types.ModuleType("cuda.core")
+    module.__dict__.update({k: getattr(core, k) for k in
+                            ("Device", "ObjectCode", "LaunchConfig", "launch", "__version__")})
+    monkeypatch.setitem(sys.modules, "cuda.core", module)
+    monkeypatch.setattr(launch, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(launch, "stream_handle", lambda device: 0)
+    monkeypatch.setattr(launch, "core_stream", lambda handle: handle)
+    constants = {"BM": 32, "BD": 32}
+    kernels = launch.AotKernels.__new__(launch.AotKernels)
+    kernels.device, kernels.folder = torch.device("cpu"), tmp_path
+    (tmp_path / "norm.cubin").write_bytes(b"")
+    symbol = specs.symbol("layer_norm_split", constants)
+    kernels.entries = {symbol: {"cubin": "norm.cubin", "threads": [128, 1, 1]}}
+    kernels.modules, kernels.kernels = {}, {}
+    x, w, b = torch.zeros(40, 32), torch.zeros(32), torch.zeros(32)
+    hi, lo = torch.zeros(2, 40, 32, dtype=torch.float16)
+    return kernels, constants, symbol, (x, w, b, hi, lo)
+
+
+@pytest.mark.parametrize("failure", ["load", "launch"])
+def test_driver_errors_name_the_kernel(cutile_selected, monkeypatch, tmp_path, failure):
+    """A cubin that does not load and a launch the driver refuses each raise LaunchError (a
+    RuntimeError, so a broken graph capture is recognised) naming the kernel's symbol, with
+    the driver's error as its cause; nothing is swallowed."""
+    core = _FakeCore(fail_load=failure == "load")
+    kernels, constants, symbol, args = _fake_aot(monkeypatch, tmp_path, core)
+    with pytest.raises(launch.LaunchError, match=symbol) as info:
+        kernels.launch("layer_norm_split", constants, (2, 1, 1), args)
+    assert isinstance(info.value, RuntimeError)
+    assert isinstance(info.value.__cause__, _FakeCore.CUDAError)
+    assert ("cannot load" in str(info.value)) == (failure == "load")
+    assert core.launched == ([] if failure == "load" else [(symbol, {})])
+
+
+def test_programmatic_launch_needs_a_capable_launcher(cutile_selected, monkeypatch, tmp_path):
+    """pdl needs sm_90 and a cuda.core whose LaunchConfig takes programmatic stream
+    serialization: an older one is reported by name (and the layer's default turns pdl off
+    there) instead of failing at the first launch."""
+    from layerbench.backends.cutile import programmatic_refusal
+
+    old = _FakeCore(pdl=False)
+    _fake_aot(monkeypatch, tmp_path, old)
+    assert "no LaunchConfig.programmatic_stream_serialization" in (
+        launch.programmatic_launch_problem.__wrapped__())
+    _fake_aot(monkeypatch, tmp_path, _FakeCore())
+    assert launch.programmatic_launch_problem.__wrapped__() is None
+
+    class Launcher:
+        mode, programmatic_problem = "aot", None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert programmatic_refusal(cuda, Launcher()) is None
+    Launcher.programmatic_problem = "cuda.core 0.0 has no it"
+    assert "cuda.core 0.0" in programmatic_refusal(cuda, Launcher())
+    assert launch.ProgrammaticLaunches(Launcher()).programmatic_problem == "cuda.core 0.0 has no it"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert "sm_90" in programmatic_refusal(cuda, Launcher())
+    assert "sm_90" in programmatic_refusal(torch.device("cpu"), Launcher())
 
 
 def test_every_choice_is_a_registered_and_exported_kernel():
@@ -744,3 +887,88 @@ def test_graph_replay_is_independent_of_later_launches(kernels, later):
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     assert (out.double() - expected).abs().max().item() < 2e-2
+
+
+def _launcher_on(device):
+    """The backend's launcher for device, or a skip with the reason it has none."""
+    backend = CutileBackend()
+    why = backend.unavailable_reason(device)
+    if why:
+        pytest.skip(why)
+    return backend.kernels(device)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_kernels_run_on_their_tensors_device(cutile_selected, stream):
+    """The launcher of cuda:1 called while cuda:0 is current runs its kernels on cuda:1, on
+    cuda:1's current stream: the legacy default stream (whose launches take the current
+    context, so the launcher makes its device current) and a side stream with pending work
+    (a long sleep, then the copy of the input)."""
+    device = torch.device("cuda", 1)
+    kernels = _launcher_on(device)
+    gen = torch.Generator(device=device).manual_seed(5)
+    x = torch.randn(77, 64, generator=gen, device=device)
+    w = torch.rand(64, generator=gen, device=device) + 0.5
+    b = torch.randn(64, generator=gen, device=device)
+    side = torch.cuda.Stream(device) if stream == "side" else torch.cuda.default_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.no_grad(), torch.cuda.device(device), torch.cuda.stream(side):
+        rows = torch.zeros_like(x)
+        torch.cuda._sleep(50_000_000)
+        rows.copy_(x)
+        out = torch.full_like(x, math.nan)
+        with torch.cuda.device(0):
+            assert torch.cuda.current_device() == 0
+            assert torch.cuda.current_stream(device) == side
+            ops.layer_norm_out(kernels, rows, w, b, None, out)
+    side.synchronize()
+    assert (out.double() - _norm64(x, w, b)).abs().max().item() < 2e-5
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_layer_on_a_device_that_is_not_current(cutile_selected):
+    """A layer on cuda:1 called while cuda:0 is current: eager, captured and replayed on
+    cuda:1 (a later call after the input changes in place sees the new input)."""
+    from layerbench.common.contract import compare
+    from layerbench.common.inputs import make_inputs
+    from layerbench.reference import make_reference, reference_forward
+
+    _launcher_on(torch.device("cuda", 1))
+    cfg = LayerConfig(2, 40, 128, 4, 128, 2)
+    model = make_reference(cfg, seed=3)
+    layer = CutileBackend().build(cfg, model.state_dict(), device="cuda:1")
+    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=4, device="cuda:1")
+    with torch.cuda.device(0), torch.no_grad():
+        for _ in range(3):  # eager, eager, captured
+            layer(x, mask)
+        x.mul_(-1)
+        got = layer(x, mask)
+    report = compare(got, reference_forward(model.to("cuda:1"), x, mask))
+    assert report.passed, report.summary()
+    assert layer.graphed.graphs and not layer.graphed.uncapturable
+
+
+@pytest.mark.parametrize("fuse_block", [False, True], ids=["kernels", "block"])
+def test_runs_on_the_callers_stream(kernels, fuse_block):
+    """Called on a non-default stream whose work is still pending (a long sleep, then the
+    copy of the input into the buffer the layer reads), every kernel runs behind that work
+    on that stream, eager, captured and replayed: a kernel on any other stream would read
+    the buffer before the copy lands (zeros)."""
+    from layerbench.common.contract import compare
+
+    cfg = LayerConfig(2, 128, 32, 4, 32, 2)  # official shape 7's sizes: the block kernel
+    model, x, mask, expected = _layer_case(cfg, 0.25, 51)
+    layer = CutileBackend(fuse_block=fuse_block).build(cfg, model.state_dict(), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    buffer = torch.zeros_like(x)
+    with torch.no_grad(), torch.cuda.stream(side):
+        for turn in range(4):  # eager, captured (and replayed), replayed twice
+            buffer.zero_()
+            torch.cuda._sleep(50_000_000)
+            buffer.copy_(x)
+            report = compare(layer(buffer, mask), expected)
+            assert report.passed, f"turn {turn}: {report.summary()}"
+    torch.cuda.current_stream().wait_stream(side)
+    assert layer.graphed.graphs

@@ -318,3 +318,24 @@ def test_deep_wide_stacks_are_refused(cutile_selected, d_model, blocks, refused)
             CpuCutile().check(cfg, "cpu", torch.float32)
     else:
         CpuCutile().check(cfg, "cpu", torch.float32)
+
+
+def test_residual_shadow_only_where_whole_blocks_run(cutile_selected):
+    """The residual's shadow half (the whole-block kernel reads one half and writes the
+    other) is planned and allocated only for lengths the whole-block kernel runs: not for
+    rows too wide for it, nor for a call longer than it takes."""
+    fits, wide = LayerConfig(2, 128, 32, 4, 32, 1), LayerConfig(2, 128, 256, 4, 96, 1)
+    for cfg, shadow in ((fits, True), (wide, False)):
+        plans = [CpuCutile(fuse_block=b).memory_plan(cfg, torch.float32).total
+                 for b in (None, False)]
+        assert (plans[0] > plans[1]) == shadow, cfg
+    model = make_reference(fits, seed=13)
+    layer, kernels = _stand_in_layer(fits, model, True, False, fuse_block=True)
+    per_token = 4 * fits.d_model  # the shadow: one fp32 row per token
+    per_sequence = layer.chunks.per_sequence_bytes
+    assert per_sequence(128) / 128 - per_sequence(200) / 200 == per_token
+    x, mask = make_inputs(replace(fits, seq_len=200), padding_ratio=0.25, seed=14)
+    with torch.no_grad():
+        got = layer(x, mask)
+    assert compare(got, reference_forward(model, x, mask)).passed
+    assert not any(c.startswith("block_narrow") for c in kernels.calls)

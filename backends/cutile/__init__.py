@@ -9,10 +9,23 @@ from layerbench.common.params import param_bytes
 from layerbench.common.precision import default_products, one_product_qkv_refusal
 
 from . import specs
-from .launch import kernels_for
+from .launch import cuda_device, kernels_for
 from .layer import CutileLayer, fusions, linear_products_for, working_bytes_per_sequence
 
 HEAD_DIMS = tuple(range(8, 257, 8))
+
+
+def programmatic_refusal(device, kernels) -> str | None:
+    """Why the layer cannot launch its kernels as programmatic dependents on device with
+    kernels, or None: the device must be sm_90 or later and the launcher able to (an older
+    cuda.core cannot: launch.programmatic_launch_problem)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return "pdl needs sm_90 or later (programmatic dependent launch)"
+    why = getattr(kernels, "programmatic_problem", None)
+    return None if why is None else f"pdl cannot launch here: {why}"
 
 
 class CutileBackend(Backend):
@@ -65,6 +78,7 @@ class CutileBackend(Backend):
 
     def kernels(self, device):
         """The launcher for device (built once; raises Unsupported with the reason)."""
+        device = cuda_device(device)
         if device not in self._kernels:
             self._kernels[device] = kernels_for(device, self.mode)
         return self._kernels[device]
@@ -75,6 +89,10 @@ class CutileBackend(Backend):
             import cuda.core  # noqa: F401
         except ImportError as exc:
             return f"cuda-python (cuda.core) is not installed ({exc}); pip install '.[cutile]'"
+        import torch
+
+        if not torch.cuda.is_available():
+            return "needs a CUDA device, and this machine has none"
         try:
             self.kernels(device)
         except Unsupported as exc:
@@ -99,7 +117,8 @@ class CutileBackend(Backend):
     def memory_plan(self, config, dtype):
         """One sequence's workspace (the layer streams the batch) plus the packed weights."""
         norms, ffn = fusions(config, self.fuse_norms, self.fuse_ffn)
-        block = self.fuse_block is not False
+        block = self.fuse_block is not False and specs.block_constants(
+            config.seq_len, config.d_model, config.num_heads, config.ffn_dim, 3) is not None
         one = working_bytes_per_sequence(config, None, norms, ffn, block)
         return MemoryPlan({"one sequence": one, PARAMETERS: param_bytes(config)})
 
@@ -122,13 +141,12 @@ class CutileBackend(Backend):
         import torch
 
         device = torch.device(device)
-        has_pdl = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-        if self.pdl and not has_pdl:
-            raise Unsupported(f"{self.name}: pdl needs sm_90 or later (programmatic "
-                              f"dependent launch)")
+        no_pdl = programmatic_refusal(device, kernels)
+        if self.pdl and no_pdl:
+            raise Unsupported(f"{self.name}: {no_pdl}")
         return CutileLayer(self, config, state_dict, device, dtype, kernels, products,
                            self.fuse_norms, self.fuse_ffn, lean_pairs=self.lean_pairs,
-                           pdl=has_pdl if self.pdl is None else self.pdl,
+                           pdl=no_pdl is None if self.pdl is None else self.pdl,
                            fuse_block=self.fuse_block is not False)
 
     def describe(self):

@@ -8,6 +8,7 @@ import functools
 import numpy as np
 import torch
 
+from layerbench.common.cuda_host import device_arch
 from layerbench.common.errors import Unsupported
 
 from . import manifest, specs
@@ -16,10 +17,61 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "uint8": tor
                 "int32": torch.int32}
 
 
+class LaunchError(RuntimeError):
+    """A kernel failed to load or launch; the message names the kernel. A RuntimeError, so
+    that a CUDA-graph capture it breaks is handled as a refused capture (common.graphs)."""
+
+
 def arch_of(device: torch.device) -> str:
     """The device's architecture name, e.g. sm_90."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
+    return f"sm_{device_arch(device)}"
+
+
+def cuda_device(device) -> torch.device:
+    """device as a CUDA device with its index (the current device where it has none)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def param_sizes(kernel: str) -> list[int]:
+    """Bytes of each parameter the launcher packs for kernel: 8 per address, 4 per int32
+    shape or stride entry and per scalar."""
+    sizes = []
+    for _, param in specs.KERNELS[kernel].params:
+        sizes += [4] if isinstance(param, specs.Scalar) else [8] + [4] * (2 * param.ndim)
+    return sizes
+
+
+def manifest_problem(found: dict, arch: str) -> str | None:
+    """Why a loaded manifest cannot serve arch with the launcher's packing, or None: it must
+    be the build of arch, and every entry must be a registered kernel whose symbol, constants
+    and parameter sizes are the ones the launcher derives from specs.py."""
+    if found.get("arch") != arch:
+        return f"the build under {arch} was exported for {found.get('arch')}"
+    for entry in found["entries"]:
+        name, constants = entry.get("kernel"), entry.get("constants") or {}
+        if name not in specs.KERNELS:
+            return f"its kernel {name!r} is not one the launcher knows"
+        if set(constants) != set(specs.KERNELS[name].constants):
+            return f"{entry.get('symbol')} has constants {sorted(constants)}"
+        if entry.get("symbol") != specs.symbol(name, constants):
+            return f"{entry.get('symbol')} is not the symbol of {name} {constants}"
+        if entry.get("param_sizes") != param_sizes(name):
+            return (f"{entry['symbol']} takes parameters of {entry.get('param_sizes')} bytes; "
+                    f"the launcher packs {param_sizes(name)}")
+    return None
+
+
+def check_device(kernel: str, args, device: torch.device) -> None:
+    """Raise ValueError unless every array argument of kernel lies on device, the device
+    whose context and current stream the launch uses."""
+    for (name, param), arg in zip(specs.KERNELS[kernel].params, args, strict=True):
+        if isinstance(param, specs.Array) and isinstance(arg, torch.Tensor) \
+                and arg.device != device:
+            raise ValueError(f"cutile {kernel}: {name} is on {arg.device}; this launcher "
+                             f"runs its kernels on {device}")
 
 
 def check_array(name: str, param: specs.Array, t: torch.Tensor, kernel: str) -> None:
@@ -107,23 +159,65 @@ def core_stream(handle: int):
     return Stream.from_handle(handle)
 
 
+def on_device(device: torch.device):
+    """A context in which device is the current CUDA device. A launch on the legacy default
+    stream (handle 0, PyTorch's default) runs in the current context, not in the stream's:
+    without this a kernel would run on whichever device happens to be current."""
+    return torch.cuda.device(device)
+
+
+def stream_handle(device: torch.device) -> int:
+    """The handle of PyTorch's current stream on device (a capture stream while a CUDA graph
+    is being captured)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+@functools.cache
+def programmatic_launch_problem() -> str | None:
+    """Why cuda.core cannot launch with programmatic stream serialization here, or None: its
+    LaunchConfig must take programmatic_stream_serialization (cuda-python PR 2456)."""
+    try:
+        from cuda.core import LaunchConfig
+    except ImportError as exc:
+        return f"cuda.core is not installed ({exc})"
+    try:
+        LaunchConfig(grid=1, block=1, programmatic_stream_serialization=True)
+    except TypeError:
+        import cuda.core as core
+
+        return (f"cuda.core {getattr(core, '__version__', '?')} has no "
+                f"LaunchConfig.programmatic_stream_serialization")
+    return None
+
+
 class AotKernels:
     """Kernels from an exported build for one device, loaded on first use."""
 
     mode = "aot"
 
     def __init__(self, device: torch.device, root=None):
-        self.device = device
-        self.arch = arch_of(device)
+        self.device = cuda_device(device)
+        self.arch = arch_of(self.device)
         self.manifest, why = manifest.load(self.arch, root)
         if self.manifest is None:
             raise Unsupported(why)
         self.folder = manifest.build_dir(self.arch, root)
+        problem = manifest_problem(self.manifest, self.arch)
+        if problem:
+            raise Unsupported(f"the cutile build {self.folder} does not match the launcher: "
+                              f"{problem}; export it again")
         self.entries = {e["symbol"]: e for e in self.manifest["entries"]}
         self.modules: dict[str, object] = {}
         self.kernels: dict[str, tuple[object, int]] = {}
 
+    @property
+    def programmatic_problem(self) -> str | None:
+        """Why launches cannot be programmatic here (see programmatic_launch_problem)."""
+        return programmatic_launch_problem()
+
     def _kernel(self, symbol: str):
+        """(kernel, required block) of symbol, its cubin loaded on first use; call it with
+        the launcher's device current."""
         from cuda.core import Device, ObjectCode
 
         if symbol not in self.kernels:
@@ -131,10 +225,15 @@ class AotKernels:
             if entry is None:
                 raise Unsupported(f"the cutile build {self.folder} has no kernel {symbol}")
             cubin = entry["cubin"]
-            if cubin not in self.modules:
-                Device(self.device.index).set_current()
-                self.modules[cubin] = ObjectCode.from_cubin((self.folder / cubin).read_bytes())
-            kernel = self.modules[cubin].get_kernel(symbol)
+            try:
+                if cubin not in self.modules:
+                    Device(self.device.index).set_current()
+                    self.modules[cubin] = ObjectCode.from_cubin(
+                        (self.folder / cubin).read_bytes())
+                kernel = self.modules[cubin].get_kernel(symbol)
+            except Exception as exc:  # cuda.core's CUDAError is no RuntimeError
+                raise LaunchError(f"cutile {symbol}: cannot load it from "
+                                  f"{self.folder / cubin}: {exc}") from exc
             self.kernels[symbol] = (kernel, tuple(entry["threads"]))  # its required block
         return self.kernels[symbol]
 
@@ -144,24 +243,34 @@ class AotKernels:
 
     def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args,
                programmatic: bool = False):
-        """Launch one specialisation on PyTorch's current stream (programmatic: it may start
-        while the kernel before it finishes, see ProgrammaticLaunches)."""
+        """Launch one specialisation on PyTorch's current stream of the launcher's device,
+        with that device current (programmatic: it may start while the kernel before it
+        finishes, see ProgrammaticLaunches); LaunchError, naming it, where it fails."""
         from cuda.core import LaunchConfig, launch
 
-        kernel, threads = self._kernel(specs.symbol(name, constants))
-        stream = core_stream(torch.cuda.current_stream(self.device).cuda_stream)
+        symbol = specs.symbol(name, constants)
+        check_device(name, args, self.device)
+        values = pack(name, args)
         extra = {"programmatic_stream_serialization": True} if programmatic else {}
-        config = LaunchConfig(grid=grid, block=threads, **extra)
-        launch(stream, config, kernel, *pack(name, args))
+        with on_device(self.device):
+            kernel, threads = self._kernel(symbol)
+            try:
+                stream = core_stream(stream_handle(self.device))
+                config = LaunchConfig(grid=grid, block=threads, **extra)
+                launch(stream, config, kernel, *values)
+            except Exception as exc:  # cuda.core's CUDAError is no RuntimeError
+                raise LaunchError(f"cutile {symbol}: launch of grid {tuple(grid)} and block "
+                                  f"{threads} on {self.device} failed: {exc}") from exc
 
 
 class JitKernels:
     """Kernels compiled by cuda.tile at first launch (needs cuda-tile[tileiras])."""
 
     mode = "jit"
+    programmatic_problem = None  # ct.launch takes programmatic_dependent_launch
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.device = cuda_device(device)
 
     def has(self, name: str, constants: dict[str, int]) -> bool:
         """Every specialisation compiles on first use."""
@@ -169,15 +278,22 @@ class JitKernels:
 
     def launch(self, name: str, constants: dict[str, int], grid: tuple[int, ...], args,
                programmatic: bool = False):
-        """Launch through ct.launch on PyTorch's current stream."""
+        """Launch through ct.launch on PyTorch's current stream of the launcher's device, with
+        that device current; LaunchError, naming the kernel, where it fails."""
         import cuda.tile as ct
 
         from .export import kernel_function
 
+        check_device(name, args, self.device)
         check_args(name, args)
         consts = [constants[c] for c in specs.KERNELS[name].constants]
-        ct.launch(torch.cuda.current_stream(self.device), grid, kernel_function(name),
-                  (*args, *consts), programmatic_dependent_launch=programmatic)
+        with on_device(self.device):
+            try:
+                ct.launch(torch.cuda.current_stream(self.device), grid, kernel_function(name),
+                          (*args, *consts), programmatic_dependent_launch=programmatic)
+            except Exception as exc:  # compiler and driver errors alike
+                raise LaunchError(f"cutile {specs.symbol(name, constants)} (jit): launch of "
+                                  f"grid {tuple(grid)} on {self.device} failed: {exc}") from exc
 
 
 class ProgrammaticLaunches:
@@ -188,6 +304,7 @@ class ProgrammaticLaunches:
     def __init__(self, kernels):
         self.kernels = kernels
         self.mode = kernels.mode
+        self.programmatic_problem = getattr(kernels, "programmatic_problem", None)
 
     def has(self, name: str, constants: dict[str, int]) -> bool:
         """Whether the launcher underneath has this specialisation."""

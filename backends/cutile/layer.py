@@ -97,7 +97,7 @@ class CutileLayer(BuiltLayer):
         self.chunks = ChunkPlan(
             device,
             lambda s: working_bytes_per_sequence(config, s, self.fuse_norms, self.fuse_ffn,
-                                                 self.fuse_block),
+                                                 self._whole_blocks(s)),
             0, MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
@@ -106,9 +106,11 @@ class CutileLayer(BuiltLayer):
         return self.graphed(x, valid_token_mask, out)
 
     def _forward(self, x, valid_token_mask, out=None):
+        # The shadow half of the residual only where the whole-block kernel runs this length.
+        blocks = self._whole_blocks(x.shape[1])
         return forward_in_chunks(
             x, valid_token_mask, out, self.chunks,
-            workspace(self.config, self.fuse_norms, self.fuse_ffn, self.fuse_block), self._run)
+            workspace(self.config, self.fuse_norms, self.fuse_ffn, blocks), self._run)
 
     def _run(self, x2, masks, out2, batch, s, work):
         """The stack on one chunk of sequences (x2, out2: [tokens, d_model] views)."""
