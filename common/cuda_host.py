@@ -15,6 +15,10 @@ import torch
 from .memory import sequences_per_chunk
 
 
+MAX_GRID_X = 2 ** 31 - 1  # CUDA's largest grid dimension x
+MAX_GRID_Y = 65535  # and y (z too)
+
+
 @functools.cache
 def multiprocessor_count(device: torch.device) -> int:
     """The device's multiprocessor count (1 on a CPU)."""

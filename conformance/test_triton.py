@@ -113,7 +113,7 @@ def test_deep_stacks_run_qkv_at_three_products(triton_backend_class, blocks, qkv
 
 def test_batch_chunks_respect_the_attention_grid(triton_backend_class, device):
     """A batch whose sequences x heads exceed the grid limit is streamed in smaller chunks."""
-    from layerbench.backends.triton.layer import MAX_GRID_Y
+    from layerbench.common.cuda_host import MAX_GRID_Y
     from layerbench.common.config import LayerConfig
     from layerbench.reference import make_reference
 

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from layerbench.common.cuda_host import (ChunkPlan, cdiv, float_rows, forward_in_chunks,
-                                         multiprocessor_count, padded, padded_vector,
-                                         weight_pair)
+from layerbench.common.cuda_host import (MAX_GRID_Y, ChunkPlan, cdiv, float_rows,
+                                         forward_in_chunks, multiprocessor_count, padded,
+                                         padded_vector, weight_pair)
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
 
 from . import build, ops, tensor_maps
 
-MAX_GRID_Y = 65535  # attention blocks: sequences x heads in grid dimension y
 WEIGHTS = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
 
 

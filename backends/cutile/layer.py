@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from layerbench.common.cuda_host import (ChunkPlan, float_rows, forward_in_chunks, padded,
-                                         padded_vector, weight_pair)
+from layerbench.common.cuda_host import (MAX_GRID_Y, ChunkPlan, float_rows, forward_in_chunks,
+                                         padded, padded_vector, weight_pair)
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
@@ -15,7 +15,6 @@ from layerbench.common.params import pack_params
 from . import ops, specs
 from .launch import ProgrammaticLaunches
 
-MAX_GRID_Y = 65535  # attention blocks: sequences x heads in grid dimension y
 
 
 def linear_products_for(d_model: int) -> int:

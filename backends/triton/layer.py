@@ -5,7 +5,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from layerbench.common.cuda_host import ChunkPlan, mask_bytes, run_in_chunks, split_fp16
+from layerbench.common.cuda_host import (MAX_GRID_Y, ChunkPlan, mask_bytes, run_in_chunks,
+                                         split_fp16)
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
@@ -53,7 +54,6 @@ class Precision:
 
 
 DEFAULT_PRECISION = Precision(qkv="fp16")  # bench/PERFORMANCE.md, #26
-MAX_GRID_Y = 65535
 
 
 def plan(config, precision: Precision) -> str:

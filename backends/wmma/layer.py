@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from layerbench.common.cuda_host import (ChunkPlan, mask_bytes, max_shared_memory_per_block,
-                                         multiprocessor_count, run_in_chunks, split_fp16)
+from layerbench.common.cuda_host import (MAX_GRID_X, ChunkPlan, mask_bytes,
+                                         max_shared_memory_per_block, multiprocessor_count,
+                                         run_in_chunks, split_fp16)
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params, param_bytes
@@ -20,7 +21,6 @@ from .linear import GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE, RowNorm, lin
 from .norm import norm_out, norm_split
 from .tiles import STREAM_128x128, choose_tiles, gemm_tile
 
-MAX_GRID_X = 2 ** 31 - 1  # attention blocks: sequences * heads in grid dimension x
 
 
 @dataclass(frozen=True)
