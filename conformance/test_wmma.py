@@ -557,49 +557,6 @@ def test_misaligned_fp32_input(wmma_selected, fuse_ffn):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_layer_on_a_device_that_is_not_current(wmma_selected):
-    """A layer on cuda:1 called while cuda:0 is current: its graph captures and replays the
-    kernels on cuda:1 (a later call after the input changes in place sees the new input)."""
-    from layerbench.common.inputs import make_inputs
-    from layerbench.reference import make_reference, reference_forward
-
-    cfg = LayerConfig(2, 40, 128, 4, 128, 2)
-    model = make_reference(cfg, seed=3)
-    layer = WmmaBackend().build(cfg, model.state_dict(), device="cuda:1")
-    x, mask = make_inputs(cfg, padding_ratio=0.25, seed=4, device="cuda:1")
-    with torch.cuda.device(0), torch.no_grad():
-        for _ in range(3):  # eager, eager, captured
-            layer(x, mask)
-        x.mul_(-1)
-        got = layer(x, mask)
-    report = compare(got, reference_forward(model.to("cuda:1"), x, mask))
-    assert report.passed, report.summary()
-
-
-@needs_gpu
-def test_runs_on_the_callers_stream(wmma_selected):
-    """Called on a non-default stream whose work is still pending (a long sleep, then the
-    copy of the input into the buffer the layer reads), every kernel runs behind that work on
-    that stream, eager, captured and replayed: a kernel on any other stream would read the
-    buffer before the copy lands (zeros)."""
-    cfg = LayerConfig(2, 40, 128, 4, 128, 2)
-    layer, x, mask, expected = _layer_and_reference(cfg)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    buffer = torch.zeros_like(x)
-    with torch.no_grad(), torch.cuda.stream(side):
-        for turn in range(4):  # eager, captured (and replayed), replayed twice
-            buffer.zero_()
-            torch.cuda._sleep(50_000_000)
-            buffer.copy_(x)
-            got = layer(buffer, mask)
-            report = compare(got, expected)
-            assert report.passed, f"turn {turn}: {report.summary()}"
-    torch.cuda.current_stream().wait_stream(side)
-    assert layer.graphed.graphs
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_kernels_run_on_their_tensors_device_and_stream(wmma_selected):
     """The bindings launch on the tensors' device (a device guard) and on that device's
     current stream: norm_out, a linear and every attention kernel with their tensors on
