@@ -46,6 +46,7 @@ class _BaselineLayer(BuiltLayer):
         self.model = model.eval()
 
     def forward(self, x, valid_token_mask, out=None):
-        """The reference module with TF32 matmuls."""
-        result = reference_forward(self.model, x, valid_token_mask, precision="tf32")
+        """The reference module with TF32 matmuls (a caller's autocast switched off)."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            result = reference_forward(self.model, x, valid_token_mask, precision="tf32")
         return result if out is None else out.copy_(result)

@@ -1,7 +1,6 @@
 """The SDPA stack: the layer that orchestrates chunks, masks and the per-block math."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from functools import partial
 
@@ -9,21 +8,26 @@ import torch
 from torch.nn import functional as F
 
 from layerbench.common.graphs import GraphedForward
-from layerbench.common.inputs import prefix_lengths
+from layerbench.common.errors import Unsupported
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.memory import sequences_per_chunk
 from layerbench.common.params import StackParams, pack_params, param_bytes
 from layerbench.common.precision import fp32_matmul
 
 LN_EPS = 1e-5
-# Compiled layers specialise on each input shape; room for many layers and shapes per process.
+# Compiled layers specialise on each input shape. Dynamo keeps its specialisations on the code
+# object of stack_forward, which every compiled layer of the process shares (torch-compile's
+# and torch-fp16's alike), so this bounds them all together, not each layer's.
 COMPILE_CACHE_LIMIT = 256
 
 
 def working_bytes_per_sequence(config, general_mask: bool) -> int:
     """fp32 bytes one sequence needs inside the stack (activations, plus an [S,S] mask if any)."""
     s, d, f = config.seq_len, config.d_model, config.ffn_dim
-    return 4 * s * (14 * d + 3 * f) + (s * s if general_mask else 0)
+    # A general mask is a bool [S,S] per sequence, which SDPA turns into a float bias (4 bytes
+    # an element) and, for its memory-efficient kernel, pads to a key length multiple of 16 (4
+    # more): up to 9 bytes an element.
+    return 4 * s * (14 * d + 3 * f) + (9 * s * s if general_mask else 0)
 
 
 def mask_path(valid_token_mask: torch.Tensor | None, causal: bool) -> str:
@@ -33,10 +37,16 @@ def mask_path(valid_token_mask: torch.Tensor | None, causal: bool) -> str:
     """
     if valid_token_mask is None:
         return "none"
-    lengths = prefix_lengths(valid_token_mask)
-    if lengths is not None and bool((lengths == valid_token_mask.shape[1]).all()):
+    flags = [valid_token_mask.all()]
+    if causal:
+        # Valid tokens form a prefix of each sequence when no invalid token precedes a valid one.
+        later_valid = valid_token_mask[:, 1:] & ~valid_token_mask[:, :-1]
+        flags.append(~later_valid.any())
+    # One device-to-host copy of both flags.
+    every_valid, *prefix = torch.stack(flags).tolist()
+    if every_valid:
         return "none"
-    return "rows" if (causal and lengths is not None) else "keys"
+    return "rows" if causal and prefix[0] else "keys"
 
 
 def stack_forward(x: torch.Tensor, params: StackParams, num_heads: int, causal: bool,
@@ -44,9 +54,10 @@ def stack_forward(x: torch.Tensor, params: StackParams, num_heads: int, causal: 
                   half: torch.dtype | None = None) -> torch.Tensor:
     """The stack on fp32 rows x [B,S,D]; attn_mask None or bool [B,1,S,S] / [B,1,1,S]
     (True = attend; causality already folded in); half runs it under that autocast dtype
-    (LayerNorm, softmax and the residual stream stay fp32)."""
+    (LayerNorm, softmax and the residual stream stay fp32); without half, a caller's autocast
+    is switched off, so the products stay fp32 (TF32 on CUDA)."""
     autocast = (torch.autocast(device_type=x.device.type, dtype=half) if half is not None
-                else contextlib.nullcontext())
+                else torch.autocast(device_type=x.device.type, enabled=False))
     b, s, d = x.shape
     hd = d // num_heads
     with autocast:
@@ -100,7 +111,9 @@ class SdpaLayer(BuiltLayer):
         self.graphed: dict[str, GraphedForward] = {}
         if compiled:
             _raise_compile_cache_limit()
-            self.step = torch.compile(stack_forward, dynamic=False)
+            # fullgraph: a graph break, or a full compile cache, raises instead of running
+            # part or all of the stack eagerly under this backend's name.
+            self.step = torch.compile(stack_forward, dynamic=False, fullgraph=True)
             self.graphed = {path: GraphedForward(partial(self._run, path))
                             for path in ("none", "rows", "keys")}
 
@@ -113,33 +126,65 @@ class SdpaLayer(BuiltLayer):
                                                  path == "keys")
             self.chunks[(b, s, path)] = sequences_per_chunk(per_seq, param_bytes(self.config),
                                                             b, self.device)
-        if path in self.graphed:
-            return self.graphed[path](x, valid_token_mask, out)
-        return self._run(path, x, valid_token_mask, out)
+        if path not in self.graphed:
+            return self._run(path, x, valid_token_mask, out)
+        try:
+            result = self.graphed[path](x, valid_token_mask, out)
+        except _recompile_limit_errors() as exc:
+            raise Unsupported(
+                f"{self.backend.name}: torch.compile's cache for the stack is full "
+                f"({_compile_cache_limits()}) and this input shape would run uncompiled") from exc
+        # A replay returns the out tensor of the capture; the caller's is the same memory.
+        return result if out is None else out
 
     def _run(self, path, x, valid_token_mask, out=None):
         """The stack chunk by chunk on one mask path, into out (or a new tensor)."""
         b, s, _ = x.shape
         chunk = self.chunks[(b, s, path)]
-        out = torch.empty_like(x) if out is None else out
         with fp32_matmul("tf32"), torch.no_grad():
+            if out is None and chunk >= b and x.dtype == torch.float32:
+                # One chunk and no out buffer: the stack's own output is the result, uncopied.
+                return self._chunk(path, x, valid_token_mask)
+            out = torch.empty_like(x) if out is None else out
             for b0 in range(0, b, chunk):
-                xs = x[b0:b0 + chunk].float()
-                row_mask = attn_mask = None
-                if path != "none":
-                    valid = valid_token_mask[b0:b0 + chunk]
-                    row_mask = valid[..., None]
-                    if path == "keys":
-                        attn_mask = attention_mask(valid, self.config.causal)
-                out[b0:b0 + chunk] = self.step(xs, self.params, self.config.num_heads,
-                                               self.config.causal, attn_mask, row_mask,
-                                               self.half)
+                rows = slice(b0, b0 + chunk)
+                out[rows] = self._chunk(path, x[rows],
+                                        None if path == "none" else valid_token_mask[rows])
         return out
+
+    def _chunk(self, path, x, valid):
+        """The stack on one chunk of sequences, as a new fp32 tensor."""
+        row_mask = attn_mask = None
+        if path != "none":
+            row_mask = valid[..., None]
+            if path == "keys":
+                attn_mask = attention_mask(valid, self.config.causal)
+        return self.step(x.float(), self.params, self.config.num_heads, self.config.causal,
+                         attn_mask, row_mask, self.half)
+
+
+# Dynamo's per-code-object and total cache limits under their current and older names.
+_LIMIT_NAMES = ("recompile_limit", "cache_size_limit",
+                "accumulated_recompile_limit", "accumulated_cache_size_limit")
+
+
+def _recompile_limit_errors() -> tuple[type[BaseException], ...]:
+    """What a fullgraph compile raises when a cache limit is reached (named by release)."""
+    names = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+    return tuple(getattr(torch._dynamo.exc, name) for name in names
+                 if hasattr(torch._dynamo.exc, name))
+
+
+def _compile_cache_limits() -> str:
+    """Dynamo's cache limits, named, for an error message."""
+    config = torch._dynamo.config
+    return ", ".join(f"{name} {getattr(config, name)}" for name in _LIMIT_NAMES
+                     if hasattr(config, name))
 
 
 def _raise_compile_cache_limit() -> None:
-    """Let Dynamo keep a specialisation per layer and input shape instead of falling back."""
+    """Let Dynamo keep COMPILE_CACHE_LIMIT specialisations of the stack instead of failing."""
     config = torch._dynamo.config
-    for name in ("cache_size_limit", "recompile_limit"):
-        if getattr(config, name, COMPILE_CACHE_LIMIT) < COMPILE_CACHE_LIMIT:
+    for name in _LIMIT_NAMES:
+        if hasattr(config, name) and getattr(config, name) < COMPILE_CACHE_LIMIT:
             setattr(config, name, COMPILE_CACHE_LIMIT)
