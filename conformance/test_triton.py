@@ -333,3 +333,86 @@ def test_head_dims_are_the_multiples_of_8_up_to_256(triton_backend_class, device
     for head_dim in (4, 12, 20, 100, 264):
         with pytest.raises(Unsupported, match=f"not {head_dim}"):
             backend.check(LayerConfig(1, 8, head_dim, 1, 32, 1), device, torch.float32)
+
+
+# (linear, attention, qkv): the general plan with Q/K/V in a mode other than the linears'
+MIXED_QKV = [("fp16", "fp16", "fp16x3"), ("tf32", "fp16", "fp16x3"), ("fp16x3", "tf32", "ieee"),
+             ("fp16", "tf32x3", "tf32")]
+
+
+def _held_tensors(layer):
+    """Every parameter and weight tensor a built Triton layer keeps."""
+    from dataclasses import fields
+
+    held = [getattr(p, f.name) for p in layer.params.layers for f in fields(p)]
+    held = [t for t in held if t is not None]
+    held += [layer.params.final_weight, layer.params.final_bias]
+    for w in layer.weights:
+        for stored in w.values():
+            held += list(stored) if isinstance(stored, tuple) else [stored]
+    return held
+
+
+@pytest.mark.parametrize("linear,attention,qkv", MIXED_QKV,
+                         ids=[f"{a}-{b}-qkv-{c}" for a, b, c in MIXED_QKV])
+def test_qkv_in_its_own_mode_keeps_contract(triton_backend_class, linear, attention, qkv,
+                                            device):
+    """A Q/K/V mode other than the linears' stores the Q/K/V weight as that mode reads it (an
+    fp16 pair for fp16x3, fp16 for fp16, else fp32) and keeps the contract (an fp16 Q/K/V
+    weight read as a pair counted it twice; a pair read in fp32 modes lost its low part)."""
+    from layerbench.backends.triton.layer import Precision, plan
+
+    config = LayerConfig(2, 20, 64, 2, 64, 1)
+    precision = Precision(linear, attention, qkv=qkv)
+    assert plan(config, precision) == "general"
+    model = make_reference(config, seed=6)
+    layer = triton_backend_class(precision).build(config, model.state_dict(), device=device)
+    stored = layer.weights[0]["qkv_weight"]
+    if qkv == "fp16x3":
+        assert isinstance(stored, tuple) and stored[0].dtype == torch.float16
+    else:
+        assert stored.dtype == (torch.float16 if qkv == "fp16" else torch.float32)
+    x, mask = _stack_inputs(config, "general", device, seed=6)
+    _assert_matches_oracle(layer, model, x, mask)
+
+
+def test_precision_refuses_unknown_modes():
+    """A mode no kernel implements (attention has no fp16x3 kernel) raises ValueError naming
+    it when the Precision is made, not a compile error at the first call."""
+    from layerbench.backends.triton.layer import Precision
+
+    for kwargs, name in [({"linear": "bf16"}, "bf16"), ({"attention": "fp16x3"}, "fp16x3"),
+                         ({"qkv": "int8"}, "int8")]:
+        with pytest.raises(ValueError, match=name):
+            Precision(**kwargs)
+
+
+@pytest.mark.parametrize("precision_args", [(), ("fp16", "fp16"), ("tf32x3", "tf32x3"),
+                                            ("fp16", "fp16", "fp16x3")],
+                         ids=["default", "fp16", "tf32x3", "fp16-qkv-fp16x3"])
+def test_weights_fit_the_memory_plan(triton_backend_class, precision_args, device):
+    """The tensors a built layer keeps take no more than its memory plan's parameters item
+    (the fp32 matrices are not kept beside their fp16 pairs)."""
+    from layerbench.backends.triton.layer import Precision
+    from layerbench.common.memory import PARAMETERS
+
+    config = LayerConfig(1, 8, 64, 2, 96, 3)
+    backend = (triton_backend_class(Precision(*precision_args)) if precision_args
+               else triton_backend_class())
+    layer = backend.build(config, make_reference(config, seed=1).state_dict(), device=device)
+    storages = {t.data_ptr(): t.numel() * t.element_size() for t in _held_tensors(layer)}
+    held = sum(storages.values())
+    assert held <= backend.memory_plan(config, torch.float32).items[PARAMETERS]
+
+
+def test_weight_past_fp16_range_is_refused(triton_backend_class, device):
+    """A weight entry past fp16's range (stored as inf in an fp16 pair, so every output row
+    became NaN) makes the build raise Unsupported naming the matrix; fp32 weights take it."""
+    from layerbench.backends.triton.layer import Precision
+
+    config = LayerConfig(1, 8, 32, 2, 32, 2)
+    state = make_reference(config, seed=2).state_dict()
+    state["layers.1.ffn_in.weight"][3, 5] = 7e4
+    with pytest.raises(Unsupported, match="block 1's ffn_in_weight"):
+        triton_backend_class().build(config, state, device=device)
+    triton_backend_class(Precision("tf32x3", "tf32x3")).build(config, state, device=device)

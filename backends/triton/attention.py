@@ -42,7 +42,8 @@ def _attend_blocks(acc, m_i, l_i, q, base, valid_ptr, b, S, key_end, D, q_cols, 
             if DIAGONAL:
                 allowed = allowed & (offs_n[None, :] <= offs_m[:, None])
             if MASKED:
-                key_ok = tl.load(valid_ptr + b * S + offs_n, mask=n_ok, other=0) != 0
+                key_ok = tl.load(valid_ptr + b.to(tl.int64) * S + offs_n, mask=n_ok,
+                                 other=0) != 0
                 allowed = allowed & key_ok[None, :]
             s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)  # scores kept unscaled

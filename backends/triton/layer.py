@@ -7,6 +7,7 @@ import torch
 
 from layerbench.common.cuda_host import (MAX_GRID_Y, ChunkPlan, mask_bytes, run_in_chunks,
                                          split_fp16)
+from layerbench.common.errors import Unsupported
 from layerbench.common.graphs import GraphedForward
 from layerbench.common.interface import BuiltLayer
 from layerbench.common.params import pack_params
@@ -16,6 +17,10 @@ from .linear import ZERO_SUM, ZERO_UPDATE, fused_linear, split_linear
 from .narrow_block import (apart_attention_tiles, attention_ffn, block_config, fits,
                            heads_apart, norm_qkv, rows_apart)
 from .norm import layer_norm
+from .precision import MODES
+
+# Attention has no split-operand kernel: "fp16x3" there would silently run plain fp16.
+ATTENTION_MODES = tuple(m for m in MODES if m != "fp16x3")
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,16 @@ class Precision:
     linear: str = "fp16x3"
     attention: str = "fp16"
     qkv: str | None = None
+
+    def __post_init__(self):
+        """Refuse modes the kernels do not implement, before any layer is built."""
+        if self.linear not in MODES:
+            raise ValueError(f"linear precision must be one of {MODES}, not {self.linear!r}")
+        if self.qkv is not None and self.qkv not in MODES:
+            raise ValueError(f"qkv precision must be one of {MODES} or None, not {self.qkv!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention precision must be one of {ATTENTION_MODES}, not "
+                             f"{self.attention!r}")
 
     @property
     def qkv_linear(self) -> str:
@@ -47,10 +62,23 @@ class Precision:
         """Storage of the context and FFN hidden rows: fp16 when the linears round to fp16."""
         return torch.float16 if self.linear == "fp16" else torch.float32
 
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        """Storage of the weight matrices."""
-        return torch.float16 if self.linear in ("fp16", "fp16x3") else torch.float32
+
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def store_weight(w: torch.Tensor, mode: str, name: str = "weight"):
+    """A weight matrix in the storage a GEMM of precision mode reads: an fp16 (hi, lo) pair
+    for "fp16x3", fp16 for "fp16", else fp32. A matrix with an entry past fp16's range, which
+    would be stored as inf, raises Unsupported."""
+    if mode in ("fp16", "fp16x3"):
+        largest = w.abs().max().item() if w.numel() else 0.0
+        if largest > FP16_MAX:
+            raise Unsupported(f"triton: {name} has an entry of magnitude {largest:.4g}, past "
+                              f"fp16's range ({FP16_MAX:.0f}); its {mode} storage would hold "
+                              "inf (use Precision('tf32x3', 'tf32x3') for fp32 weights)")
+    if mode == "fp16x3":
+        return split_fp16(w)
+    return w.to(torch.float16 if mode == "fp16" else torch.float32).contiguous()
 
 
 DEFAULT_PRECISION = Precision(qkv="fp16")  # bench/PERFORMANCE.md, #26
@@ -93,8 +121,15 @@ class TritonLayer(BuiltLayer):
     def __init__(self, backend, config, state_dict, device, dtype, precision: Precision):
         super().__init__(backend, config, device, dtype)
         self.precision = precision
-        self.params = pack_params(config, state_dict, device=device, dtype=torch.float32)
-        self.weights = [self._weights(p) for p in self.params.layers]
+        params = pack_params(config, state_dict, device=device, dtype=torch.float32)
+        # Each block's matrices are stored once, in the precision's storage (the fp32 copies
+        # are dropped as each block is converted, so the weights stay within the memory plan).
+        self.weights = []
+        for i, p in enumerate(params.layers):
+            self.weights.append(self._weights(p, i))
+            params.layers[i] = replace(p, qkv_weight=None, out_weight=None,
+                                       ffn_in_weight=None, ffn_out_weight=None)
+        self.params = params
         # The attention grid's second dimension (sequences x heads) is at most MAX_GRID_Y.
         # Free memory is asked after the weights are packed: nothing fixed to add.
         self.chunks = ChunkPlan(
@@ -102,12 +137,18 @@ class TritonLayer(BuiltLayer):
             0, MAX_GRID_Y // config.num_heads)
         self.graphed = GraphedForward(self._forward)
 
-    def _weights(self, p) -> dict:
-        """The four weight matrices in the linear precision's storage ((hi, lo) for fp16x3)."""
-        names = ("qkv_weight", "out_weight", "ffn_in_weight", "ffn_out_weight")
-        if self.precision.linear == "fp16x3":
-            return {n: split_fp16(getattr(p, n)) for n in names}
-        return {n: getattr(p, n).to(self.precision.weight_dtype).contiguous() for n in names}
+    def _weights(self, p, block: int) -> dict:
+        """The four weight matrices, each in the storage of the mode its GEMM runs: Q/K/V in
+        the general plan at precision.qkv_linear, every other (and Q/K/V in the narrow and
+        wide plans, whose kernels read an (hi, lo) pair and use hi alone for one product) at
+        precision.linear."""
+        linear = self.precision.linear
+        qkv = (self.precision.qkv_linear if plan(self.config, self.precision) == "general"
+               else linear)
+        modes = {"qkv_weight": qkv, "out_weight": linear, "ffn_in_weight": linear,
+                 "ffn_out_weight": linear}
+        return {n: store_weight(getattr(p, n), mode, f"block {block}'s {n}")
+                for n, mode in modes.items()}
 
     def forward(self, x, valid_token_mask, out=None):
         """Run the kernels, through a CUDA graph once these input buffers repeat."""

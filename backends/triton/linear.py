@@ -127,8 +127,14 @@ def fused_linear(a: torch.Tensor, weight, bias: torch.Tensor, out: torch.Tensor,
                  eps: float = 1e-5) -> torch.Tensor:
     """out[M, N] = epilogue(LN?(a[M, K]) @ weight[N, K]^T + bias); see the kernel's flags.
 
-    weight is one [N, K] tensor, or its (hi, lo) fp16 pair for the "fp16x3" precision.
+    weight is one [N, K] tensor, or its (hi, lo) fp16 pair for the "fp16x3" precision
+    (and only then: a pair read in another mode would lose its low part, a single tensor
+    read as a pair would be counted twice).
     """
+    if isinstance(weight, tuple) != (precision == "fp16x3"):
+        want = "an (hi, lo) fp16 pair" if precision == "fp16x3" else "one tensor"
+        got = "a pair" if isinstance(weight, tuple) else "one tensor"
+        raise ValueError(f"fused_linear in {precision!r} takes {want} as its weight, not {got}")
     w_hi, w_lo = weight if isinstance(weight, tuple) else (weight, weight)
     m, k = a.shape
     n = w_hi.shape[0]
