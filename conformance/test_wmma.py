@@ -496,10 +496,16 @@ from layerbench.backends.wmma import build
 ext = build.load(torch.device("cuda"))
 a = torch.zeros(32, 16, device="cuda", dtype=torch.float16)
 bias = torch.zeros(16, device="cuda")
-try:
-    ext.linear(a, None, a[:16], None, bias, 0, None, None, None, a, None, 99)
-except RuntimeError as exc:
-    print("RuntimeError:", exc)
+qkv = torch.zeros(32, 48, device="cuda", dtype=torch.float16)
+bad_calls = [
+    lambda: ext.linear(a, None, a[:16], None, bias, 0, None, None, None, a, None, 99),
+    lambda: ext.attention(qkv, a, a, None, 2, 16, 0, True, 0, 0),  # no heads
+]
+for call in bad_calls:
+    try:
+        call()
+    except RuntimeError as exc:
+        print("RuntimeError:", str(exc).splitlines()[0])
 """
 
 
@@ -507,8 +513,9 @@ except RuntimeError as exc:
 def test_launch_errors_are_raised(wmma_selected):
     """A bad request raises a RuntimeError that names the problem (TORCH_CHECK), run in a
     child process so that a crash fails this test alone."""
-    stdout = _child_stdout(LAUNCH_ERROR_SCRIPT)
-    assert "RuntimeError:" in stdout and "unknown tile 99" in stdout, stdout
+    lines = _child_stdout(LAUNCH_ERROR_SCRIPT).splitlines()
+    assert len(lines) == 2 and all(line.startswith("RuntimeError:") for line in lines), lines
+    assert "unknown tile 99" in lines[0] and "heads must be" in lines[1], lines
 
 
 def _layer_and_reference(cfg, seed=3):
@@ -554,6 +561,29 @@ def test_misaligned_fp32_input(wmma_selected, fuse_ffn):
     with torch.no_grad():
         report = compare(layer(shifted, mask), expected)
     assert report.passed, report.summary()
+
+
+MIXED_DEVICES_SCRIPT = """
+import torch
+from layerbench.backends.wmma import build
+ext = build.load(torch.device("cuda", 0))
+x = torch.randn(8, 32, device="cuda:0")
+weight, bias = torch.ones(32, device="cuda:0"), torch.zeros(32, device="cuda:0")
+hi = torch.empty(8, 32, device="cuda:1", dtype=torch.float16)
+try:
+    ext.norm_split(x, weight, bias, hi, None, None, 1e-5, False)
+except RuntimeError as exc:
+    print("RuntimeError:", str(exc).splitlines()[0])
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_bindings_refuse_tensors_on_two_devices(wmma_selected):
+    """A binding given tensors on two devices raises, naming the tensor (a kernel would read
+    the other device's memory at its address)."""
+    lines = _child_stdout(MIXED_DEVICES_SCRIPT).splitlines()
+    assert lines and lines[0].startswith("RuntimeError:") and "hi is on cuda:1" in lines[0], \
+        lines
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")

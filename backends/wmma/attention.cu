@@ -219,8 +219,10 @@ LaunchResult launch(const AttentionParams& p, cudaStream_t stream, const char* n
         attention_kernel<BLOCK_N>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
     if (err != cudaSuccess) return {err, name};
   }
-  const dim3 grid(static_cast<unsigned>(p.batch * p.heads),
-                  static_cast<unsigned>((p.seq_len + kBlockM - 1) / kBlockM));
+  const int64_t heads = static_cast<int64_t>(p.batch) * p.heads;
+  const int64_t q_blocks = (static_cast<int64_t>(p.seq_len) + kBlockM - 1) / kBlockM;
+  if (heads > 0x7fffffff || q_blocks > 65535) return {cudaErrorInvalidConfiguration, name};
+  const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(q_blocks));
   return {launch_kernel(attention_kernel<BLOCK_N>, grid, dim3(kThreads), bytes, stream, p), name};
 }
 

@@ -1023,10 +1023,10 @@ struct DeviceInfo {
   int smem_limit;  // opt-in shared memory per block (bytes)
 };
 
-// The current device's DeviceInfo, cached for the device of the last call.
+// The current device's DeviceInfo, cached per thread for the device of its last call.
 cudaError_t device_info(DeviceInfo& info) {
-  static int cached_device = -1;
-  static DeviceInfo cached{0, 0};
+  thread_local int cached_device = -1;
+  thread_local DeviceInfo cached{0, 0};
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -1056,8 +1056,8 @@ struct ResidentCache {
 };
 
 // per_sm = resident CTAs of kernel per SM at this block size and shared memory, through the
-// kernel's own cache (a static of its launch function): a persistent grid's size only shapes
-// the schedule, never the result.
+// kernel's own cache (a thread_local of its launch function): a persistent grid's size only
+// shapes the schedule, never the result.
 template <typename Kernel>
 cudaError_t resident_ctas(Kernel kernel, int threads, int bytes, const DeviceInfo& dev,
                           ResidentCache& cache, int& per_sm) {
@@ -1092,7 +1092,7 @@ LaunchResult launch_tiled(const LinearParams& p, Epilogue epilogue, cudaStream_t
   const int64_t m_tiles = (p.M + V::BM - 1) / V::BM, n_tiles = (p.N + V::BN - 1) / V::BN;
   dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles));
   if constexpr (V::PERSISTENT) {  // one CTA per resident slot, at most one per tile
-    static ResidentCache cache;  // one per instance of launch_tiled: per kernel
+    thread_local ResidentCache cache;  // one per instance of launch_tiled and thread
     int per_sm = 1;
     err = resident_ctas(kernel, T::kThreads, T::kSmemBytes, dev, cache, per_sm);
     if (err != cudaSuccess) return {err, name};
@@ -1123,7 +1123,7 @@ LaunchResult launch_stream_kernel(const LinearParams& p, const LinearNormParams&
   }
   cudaError_t err = allow_smem(reinterpret_cast<const void*>(kernel), bytes);
   if (err != cudaSuccess) return {err, name};
-  static ResidentCache cache;  // one per instance of launch_stream_kernel: per kernel
+  thread_local ResidentCache cache;  // one per instance of launch_stream_kernel and thread
   int per_sm = 1;              // resident CTAs per SM at this K
   err = resident_ctas(kernel, T::kThreads, bytes, dev, cache, per_sm);
   if (err != cudaSuccess) return {err, name};

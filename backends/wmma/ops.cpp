@@ -4,7 +4,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <initializer_list>
 #include <optional>
+#include <utility>
 
 #include "common.cuh"
 
@@ -44,6 +46,21 @@ void check_rows(const Tensor& t, int64_t rows, int64_t cols, at::ScalarType dtyp
               rows, ", ", cols, "], got ", t.sizes());
 }
 
+// Every tensor given (a name each) on one device: the kernels launch on the first's.
+void check_one_device(std::initializer_list<std::pair<OptTensor, const char*>> tensors) {
+  std::optional<at::Device> device;
+  const char* first = nullptr;
+  for (const auto& [t, name] : tensors) {
+    if (!t) continue;
+    if (!device) {
+      device = t->device();
+      first = name;
+    }
+    TORCH_CHECK(t->device() == *device, name, " is on ", t->device(), " and ", first, " on ",
+                *device, ": every tensor must be on one device");
+  }
+}
+
 lbw::DType dtype_of(const Tensor& t) {
   switch (t.scalar_type()) {
     case at::kFloat: return lbw::DType::kFloat32;
@@ -71,6 +88,8 @@ void norm_split(const Tensor& x, const Tensor& weight, const Tensor& bias, const
   check_rows(hi, rows, cols, at::kHalf, "hi");
   if (lo) check_rows(*lo, rows, cols, at::kHalf, "lo");
   if (copy) check_rows(*copy, rows, cols, at::kFloat, "copy");
+  check_one_device({{x, "x"}, {weight, "weight"}, {bias, "bias"}, {hi, "hi"}, {lo, "lo"},
+                    {copy, "copy"}});
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   lbw::NormSplitParams p{x.data_ptr(), dtype_of(x), weight.data_ptr<float>(),
@@ -89,6 +108,8 @@ void norm_out(const Tensor& x, const Tensor& weight, const Tensor& bias, const T
   check_rows(bias.view({1, cols}), 1, cols, at::kFloat, "bias");
   check_rows(out, rows, cols, out.scalar_type(), "out");
   if (valid) check_rows(valid->view({rows, 1}), rows, 1, at::kByte, "valid");
+  check_one_device({{x, "x"}, {weight, "weight"}, {bias, "bias"}, {out, "out"},
+                    {valid, "valid"}});
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   lbw::NormOutParams p{x.data_ptr<float>(), weight.data_ptr<float>(), bias.data_ptr<float>(),
@@ -159,6 +180,11 @@ void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
     }
   }
   TORCH_CHECK(tile >= 0 && tile < lbw::kGemmTiles, "unknown tile ", tile);
+  check_one_device({{a_hi, "a_hi"}, {a_lo, "a_lo"}, {w_hi, "w_hi"}, {w_lo, "w_lo"},
+                    {bias, "bias"}, {residual, "residual"}, {valid, "valid"},
+                    {out_f32, "out_f32"}, {out_hi, "out_hi"}, {out_lo, "out_lo"},
+                    {norm_w, "norm_w"}, {norm_b, "norm_b"}, {norm_out, "norm_out"},
+                    {norm_lo, "norm_lo"}});
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(a_hi.device());
   lbw::LinearParams p{reinterpret_cast<const __half*>(a_hi.data_ptr()), ptr<const __half>(a_lo),
@@ -180,12 +206,15 @@ void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
 void attention(const Tensor& qkv, const Tensor& ctx_hi, const Tensor& ctx_lo,
                const OptTensor& valid, int64_t batch, int64_t seq_len, int64_t heads,
                bool causal, int64_t block_n, int64_t variant) {
+  TORCH_CHECK(batch >= 0 && seq_len >= 0 && heads > 0, "batch, seq_len and heads must be at "
+              "least 0, 0 and 1, got ", batch, ", ", seq_len, ", ", heads);
   const int64_t rows = batch * seq_len, d_model = ctx_hi.size(1);
   const int64_t head_dim = d_model / heads;
   TORCH_CHECK(d_model % heads == 0 && head_dim % 8 == 0 && head_dim <= 256,
               "head dims must be a multiple of 8 up to 256, got ", head_dim);
-  TORCH_CHECK(variant >= 0 || (seq_len + 63) / 64 <= 65535, "seq_len ", seq_len,
-              " is too long");
+  TORCH_CHECK(variant >= 0 || ((seq_len + 63) / 64 <= 65535 && batch * heads <= 0x7fffffff),
+              "seq_len ", seq_len, " or batch * heads ", batch * heads,
+              " is too large for the legacy kernel's grid");
   TORCH_CHECK(variant < lbw::attention_variant_count(), "unknown attention variant ", variant);
   check_rows(qkv, rows, 3 * d_model, at::kHalf, "qkv");
   check_aligned(qkv, "qkv");
@@ -197,6 +226,7 @@ void attention(const Tensor& qkv, const Tensor& ctx_hi, const Tensor& ctx_lo,
                 "ctx_hi and ctx_lo must be 4-byte aligned");
   }
   if (valid) check_rows(valid->view({rows, 1}), rows, 1, at::kByte, "valid");
+  check_one_device({{qkv, "qkv"}, {ctx_hi, "ctx_hi"}, {ctx_lo, "ctx_lo"}, {valid, "valid"}});
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(qkv.device());
   const int head_pad = static_cast<int>((head_dim + 15) / 16 * 16);
@@ -255,6 +285,8 @@ void norm_qkv(const Tensor& x, const Tensor& norm_w, const Tensor& norm_b, const
   check_rows(bias.view({1, n}), 1, n, at::kFloat, "bias");
   check_rows(out, m, n, at::kHalf, "out");
   if (copy) check_rows(*copy, m, k, at::kFloat, "copy");
+  check_one_device({{x, "x"}, {norm_w, "norm_w"}, {norm_b, "norm_b"}, {w, "w"}, {bias, "bias"},
+                    {out, "out"}, {copy, "copy"}});
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   lbw::NormQkvParams p{x.data_ptr(), dtype_of(x), norm_w.data_ptr<float>(),
@@ -307,6 +339,10 @@ void ffn_block(const Tensor& ctx_hi, const OptTensor& ctx_lo, const Tensor& resi
     check_rows(norm_b->view({1, d}), 1, d, at::kFloat, "norm_b");
     check_rows(*normed, m, d, normed->scalar_type(), "normed");
   }
+  check_one_device({{ctx_hi, "ctx_hi"}, {ctx_lo, "ctx_lo"}, {residual, "residual"},
+                    {out_rows, "out_rows"}, {valid, "valid"}, {wo, "wo"}, {bo, "bo"},
+                    {n2_w, "n2_w"}, {n2_b, "n2_b"}, {wi, "wi"}, {bi, "bi"}, {wf, "wf"},
+                    {bf, "bf"}, {norm_w, "norm_w"}, {norm_b, "norm_b"}, {normed, "normed"}});
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(ctx_hi.device());
   lbw::FfnBlockParams p{half_ptr(ctx_hi), ptr<const __half>(ctx_lo), residual.data_ptr<float>(),
