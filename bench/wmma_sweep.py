@@ -20,6 +20,7 @@ worst error/allowed ratio and the median forward time; "plans" does the same for
 option on against off, timed in alternating rounds: --plan norms (the default) the LayerNorms
 in the GEMM epilogues against separate norm kernels, ffn the ffn_block kernel on every call
 against never, resident and narrow the resident-weight or the 64x128 stream tile against the
+16-warp 128x128 one, stream-rule the default stream tile (tiles.long_stream_tile) against the
 16-warp 128x128 one, norm-registers norm_split's row-in-registers kernel, pdl programmatic
 dependent launches, persistent the persistent pipelined tile for K > 128. "peak"
 times register-resident wmma products alone (no memory traffic) at several CTAs per SM and
@@ -284,6 +285,7 @@ def precision(shapes, products_list, rounds, padding):
 PLAN_OPTIONS = {"norms": ("fuse_norms", True, False), "ffn": ("fuse_ffn", True, False),
                 "resident": ("stream_tile", "stream 128x128 8w resident", "stream 128x128 16w"),
                 "narrow": ("stream_tile", "stream 64x128 8w", "stream 128x128 16w"),
+                "stream-rule": ("stream_tile", None, "stream 128x128 16w"),
                 "norm-registers": ("norm_in_registers", True, False),
                 "pdl": ("pdl", True, False),
                 "persistent": ("persistent_gemm", True, False)}
@@ -292,7 +294,8 @@ PLAN_OPTIONS = {"norms": ("fuse_norms", True, False), "ffn": ("fuse_ffn", True, 
 def plans(shapes, rounds, padding, plan="norms"):
     """The layer with one plan option on against off (norms: LayerNorms in the GEMM
     epilogues; ffn: the ffn_block kernel; resident / narrow: the resident-weight or the
-    64x128 stream tile in place of the 16-warp 128x128 one; norm-registers: norm_split's
+    64x128 stream tile in place of the 16-warp 128x128 one; stream-rule: the default stream
+    tile (tiles.long_stream_tile) against the 16-warp 128x128 one; norm-registers: norm_split's
     row-in-registers kernel; pdl: programmatic dependent launches; persistent: the persistent
     pipelined tile for K > 128): median ms of each
     (alternating rounds) and both error/allowed ratios."""

@@ -132,7 +132,11 @@ def test_tile_choice(wmma_selected):
     mid = choose_tiles(8192, 128, 128, 32, 132)
     assert GEMM_TILES[mid.qkv].name == GEMM_TILES[mid.ffn_in].name == "stream 64x64 4w"
     long = choose_tiles(1_280_000, 128, 512, 32, 132)
-    assert {GEMM_TILES[t].name for t in long[:3]} == {"stream 128x128 16w"}
+    # one product (Q/K/V): 64x128 of 8 warps (two CTAs an SM); three: 128x128 of 16 warps
+    assert GEMM_TILES[long.qkv].name == "stream 64x128 8w"
+    assert {GEMM_TILES[t].name for t in long[1:3]} == {"stream 128x128 16w"}
+    two = choose_tiles(1_280_000, 128, 128, 32, 132, fuse_norms=True, products=2)
+    assert {GEMM_TILES[t].name for t in two[:4]} == {"stream 64x128 8w"} and two.norm_ffn_out
     assert GEMM_TILES[long.ffn_out].kind == "tiled"  # K = ffn_dim = 512
     # stream_tile replaces the 16-warp 128x128 stream variant, norm epilogues included.
     from layerbench.backends.wmma.tiles import STREAM_128x128_RESIDENT
@@ -1027,6 +1031,27 @@ def test_programmatic_launches_give_the_same_bits(wmma_selected, number, fuse_ff
     calls = layer.ext.calls[plain_calls:]
     assert calls == [True, False] * (len(calls) // 2)
     assert len(calls) >= 4
+
+
+@needs_gpu
+@pytest.mark.parametrize("m,n,k", [(300, 1030, 1024), (5000, 136, 128)], ids=["tiled", "stream"])
+def test_gelu_epilogue_without_lo(wmma_selected, m, n, k):
+    """The GELU epilogue given no lo buffer writes the hi part alone: every element of a
+    NaN-filled hi, the same bits as with a lo buffer (tiled and stream tiles)."""
+    from bench.wmma_sweep import gemm_operands
+    from layerbench.backends.wmma.linear import GELU_PAIR, linear
+    from layerbench.backends.wmma.tiles import gemm_tile
+
+    device = torch.device("cuda")
+    ext = build.load(device)
+    gen = torch.Generator(device=device).manual_seed(m + n)
+    a, w, bias, _, _ = gemm_operands(m, n, k, 1, device, gen)
+    tile = gemm_tile(m, n, k, 132)
+    pair = tuple(torch.full((m, n), math.nan, device=device).half() for _ in range(2))
+    alone = torch.full((m, n), math.nan, device=device).half()
+    linear(ext, a, w, bias, epilogue=GELU_PAIR, tile=tile, out_pair=pair)
+    linear(ext, a, w, bias, epilogue=GELU_PAIR, tile=tile, out_pair=(alone, None))
+    assert not alone.isnan().any() and torch.equal(alone, pair[0])
 
 
 @needs_gpu

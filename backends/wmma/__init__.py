@@ -35,7 +35,7 @@ class WmmaBackend(Backend):
 
     def __init__(self, fuse_qkv: bool = False, fuse_ffn: bool | None = None,
                  linear_products: int | None = None, fuse_norms: bool = True,
-                 stream_tile: str = "stream 128x128 16w", norm_in_registers: bool = False,
+                 stream_tile: str | None = None, norm_in_registers: bool = True,
                  pdl: bool | None = None, persistent_gemm: bool = False):
         # norm_qkv is off by default: on an H200 the separate kernels run every official
         # shape faster (shape 2: 0.177 ms unfused, 0.211 with norm_qkv).
@@ -53,13 +53,16 @@ class WmmaBackend(Backend):
         # and choose_tiles, which takes them only where such tiles fill the SMs).
         self.fuse_norms = fuse_norms
         # The stream GEMM variant (a GEMM_TILES name) of the linears with K <= 128 whose
-        # rows give each SM two 128x128 tiles; any stream variant holding 128 columns.
+        # rows give each SM two 128x128 tiles; any stream variant holding 128 columns, or
+        # None (the default): tiles.long_stream_tile's rule by product count.
         names = [v.name for v in GEMM_TILES]
         choices = [name for t, name in enumerate(names) if replaces_stream_tile(t)]
-        if stream_tile not in choices:
-            raise ValueError(f"stream_tile must be one of {choices}, not {stream_tile!r}")
-        self.stream_tile = names.index(stream_tile)
-        # norm_split reading each row once into registers (see norm.norm_split); not yet timed.
+        if stream_tile is not None and stream_tile not in choices:
+            raise ValueError(f"stream_tile must be one of {choices} or None, not "
+                             f"{stream_tile!r}")
+        self.stream_tile = None if stream_tile is None else names.index(stream_tile)
+        # norm_split reading each row once into registers where the row and pointers allow
+        # (norm.norm_split; H100, shape 8: 2.409 ms against 2.471)
         self.norm_in_registers = norm_in_registers
         # programmatic dependent launches (Plan.pdl): None (the default) on from sm_90, True
         # requires sm_90, False launches each kernel after the one before it has finished

@@ -19,7 +19,7 @@ from .attention import attention, layout_ok
 from .block import FFN_BLOCK_PRODUCTS, FFN_BLOCK_ROWS, ffn_block, norm_qkv
 from .linear import GELU_PAIR, HALF, RESIDUAL_SUM, RESIDUAL_UPDATE, RowNorm, linear
 from .norm import norm_out, norm_split
-from .tiles import STREAM_128x128, choose_tiles, gemm_tile
+from .tiles import choose_tiles, gemm_tile
 
 
 
@@ -39,8 +39,8 @@ class Plan:
     holds whole rows (d_model <= 128, K <= 128; tiles.norm_gemm_tile): out_proj writes norm2's
     (hi, lo) pair, ffn_out the next block's norm1 (hi; unless fuse_qkv) or the final norm
     into the output. The first block's norm1 still runs as norm_split.
-    stream_tile: the stream GEMM variant (a tiles.GEMM_TILES index) taken where the 16-warp
-    128x128 one would be (tiles.choose_tiles).
+    stream_tile: the stream GEMM variant (a tiles.GEMM_TILES index) of the linears whose rows
+    give each SM two 128x128 tiles, or None: tiles.long_stream_tile's rule.
     norm_in_registers: norm_split's kernel that reads each row once into registers.
     persistent_gemm: the linears with K > 128 on the persistent form of the pipelined tile
     (tiles.gemm_tile's persistent).
@@ -57,8 +57,8 @@ class Plan:
     fuse_norms: bool = True
     ffn_auto: bool = False
     large_call_products: int | None = None
-    stream_tile: int = STREAM_128x128
-    norm_in_registers: bool = False
+    stream_tile: int | None = None
+    norm_in_registers: bool = True
     pdl: bool = False
     persistent_gemm: bool = False
     qkv_products: int = 1
@@ -309,7 +309,7 @@ class WmmaLayer(BuiltLayer):
                                in_registers=plan.norm_in_registers)
                 linear(ext, operand(rows), weight(w["ffn_in"]), p.ffn_in_bias,
                        epilogue=GELU_PAIR,
-                       tile=tiles.ffn_in, out_pair=hidden)
+                       tile=tiles.ffn_in, out_pair=operand(hidden))
                 after = None  # the norm in ffn_out's epilogue
                 if tiles.norm_ffn_out and i == last:
                     after = RowNorm(*final, out2, zero_invalid=True)

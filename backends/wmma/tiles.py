@@ -88,12 +88,23 @@ def pad16(n: int) -> int:
     return -(-n // 16) * 16
 
 
+def long_stream_tile(products: int, stream_tile: int | None = None) -> int:
+    """The stream variant of calls that give each SM two 128x128 tiles: stream_tile where
+    given, else 64x128 of 8 warps where two of its CTAs fit an SM at this product count (one
+    or two products; H100, shape 13: 1.494 ms against 1.532 with 128x128 of 16 warps), else
+    128x128 of 16 warps."""
+    if stream_tile is not None:
+        return stream_tile
+    return STREAM_64x128 if GEMM_TILES[STREAM_64x128].ctas_per_sm[products - 1] >= 2 \
+        else STREAM_128x128
+
+
 def gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int = 1,
-              stream_tile: int = STREAM_128x128, persistent: bool = False) -> int:
+              stream_tile: int | None = None, persistent: bool = False) -> int:
     """The GEMM variant for out[rows, n] = a[rows, k] @ w[n, k]^T with products fp16 products.
 
-    K <= 128: the persistent stream kernel stream_tile (the 128x128 one of 16 warps unless
-    asked otherwise) when each SM gets at least two 128x128 tiles, else the 64x64 stream
+    K <= 128: the persistent stream kernel long_stream_tile(products, stream_tile) when each
+    SM gets at least two 128x128 tiles, else the 64x64 stream
     kernel when its tiles fill the SMs. Larger K: the largest
     tiled variant whose grid gives every SM a CTA: 128x128 of 4 warps (64x64 each), which
     beat 128x256 and the 8-warp 128x128 variants on the H200 (M 8192, K 1024: 261–275 TFLOP/s
@@ -107,7 +118,7 @@ def gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int = 1
 
     if k <= STREAM_MAX_K:
         if tiles(128, 128) >= 2 * multiprocessors:
-            return stream_tile
+            return long_stream_tile(products, stream_tile)
         if tiles(64, 64) >= multiprocessors:
             return STREAM_64x64
     else:
@@ -133,7 +144,7 @@ def stream_smem_bytes(tile: int, products: int, k: int) -> int:
 
 
 def norm_gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: int,
-                   smem_limit: int | None = None, stream_tile: int = STREAM_128x128
+                   smem_limit: int | None = None, stream_tile: int | None = None
                    ) -> int | None:
     """A stream variant whose tile holds whole output rows (cols >= n) for a residual linear
     with the norm epilogue, or None where none applies (K > 128, n > 128, one product, or no
@@ -152,7 +163,7 @@ def norm_gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: in
 
     order = [STREAM_64x64] if n <= 64 else []
     if tiles(128) >= 2 * multiprocessors:
-        order.append(stream_tile)
+        order.append(long_stream_tile(products, stream_tile))
     if tiles(64) >= multiprocessors:
         order.append(STREAM_64x128)
     for tile in order:
@@ -164,17 +175,17 @@ def norm_gemm_tile(rows: int, n: int, k: int, multiprocessors: int, products: in
 def choose_tiles(rows: int, d_model: int, ffn_dim: int, head_dim: int,
                  multiprocessors: int, *, fuse_norms: bool = False,
                  products: int = 3, smem_limit: int | None = None,
-                 stream_tile: int = STREAM_128x128, persistent: bool = False,
+                 stream_tile: int | None = None, persistent: bool = False,
                  qkv_products: int = 1) -> Tiles:
     """Per linear, gemm_tile for its (rows, N, K): Q/K/V (3 d_model, d_model), out_proj
     (d_model, d_model), ffn_in (ffn_dim, d_model), ffn_out (d_model, ffn_dim). Attention key
     blocks of 64, or 32 above head dim 128 so that one block's shared memory stays near
     150 KB. fuse_norms: out_proj and ffn_out (products fp16 products) take norm_gemm_tile
     where it applies, and their norm flags are set. stream_tile: the stream variant taken
-    where gemm_tile and norm_gemm_tile would take the 16-warp 128x128 one (a stream variant
-    holding 128 columns; anything else raises ValueError). persistent: gemm_tile's.
+    where each SM gets two 128x128 tiles (a stream variant holding 128 columns; anything else
+    raises ValueError); None: long_stream_tile's rule. persistent: gemm_tile's.
     qkv_products: Q/K/V's fp16 products (one, or three in deep stacks)."""
-    if not replaces_stream_tile(stream_tile):
+    if stream_tile is not None and not replaces_stream_tile(stream_tile):
         raise ValueError(f"stream_tile {stream_tile} ({GEMM_TILES[stream_tile].name}) is not a "
                          "stream variant holding 128 columns")
     def gemm(n: int, k: int, count: int = products) -> int:
