@@ -15,7 +15,7 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 // What the linear kernel does with each accumulator element v = (a @ w^T)[row, col].
 enum class Epilogue : int {
   kHalf = 0,            // out_hi = half(v + bias)                                  (Q/K/V)
-  kGeluPair = 1,        // (out_hi, out_lo) = split(gelu(v + bias)), lo if given    (ffn_in)
+  kGeluPair = 1,        // (out_hi, out_lo) = split(gelu(v + bias))                 (ffn_in)
   kResidualUpdate = 2,  // out = residual + (valid ? v + bias : 0)                  (out_proj)
   kResidualSum = 3,     // out = valid ? residual + v + bias : 0                    (ffn_out)
 };
@@ -65,7 +65,7 @@ struct LinearParams {
   const uint8_t* valid;   // [M] uint8 (nonzero = valid token), or null (all valid)
   float* out_f32;         // [M, N] fp32 (residual epilogues), else null
   __half* out_hi;         // [M, N] fp16 (kHalf, kGeluPair), else null
-  __half* out_lo;         // [M, N] fp16 (kGeluPair, optional), else null
+  __half* out_lo;         // [M, N] fp16 (kGeluPair), else null
   int64_t M;
   int N;
   int K;                  // a multiple of 8

@@ -309,7 +309,7 @@ class WmmaLayer(BuiltLayer):
                                in_registers=plan.norm_in_registers)
                 linear(ext, operand(rows), weight(w["ffn_in"]), p.ffn_in_bias,
                        epilogue=GELU_PAIR,
-                       tile=tiles.ffn_in, out_pair=operand(hidden))
+                       tile=tiles.ffn_in, out_pair=hidden)
                 after = None  # the norm in ffn_out's epilogue
                 if tiles.norm_ffn_out and i == last:
                     after = RowNorm(*final, out2, zero_invalid=True)

@@ -281,13 +281,13 @@ __device__ __forceinline__ void store_row(const LinearParams& p, int64_t row, in
       const int64_t at = idx + 16 * j;
       if (vec && cj + 8 <= p.N) {
         *reinterpret_cast<uint4*>(p.out_hi + at) = pack_halves(hi);
-        if (kGelu && p.out_lo) *reinterpret_cast<uint4*>(p.out_lo + at) = pack_halves(lo);
+        if constexpr (kGelu) *reinterpret_cast<uint4*>(p.out_lo + at) = pack_halves(lo);
       } else {
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           if (cj + e < p.N) {
             p.out_hi[at + e] = hi[e];
-            if (kGelu && p.out_lo) p.out_lo[at + e] = lo[e];
+            if constexpr (kGelu) p.out_lo[at + e] = lo[e];
           }
         }
       }

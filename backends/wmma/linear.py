@@ -33,7 +33,7 @@ def linear(ext, a: Pair, w: Pair, bias: torch.Tensor, *, epilogue: int, tile: in
     given: three products (a_lo*w_hi + a_hi*w_lo + a_hi*w_hi); w's lo None: two (a_lo*w_hi +
     a_hi*w_hi); both None: one (a_hi*w_hi); a w lo without an a lo is refused. tile is a
     GEMM_TILES index (tiles.py; the stream variants need K <= 128). HALF writes out_pair[0],
-    GELU_PAIR out_pair[0] and out_pair[1] where given, the residual epilogues out (fp32, may be residual itself).
+    GELU_PAIR both of out_pair, the residual epilogues out (fp32, may be residual itself).
     norm (residual epilogues, a stream tile whose columns hold N, two or three products) also
     writes the LayerNorm of each row (RowNorm); out may then be None. norm.out may be a's own
     buffers (each CTA holds the rows it writes)."""

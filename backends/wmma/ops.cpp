@@ -164,8 +164,9 @@ void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
     TORCH_CHECK(out_hi, "this epilogue needs out_hi");
     check_rows(*out_hi, m, n, at::kHalf, "out_hi");
   }
-  if (kind == lbw::Epilogue::kGeluPair && out_lo) {
-    check_rows(*out_lo, m, n, at::kHalf, "out_lo");  // none: the hi part alone
+  if (kind == lbw::Epilogue::kGeluPair) {
+    TORCH_CHECK(out_lo, "the GELU epilogue needs out_lo");
+    check_rows(*out_lo, m, n, at::kHalf, "out_lo");
   }
   if (valid) check_rows(valid->view({m, 1}), m, 1, at::kByte, "valid");
   if (norm) {
