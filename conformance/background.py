@@ -1,11 +1,16 @@
 """Work a test session needs later, started early in a background thread, so that a long
-compile runs on another core while the first tests run on this one."""
+compile runs on another core while the first tests run on this one. The compiles themselves
+run in a spawned process (in_process): imported in a thread of the test process, their
+modules register loggers while pytest's logging plugin walks the logger registry at the
+start of each test phase, which then fails with "dictionary changed size during iteration"."""
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 import shutil
 import tempfile
 import threading
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -55,3 +60,26 @@ def scratch(prefix: str) -> Path:
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
+
+
+def in_process(work: Callable[..., object], *args: object) -> object:
+    """work(*args) in a freshly spawned Python process; work and args must pickle (work a
+    module-level function), and so must its result or exception."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(work, *args).result()
+
+
+def export_cutile(root: Path) -> Path:
+    """Every cuTile specialisation of every architecture exported into root (test_cutile.py)."""
+    from layerbench.backends.cutile import manifest
+    from layerbench.backends.cutile.export import export
+
+    export(manifest.ARCHS, root, progress=False)
+    return root
+
+
+def compile_wmma_strict(folder: Path) -> tuple[Path, dict]:
+    """(folder, the strict nvcc compile of every wmma source into folder) (test_wmma.py)."""
+    from layerbench.backends.wmma import build
+
+    return folder, build.compile_strict(folder)

@@ -1,6 +1,8 @@
 """Conformance fixtures: parametrisation from the options, a reference cache, a results log."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from layerbench.common.results import append_json_line
@@ -50,25 +52,22 @@ def pytest_collection_finish(session):
     if needed("cupy", "test_cupy.py", "compiled"):
         from layerbench.backends.cupy import build
 
-        background.start(background.CUPY_NVRTC, build.compile_every_arch_with_nvrtc)
+        background.start(background.CUPY_NVRTC, functools.partial(
+            background.in_process, build.compile_every_arch_with_nvrtc))
     if needed("cutile", "test_cutile.py", "cutile_build"):
-        from layerbench.backends.cutile import launch, manifest
-        from layerbench.backends.cutile.export import export
+        from layerbench.backends.cutile import launch
 
         if launch.jit_unavailable_reason() is None:
-            def export_all():
-                root = background.scratch("layerbench-cutile-build-")
-                export(manifest.ARCHS, root, progress=False)
-                return root
-            background.start(background.CUTILE_EXPORT, export_all)
+            root = background.scratch("layerbench-cutile-build-")  # removed by this process
+            background.start(background.CUTILE_EXPORT, functools.partial(
+                background.in_process, background.export_cutile, root))
     if needed("wmma", "test_wmma.py", "strict_compiles"):
         from layerbench.backends.wmma import build as wmma_build
 
         if wmma_build.nvcc_path() is not None:
-            def compile_all():
-                folder = background.scratch("layerbench-wmma-objects-")
-                return folder, wmma_build.compile_strict(folder)
-            background.start(background.WMMA_STRICT, compile_all)
+            folder = background.scratch("layerbench-wmma-objects-")
+            background.start(background.WMMA_STRICT, functools.partial(
+                background.in_process, background.compile_wmma_strict, folder))
 
 
 def pytest_generate_tests(metafunc):
