@@ -6,6 +6,7 @@
 
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "common.cuh"
@@ -19,6 +20,19 @@ using OptTensor = std::optional<Tensor>;
 // this header needs no CUDA math libraries).
 cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// Numbers, sizes, dtypes and devices as text for error messages. TORCH_CHECK streams its
+// arguments into an ostream built in this extension; on the GPU machines streaming a number
+// there crashed the process (SIGSEGV in the locale's number formatting), streaming text did
+// not.
+std::string text(int64_t v) { return std::to_string(v); }
+std::string text(at::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + "]";
+}
+std::string text(at::ScalarType t) { return c10::toString(t); }
+std::string text(const at::Device& d) { return d.str(); }
+
 // Raises naming the kernel if its launch failed, after clearing the runtime's record of the
 // error (else the next launch's check would report it again).
 void check_launch(const lbw::LaunchResult& result) {
@@ -29,7 +43,8 @@ void check_launch(const lbw::LaunchResult& result) {
 
 void check(const Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", text(dtype), ", got ",
+              text(t.scalar_type()));
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
@@ -43,7 +58,7 @@ void check_rows(const Tensor& t, int64_t rows, int64_t cols, at::ScalarType dtyp
                 const char* name) {
   check(t, dtype, name);
   TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, " must be [",
-              rows, ", ", cols, "], got ", t.sizes());
+              text(rows), ", ", text(cols), "], got ", text(t.sizes()));
 }
 
 // Every tensor given (a name each) on one device: the kernels launch on the first's.
@@ -56,8 +71,8 @@ void check_one_device(std::initializer_list<std::pair<OptTensor, const char*>> t
       device = t->device();
       first = name;
     }
-    TORCH_CHECK(t->device() == *device, name, " is on ", t->device(), " and ", first, " on ",
-                *device, ": every tensor must be on one device");
+    TORCH_CHECK(t->device() == *device, name, " is on ", text(t->device()), " and ", first,
+                " on ", text(*device), ": every tensor must be on one device");
   }
 }
 
@@ -68,7 +83,7 @@ lbw::DType dtype_of(const Tensor& t) {
     case at::kBFloat16: return lbw::DType::kBFloat16;
     default: break;
   }
-  TORCH_CHECK(false, "unsupported dtype ", t.scalar_type());
+  TORCH_CHECK(false, "unsupported dtype ", text(t.scalar_type()));
   return lbw::DType::kFloat32;
 }
 
@@ -132,7 +147,7 @@ void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
   const int64_t m = a_hi.size(0), k = a_hi.size(1), n = w_hi.size(0);
   const int products = a_lo.has_value() ? (w_lo.has_value() ? 3 : 2) : 1;
   TORCH_CHECK(a_lo.has_value() || !w_lo.has_value(), "w_lo needs a_lo (three products)");
-  TORCH_CHECK(k % 8 == 0, "the inner dimension must be a multiple of 8, got ", k);
+  TORCH_CHECK(k % 8 == 0, "the inner dimension must be a multiple of 8, got ", text(k));
   check_rows(a_hi, m, k, at::kHalf, "a_hi");
   check_rows(w_hi, n, k, at::kHalf, "w_hi");
   check_aligned(a_hi, "a_hi");
@@ -149,7 +164,7 @@ void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
   const auto kind = static_cast<lbw::Epilogue>(epilogue);
   const bool residual_epilogue =
       kind == lbw::Epilogue::kResidualUpdate || kind == lbw::Epilogue::kResidualSum;
-  TORCH_CHECK(epilogue >= 0 && epilogue <= 3, "unknown epilogue ", epilogue);
+  TORCH_CHECK(epilogue >= 0 && epilogue <= 3, "unknown epilogue ", text(epilogue));
   const bool norm = norm_w.has_value();
   TORCH_CHECK(norm == norm_b.has_value() && norm == norm_out.has_value() &&
                   (norm || !norm_lo.has_value()),
@@ -179,7 +194,7 @@ void linear(const Tensor& a_hi, const OptTensor& a_lo, const Tensor& w_hi,
       check_rows(*norm_lo, m, n, at::kHalf, "norm_lo");
     }
   }
-  TORCH_CHECK(tile >= 0 && tile < lbw::kGemmTiles, "unknown tile ", tile);
+  TORCH_CHECK(tile >= 0 && tile < lbw::kGemmTiles, "unknown tile ", text(tile));
   check_one_device({{a_hi, "a_hi"}, {a_lo, "a_lo"}, {w_hi, "w_hi"}, {w_lo, "w_lo"},
                     {bias, "bias"}, {residual, "residual"}, {valid, "valid"},
                     {out_f32, "out_f32"}, {out_hi, "out_hi"}, {out_lo, "out_lo"},
@@ -207,15 +222,16 @@ void attention(const Tensor& qkv, const Tensor& ctx_hi, const Tensor& ctx_lo,
                const OptTensor& valid, int64_t batch, int64_t seq_len, int64_t heads,
                bool causal, int64_t block_n, int64_t variant) {
   TORCH_CHECK(batch >= 0 && seq_len >= 0 && heads > 0, "batch, seq_len and heads must be at "
-              "least 0, 0 and 1, got ", batch, ", ", seq_len, ", ", heads);
+              "least 0, 0 and 1, got ", text(batch), ", ", text(seq_len), ", ", text(heads));
   const int64_t rows = batch * seq_len, d_model = ctx_hi.size(1);
   const int64_t head_dim = d_model / heads;
   TORCH_CHECK(d_model % heads == 0 && head_dim % 8 == 0 && head_dim <= 256,
-              "head dims must be a multiple of 8 up to 256, got ", head_dim);
+              "head dims must be a multiple of 8 up to 256, got ", text(head_dim));
   TORCH_CHECK(variant >= 0 || ((seq_len + 63) / 64 <= 65535 && batch * heads <= 0x7fffffff),
-              "seq_len ", seq_len, " or batch * heads ", batch * heads,
+              "seq_len ", text(seq_len), " or batch * heads ", text(batch * heads),
               " is too large for the legacy kernel's grid");
-  TORCH_CHECK(variant < lbw::attention_variant_count(), "unknown attention variant ", variant);
+  TORCH_CHECK(variant < lbw::attention_variant_count(), "unknown attention variant ",
+              text(variant));
   check_rows(qkv, rows, 3 * d_model, at::kHalf, "qkv");
   check_aligned(qkv, "qkv");
   check_rows(ctx_hi, rows, d_model, at::kHalf, "ctx_hi");
@@ -276,7 +292,7 @@ void norm_qkv(const Tensor& x, const Tensor& norm_w, const Tensor& norm_b, const
               const Tensor& bias, const Tensor& out, const OptTensor& copy, double eps) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   TORCH_CHECK(k % 8 == 0 && k <= 256, "norm_qkv takes d_model a multiple of 8 up to 256, got ",
-              k);
+              text(k));
   check_rows(x, m, k, x.scalar_type(), "x");
   check_rows(norm_w.view({1, k}), 1, k, at::kFloat, "norm_w");
   check_rows(norm_b.view({1, k}), 1, k, at::kFloat, "norm_b");
@@ -310,7 +326,8 @@ void ffn_block(const Tensor& ctx_hi, const OptTensor& ctx_lo, const Tensor& resi
                double eps) {
   const int64_t m = ctx_hi.size(0), d = ctx_hi.size(1), f = wi.size(0);
   TORCH_CHECK(d % 8 == 0 && f % 8 == 0 && d <= 128 && f <= 128,
-              "ffn_block takes d_model and ffn_dim multiples of 8 up to 128, got ", d, ", ", f);
+              "ffn_block takes d_model and ffn_dim multiples of 8 up to 128, got ", text(d), ", ",
+              text(f));
   const bool norm = norm_w.has_value();
   TORCH_CHECK(norm == norm_b.has_value() && norm == normed.has_value(),
               "norm_w, norm_b and normed come together");
@@ -359,10 +376,11 @@ void ffn_block(const Tensor& ctx_hi, const OptTensor& ctx_lo, const Tensor& resi
 // The wmma ceiling kernel (peak.cu) into out (fp32, at least blocks * threads elements).
 void mma_peak(const Tensor& out, int64_t blocks, int64_t threads, int64_t iters) {
   check(out, at::kFloat, "out");
-  TORCH_CHECK(blocks >= 1 && blocks <= 65535 * 64, "blocks must be in 1..4194240, got ", blocks);
+  TORCH_CHECK(blocks >= 1 && blocks <= 65535 * 64, "blocks must be in 1..4194240, got ",
+              text(blocks));
   TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0,
-              "threads must be a multiple of 32 in 32..1024, got ", threads);
-  TORCH_CHECK(iters >= 1 && iters <= (1 << 30), "iters must be in 1..2^30, got ", iters);
+              "threads must be a multiple of 32 in 32..1024, got ", text(threads));
+  TORCH_CHECK(iters >= 1 && iters <= (1 << 30), "iters must be in 1..2^30, got ", text(iters));
   TORCH_CHECK(out.numel() >= blocks * threads, "out must hold blocks * threads elements");
   const c10::cuda::CUDAGuard guard(out.device());
   check_launch(lbw::launch_mma_peak(out.data_ptr<float>(), static_cast<int>(blocks),
