@@ -31,3 +31,13 @@ def test_study_rows():
     rows = depth_study.study(LayerConfig(2, 8, 32, 2, 32, 1), [1, 2], [1, 3], 2, 0.25)
     assert [(r["blocks"], r["products"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert all(0 < r["worst_ratio"] < 1 and r["failed_seeds"] == 0 for r in rows)
+
+
+def test_zero_rows_taken_as_valid_err_more():
+    """With the padded (zero) rows taken as valid, one product errs more than on the same
+    inputs with those rows masked: the final norm magnifies the roundings of their small
+    residual stream."""
+    cfg = LayerConfig(2, 32, 256, 2, 256, 1)
+    masked = depth_study.study(cfg, [2], [1], 1, 0.4, first_seed=3)
+    valid = depth_study.study(cfg, [2], [1], 1, 0.4, zero_rows_valid=True, first_seed=3)
+    assert valid[0]["worst_ratio"] > 1.3 * masked[0]["worst_ratio"]
