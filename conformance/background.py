@@ -6,6 +6,7 @@ start of each test phase, which then fails with "dictionary changed size during 
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing
 import shutil
 import tempfile
@@ -47,6 +48,11 @@ def start(key: str, work: Callable[[], object]) -> None:
     """Run work in the background under key, unless a job of that key was started."""
     if key not in _JOBS:
         _JOBS[key] = Job(work)
+
+
+def start_in_process(key: str, work: Callable[..., object], *args: object) -> None:
+    """start(key, ...) for work(*args) run by in_process."""
+    start(key, functools.partial(in_process, work, *args))
 
 
 def result(key: str, work: Callable[[], object]) -> object:

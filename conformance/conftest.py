@@ -1,8 +1,6 @@
 """Conformance fixtures: parametrisation from the options, a reference cache, a results log."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 
 from layerbench.common.results import append_json_line
@@ -52,22 +50,20 @@ def pytest_collection_finish(session):
     if needed("cupy", "test_cupy.py", "compiled"):
         from layerbench.backends.cupy import build
 
-        background.start(background.CUPY_NVRTC, functools.partial(
-            background.in_process, build.compile_every_arch_with_nvrtc))
+        background.start_in_process(background.CUPY_NVRTC, build.compile_every_arch_with_nvrtc)
     if needed("cutile", "test_cutile.py", "cutile_build"):
         from layerbench.backends.cutile import launch
 
         if launch.jit_unavailable_reason() is None:
             root = background.scratch("layerbench-cutile-build-")  # removed by this process
-            background.start(background.CUTILE_EXPORT, functools.partial(
-                background.in_process, background.export_cutile, root))
+            background.start_in_process(background.CUTILE_EXPORT, background.export_cutile, root)
     if needed("wmma", "test_wmma.py", "strict_compiles"):
         from layerbench.backends.wmma import build as wmma_build
 
         if wmma_build.nvcc_path() is not None:
             folder = background.scratch("layerbench-wmma-objects-")
-            background.start(background.WMMA_STRICT, functools.partial(
-                background.in_process, background.compile_wmma_strict, folder))
+            background.start_in_process(background.WMMA_STRICT, background.compile_wmma_strict,
+                                        folder)
 
 
 def pytest_generate_tests(metafunc):
